@@ -1,0 +1,1 @@
+"""speakerd client: thin sync/async gRPC clients, CLI, parity verification."""

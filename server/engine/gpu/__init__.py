@@ -1,0 +1,1 @@
+"""CuPy + cuDNN frontend GPU engine."""
