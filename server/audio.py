@@ -34,7 +34,7 @@ SEGMENTATION_CENTER_SAMPLES = (SEGMENTATION_FIELD_SAMPLES - 1) // 2
 #: Peak level of the mix: speech-like headroom, well inside [-1, 1].
 PEAK = 0.5
 #: A microphone noise floor (~ -74 dBFS) so that silence is not digital zero.
-NOISE_FLOOR = 2e-4
+NOISE_FLOOR = 1e-3
 #: Syllable durations (s): ~4 syllables per second.
 SYLLABLE_S = (0.16, 0.34)
 #: Turn durations (s) and the gap before the next turn: negative gaps are overlaps.
