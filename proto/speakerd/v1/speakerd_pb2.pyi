@@ -1,0 +1,97 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_UINT8: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("fbank", "waveform", "masks", "request_id")
+    FBANK_FIELD_NUMBER: _ClassVar[int]
+    WAVEFORM_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    fbank: Tensor
+    waveform: Tensor
+    masks: Tensor
+    request_id: str
+    def __init__(self, fbank: _Optional[_Union[Tensor, _Mapping]] = ..., waveform: _Optional[_Union[Tensor, _Mapping]] = ..., masks: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "empty", "active_frames", "model_id", "precision", "plans", "request_id", "fp16_fallbacks")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FP16_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: Tensor
+    empty: _containers.RepeatedScalarFieldContainer[bool]
+    active_frames: _containers.RepeatedScalarFieldContainer[int]
+    model_id: str
+    precision: str
+    plans: _containers.RepeatedScalarFieldContainer[str]
+    request_id: str
+    fp16_fallbacks: int
+    def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., empty: _Optional[_Iterable[bool]] = ..., active_frames: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., precision: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., fp16_fallbacks: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "engine", "precision", "plan_sizes", "max_batch", "fbank_frames", "mel_bins", "chunk_samples", "max_speakers", "embedding_dim", "mask_frames", "version", "waveform_supported", "max_message_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_SIZES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FBANK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MEL_BINS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEAKERS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    MASK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAVEFORM_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    engine: str
+    precision: str
+    plan_sizes: _containers.RepeatedScalarFieldContainer[int]
+    max_batch: int
+    fbank_frames: int
+    mel_bins: int
+    chunk_samples: int
+    max_speakers: int
+    embedding_dim: int
+    mask_frames: int
+    version: str
+    waveform_supported: bool
+    max_message_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...

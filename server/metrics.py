@@ -1,0 +1,147 @@
+"""Prometheus metrics of the service, on their own HTTP port.
+
+The names are a contract (INTERFACES.md): the deployment's dashboards and alerts query
+them, so they live in one table here and a test checks /metrics against it. Each server
+owns its own registry, so several servers in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+#: Latency buckets from 50 us (a b1 FP16 graph replay is ~0.35 ms, SPEC 4) to 10 s (a b32
+#: request on the CPU engine), about three per decade so p99 interpolation stays within 2x.
+SECONDS_BUCKETS = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: Batch sizes in chunks: powers of two up to the b32 plan, then room for larger plans.
+CHUNK_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128)
+#: Fill = real chunks / plan capacity run; tenths are fine enough to see padding waste.
+FILL_BUCKETS = tuple(round(0.1 * step, 1) for step in range(1, 11))
+
+#: Every metric name the service exports (without the _total/_bucket suffixes Prometheus adds).
+METRIC_NAMES = (
+    "speakerd_request_duration_seconds",
+    "speakerd_queue_wait_seconds",
+    "speakerd_batch_size_chunks",
+    "speakerd_batch_fill_ratio",
+    "speakerd_batch_compute_seconds",
+    "speakerd_host_to_device_seconds",
+    "speakerd_device_to_host_seconds",
+    "speakerd_queue_depth_chunks",
+    "speakerd_inflight_requests",
+    "speakerd_chunks_embedded_total",
+    "speakerd_requests_rejected_total",
+    "speakerd_plan_runs_total",
+    "speakerd_fp16_fallbacks_total",
+    "speakerd_build_info",
+    "speakerd_model_info",
+    "speakerd_gpu_memory_bytes",
+)
+
+#: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
+REJECT_REASONS = ("invalid_argument", "queue_full", "deadline_exceeded", "draining", "cancelled", "internal")
+
+
+class Metrics:
+    """The service's metric objects, registered in a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_duration = Histogram(
+            "speakerd_request_duration_seconds",
+            "Time from receiving a call (or a stream message) to its answer, by method and gRPC code",
+            ["method", "code"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "speakerd_queue_wait_seconds",
+            "Time a request waited in the batch queue before its first chunk entered a batch",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "speakerd_batch_size_chunks",
+            "Real chunks per formed batch (from one or more requests)",
+            buckets=CHUNK_BUCKETS,
+            registry=r,
+        )
+        self.batch_fill = Histogram(
+            "speakerd_batch_fill_ratio",
+            "Real chunks / capacity of the plans run for a batch (1 = no padding)",
+            buckets=FILL_BUCKETS,
+            registry=r,
+        )
+        self.batch_compute = Histogram(
+            "speakerd_batch_compute_seconds",
+            "Engine compute time of one plan run (CUDA events on GPU, wall time on CPU)",
+            ["plan"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.host_to_device = Histogram(
+            "speakerd_host_to_device_seconds",
+            "Host-to-device copy time of one plan run",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.device_to_host = Histogram(
+            "speakerd_device_to_host_seconds",
+            "Device-to-host copy time of one plan run",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "speakerd_queue_depth_chunks", "Chunks waiting for a batch", registry=r
+        )
+        self.inflight = Gauge(
+            "speakerd_inflight_requests", "Calls being served (stream messages count one each)", registry=r
+        )
+        self.chunks_embedded = Counter(
+            "speakerd_chunks_embedded_total", "Chunks run through the engine", registry=r
+        )
+        self.rejected = Counter(
+            "speakerd_requests_rejected_total",
+            "Requests answered without embeddings, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.plan_runs = Counter(
+            "speakerd_plan_runs_total",
+            "Plan runs by plan and mode (graph = captured CUDA graph replay, eager = launched op by op)",
+            ["plan", "mode"],
+            registry=r,
+        )
+        self.fp16_fallbacks = Counter(
+            "speakerd_fp16_fallbacks_total",
+            "Batches recomputed without FP16 after an out-of-range value",
+            registry=r,
+        )
+        self.build_info = Gauge("speakerd_build_info", "Always 1; speakerd's version", ["version"], registry=r)
+        self.model_info = Gauge(
+            "speakerd_model_info", "Always 1; the model served", ["model_id", "engine", "math"], registry=r
+        )
+        self.gpu_memory = Gauge(
+            "speakerd_gpu_memory_bytes", "GPU memory held by the engine, by kind", ["kind"], registry=r
+        )
+        for reason in REJECT_REASONS:  # export zeros, so a rate() alert has a series from the start
+            self.rejected.labels(reason=reason)
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def serve_http(self, port: int, host: str) -> int:
+        """Expose /metrics on host:port (0 = a free port); returns the port bound."""
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
