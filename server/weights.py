@@ -147,6 +147,8 @@ def load_model(path: str | Path) -> FoldedModel:
 def save_state_dict(state: dict[str, np.ndarray], path: str | Path) -> None:
     """Validate, then write with pyannote's keys (contiguous float32, int64 counters)."""
     validate_state_dict(state)
-    clean = {key: np.ascontiguousarray(value) for key, value in state.items()}
+    # np.asarray(order="C"), not np.ascontiguousarray: the latter turns the 0-d
+    # num_batches_tracked counters into shape (1,), which pyannote's keys do not have.
+    clean = {key: np.asarray(value, order="C") for key, value in state.items()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(clean, str(path), metadata={"format": "pt", "model": "WeSpeakerResNet34"})
