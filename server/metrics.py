@@ -44,7 +44,9 @@ METRIC_NAMES = (
 )
 
 #: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
-REJECT_REASONS = ("invalid_argument", "queue_full", "deadline_exceeded", "draining", "cancelled", "internal")
+REJECT_REASONS = (
+    "invalid_argument", "queue_full", "deadline_exceeded", "draining", "not_ready", "cancelled", "internal",
+)  # fmt: skip
 
 
 class Metrics:
@@ -97,9 +99,7 @@ class Metrics:
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge(
-            "speakerd_queue_depth_chunks", "Chunks waiting for a batch", registry=r
-        )
+        self.queue_depth = Gauge("speakerd_queue_depth_chunks", "Chunks waiting for a batch", registry=r)
         self.inflight = Gauge(
             "speakerd_inflight_requests", "Calls being served (stream messages count one each)", registry=r
         )
@@ -123,7 +123,7 @@ class Metrics:
             "Batches recomputed without FP16 after an out-of-range value",
             registry=r,
         )
-        self.build_info = Gauge("speakerd_build_info", "Always 1; speakerd's version", ["version"], registry=r)
+        self.build_info = Gauge("speakerd_build_info", "Always 1; the version", ["version"], registry=r)
         self.model_info = Gauge(
             "speakerd_model_info", "Always 1; the model served", ["model_id", "engine", "math"], registry=r
         )

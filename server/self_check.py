@@ -1,0 +1,126 @@
+"""Start-up parity self-check: the engine just built against the ONNX Runtime reference.
+
+Why at start-up: a GPU engine can build and warm up fine and still compute wrong numbers
+(a bad kernel for one plan, a driver's TF32 default, a corrupt weights file folded fine).
+The server says SERVING only after every plan has reproduced the FP32 reference within the
+SPEC 3 bound of the engine's math, on a built-in case, so a load balancer never routes to
+a replica that would return wrong embeddings.
+
+Every plan runs a full batch of the built-in chunk, the speaker masks rotated by the chunk's
+position, so each row's expected value is one of the reference's 3 rows: that checks every
+plan's rows come back in order, at the cost of one reference run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS
+from server.engine.base import Engine, Math, pad_speakers
+from server.weights import FoldedModel
+
+log = logging.getLogger(__name__)
+
+#: The built-in case: one full chunk of synthetic speech with 3 overlapping speakers.
+SELF_CHECK_CASE = "first_b1"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """SPEC 3: minimum per-row cosine vs the FP32 reference and max |diff| / max |reference|."""
+
+    min_cosine: float
+    max_relative_abs: float
+
+
+#: SPEC 3's table, by the math the engine's trunk uses.
+BOUNDS: dict[Math, Bound] = {
+    Math.FP32: Bound(0.99999, 1e-4),
+    Math.TF32: Bound(0.999, 1e-1),
+    Math.FP16: Bound(0.999, 1e-1),
+}
+
+
+@dataclass(frozen=True)
+class Parity:
+    """How far rows [rows, d] are from their reference rows."""
+
+    rows: int
+    min_cosine: float
+    max_abs: float
+    max_relative_abs: float  # max_abs / max |reference|
+
+    def within(self, bound: Bound) -> bool:
+        return self.min_cosine >= bound.min_cosine and self.max_relative_abs < bound.max_relative_abs
+
+
+def compare(actual: np.ndarray, reference: np.ndarray) -> Parity:
+    """Per-row cosine and max abs difference of [..., d] arrays (rows flattened), in float64.
+
+    Two all-zero rows count as cosine 1 (equal); one zero row against a non-zero one as 0.
+    """
+    a = np.asarray(actual, dtype=np.float64).reshape(-1, reference.shape[-1])
+    b = np.asarray(reference, dtype=np.float64).reshape(-1, reference.shape[-1])
+    if a.shape != b.shape:
+        raise ValueError(f"shape {a.shape} vs reference {b.shape}")
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    dots = np.sum(a * b, axis=1)
+    both_zero = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)
+    cosine = np.where(both_zero, 1.0, dots / np.where(norms > 0, norms, 1.0))
+    if not np.all(np.isfinite(a)):
+        cosine = np.where(np.all(np.isfinite(a), axis=1), cosine, -1.0)
+    max_abs = float(np.max(np.abs(a - b))) if a.size else 0.0
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    relative = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return Parity(int(a.shape[0]), float(np.min(cosine)) if a.size else 1.0, max_abs, relative)
+
+
+class SelfCheckFailed(RuntimeError):
+    """The engine disagrees with the reference beyond its math's bound; never serve it."""
+
+
+def rotated_batch(fbank: np.ndarray, masks: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """`chunks` copies of a 1-chunk case; chunk i has its speaker masks rolled by i."""
+    padded = pad_speakers(masks)[0]
+    batch_masks = np.stack([np.roll(padded, i, axis=0) for i in range(chunks)])
+    return np.repeat(fbank[:1], chunks, axis=0), np.ascontiguousarray(batch_masks)
+
+
+def rotated_reference(reference: np.ndarray, chunks: int) -> np.ndarray:
+    """Expected [chunks, 3, 256] for `rotated_batch` from the 1-chunk reference rows [3, 256]."""
+    rows = reference.reshape(MAX_SPEAKERS, EMBEDDING_DIM)
+    return np.stack([np.roll(rows, i, axis=0) for i in range(chunks)])
+
+
+def check_engine(engine: Engine, model: FoldedModel) -> dict[int, Parity]:
+    """Run every plan of `engine` on the built-in case against ORT on `model`; raise when off.
+
+    Returns the parity per plan size (logged by the caller and kept for GetModelInfo).
+    """
+    from server.onnx_reference import OnnxReference
+    from server.references import case_inputs
+
+    fbank, masks = case_inputs(SELF_CHECK_CASE)
+    reference = OnnxReference(model, taps=False).run(fbank[:1], pad_speakers(masks[:1]))["output"]
+    bound = BOUNDS[engine.math]
+    results: dict[int, Parity] = {}
+    for size in engine.plan_sizes:
+        batch_fbank, batch_masks = rotated_batch(fbank, masks, size)
+        run = engine.run_batch(batch_fbank, batch_masks)
+        parity = compare(run.embeddings, rotated_reference(reference, size))
+        results[size] = parity
+        log.info(
+            "self-check b%d %s: min cosine %.7f, max abs %.3g (relative %.3g); bound >= %g, < %g",
+            size, engine.math, parity.min_cosine, parity.max_abs, parity.max_relative_abs,
+            bound.min_cosine, bound.max_relative_abs,
+        )  # fmt: skip
+        if not parity.within(bound):
+            raise SelfCheckFailed(
+                f"plan b{size} ({engine.name}, {engine.math}): min cosine {parity.min_cosine:.7f} "
+                f"(bound >= {bound.min_cosine}), max abs / max |ref| {parity.max_relative_abs:.3g} "
+                f"(bound < {bound.max_relative_abs}) on case {SELF_CHECK_CASE}"
+            )
+    return results
