@@ -35,6 +35,8 @@ from server.onnx_export import POOL_V1_EPS, POOL_VAR_EPS
 #: (pre-BatchNorm conv output [n, C, H, W] float64, the conv it came from) -> normalised output.
 BatchNorm = Callable[[np.ndarray, ConvSpec], np.ndarray]
 StateDict = dict[str, np.ndarray]
+#: Receives each trunk tap (name, [n, C, H, W] float64) as the forward computes it.
+TapSink = Callable[[str, np.ndarray], None]
 
 
 def conv2d(x: np.ndarray, weight: np.ndarray, stride: int, pad: int) -> np.ndarray:
@@ -84,23 +86,31 @@ def fbank_image(fbank: np.ndarray) -> np.ndarray:
 
 
 def trunk_float64(
-    state: StateDict, image: np.ndarray, batch_norm: BatchNorm, taps: dict[str, np.ndarray] | None = None
+    state: StateDict, image: np.ndarray, batch_norm: BatchNorm, on_tap: TapSink | None = None
 ) -> np.ndarray:
-    """Stem and 16 BasicBlocks on [n, 1, 80, 998] -> [n, 256, 10, 125]; trunk taps into `taps`."""
-    record = taps if taps is not None else {}
+    """Stem and 16 BasicBlocks on [n, 1, 80, 998] -> [n, 256, 10, 125].
+
+    Each trunk tap is handed to `on_tap(name, value)` as it is computed, so a caller can
+    keep it (the reference) or summarise and drop it (calibration of a 4-chunk batch).
+    """
+
+    def record(name: str, value: np.ndarray) -> None:
+        if on_tap is not None:
+            on_tap(name, value)
+
     x = np.maximum(_conv_bn(state, image, STEM, batch_norm), 0.0)
-    record["stem"] = x
+    record("stem", x)
     for block in BLOCKS:
         hidden = np.maximum(_conv_bn(state, x, block.conv1, batch_norm), 0.0)
-        record[block.hidden_tap] = hidden
+        record(block.hidden_tap, hidden)
         branch = _conv_bn(state, hidden, block.conv2, batch_norm)
         shortcut = x
         if block.shortcut is not None:
             assert block.shortcut_tap is not None, block.prefix
             shortcut = _conv_bn(state, x, block.shortcut, batch_norm)
-            record[block.shortcut_tap] = shortcut
+            record(block.shortcut_tap, shortcut)
         x = np.maximum(branch + shortcut, 0.0)
-        record[block.out_tap] = x
+        record(block.out_tap, x)
     return x
 
 
@@ -122,7 +132,7 @@ def forward_float64(state_dict: StateDict, fbank: np.ndarray, masks: np.ndarray)
     if masks.shape[:2] != (fbank.shape[0], MAX_SPEAKERS):
         raise ValueError(f"masks shape {masks.shape}, expected [{fbank.shape[0]}, {MAX_SPEAKERS}, F]")
     taps: dict[str, np.ndarray] = {}
-    trunk = trunk_float64(state_dict, fbank_image(fbank), eval_batch_norm(state_dict), taps)
+    trunk = trunk_float64(state_dict, fbank_image(fbank), eval_batch_norm(state_dict), taps.__setitem__)
     pooled = stats_pool_float64(trunk, masks)
     taps["pooled"] = pooled
     weight = state_dict[SEG_WEIGHT].astype(np.float64)

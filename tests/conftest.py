@@ -23,3 +23,59 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"REQUIRE_GPU=1 but this GPU test skipped: {reason}"
+
+
+# ---------------------------------------------------------------------------------------
+# Model and reference fixtures, made once per test session.
+#
+# The synthetic default model and the reference cases are generated into a per-session
+# temporary directory (never committed, never downloaded): SPEAKERD_CACHE points there so
+# that a server started by a test finds the same default model without regenerating it.
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def speakerd_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A private SPEAKERD_CACHE for the session (subprocess servers inherit it)."""
+    directory = tmp_path_factory.mktemp("speakerd-cache")
+    previous = os.environ.get("SPEAKERD_CACHE")
+    os.environ["SPEAKERD_CACHE"] = str(directory)
+    yield directory
+    if previous is None:
+        os.environ.pop("SPEAKERD_CACHE", None)
+    else:
+        os.environ["SPEAKERD_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def weights_path(speakerd_cache):
+    """The synthetic default model (seed 0), made on first use in the session cache."""
+    from server.model_store import default_weights_path
+
+    return default_weights_path()
+
+
+@pytest.fixture(scope="session")
+def folded_model(weights_path):
+    """The default model loaded and BatchNorm-folded."""
+    from server.weights import load_model
+
+    return load_model(weights_path)
+
+
+@pytest.fixture(scope="session")
+def references_dir(tmp_path_factory: pytest.TempPathFactory, weights_path):
+    """Every reference case of SPEC 2 written by `make-references` for the default model."""
+    from server.references import make_references
+
+    directory = tmp_path_factory.mktemp("references")
+    make_references(directory, weights_path)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def reference_cases(references_dir):
+    """list[ReferenceCase] in CASE_NAMES order (b1 cases with all 38 taps, then mixed_b32)."""
+    from server.references import load_cases
+
+    return load_cases(references_dir)

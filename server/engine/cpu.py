@@ -1,0 +1,108 @@
+"""CpuEngine: ONNX Runtime CPU behind the engine interface, so speakerd serves anywhere.
+
+It runs the project's own ONNX export (`server.onnx_export`, outputs only) in FP32: ONNX
+Runtime's CPU provider has no TF32 or FP16 convolutions worth serving, so asking for them
+is an error rather than a silent FP32.
+
+Plans: ORT shapes are dynamic, so a CPU "plan" is a batch size the session has been
+warmed up and timed at; a batch of n chunks runs as exactly n chunks (padding to the plan
+size would only burn CPU). The measured per-plan times feed the batcher's cost model.
+
+Batch invariance: ORT's CPU convolution and GEMM reduce each output element over the same
+inputs in the same order whatever the batch size, so a chunk's embedding is bit-identical
+alone or among neighbours (tests/test_cpu_engine.py checks this bit for bit).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from server.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
+from server.engine.base import BatchRun, Engine, Math
+from server.onnx_reference import cpu_session
+from server.weights import FoldedModel
+
+#: Warm-up runs per plan before timing: the first run of a new shape lets ORT size its
+#: arenas; one timed run after that is representative on a CPU (no clocks to ramp up).
+WARMUP_RUNS = 1
+TIMED_RUNS = 1
+
+
+def default_threads() -> int:
+    """Intra-op threads: every core this process may run on (cgroup/affinity aware)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class CpuEngine(Engine):
+    """ONNX Runtime CPU, FP32 only; see the module docstring."""
+
+    name = "cpu-onnxruntime"
+
+    def __init__(
+        self,
+        model: FoldedModel,
+        math: Math | str = Math.FP32,
+        plan_sizes: tuple[int, ...] = (1, 32),
+        threads: int | None = None,
+    ) -> None:
+        math = Math(math)
+        if math is not Math.FP32:
+            raise ValueError(f"math: {math} is not supported by {self.name}; expected fp32")
+        sizes = tuple(sorted({int(size) for size in plan_sizes}))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"plan_sizes: {plan_sizes!r}, expected positive batch sizes")
+        self.model = model
+        self.model_id = model.model_id
+        self.math = math
+        self.plan_sizes = sizes
+        self.threads = threads or default_threads()
+        self.session = cpu_session(model, taps=False, threads=self.threads)
+        # ORT sessions are thread-safe, but two concurrent runs on a 2-core machine only
+        # contend for the same cores; serialising keeps each batch's timing honest.
+        self._lock = threading.Lock()
+        self._times_ms: dict[int, float] | None = None  # measured on first ask: see plan_times_ms
+
+    def _time_plan(self, size: int) -> float:
+        """Warm the session at batch `size`, then time it (ms, wall clock)."""
+        fbank = np.zeros((size, FRAMES, MEL_BINS), dtype=np.float32)
+        masks = np.ones((size, MAX_SPEAKERS, TRUNK_FRAMES), dtype=np.float32)
+        for _ in range(WARMUP_RUNS):
+            self._forward(fbank, masks)
+        started = time.perf_counter()
+        for _ in range(TIMED_RUNS):
+            self._forward(fbank, masks)
+        return (time.perf_counter() - started) * 1e3 / TIMED_RUNS
+
+    def _forward(self, fbank: np.ndarray, masks: np.ndarray) -> np.ndarray:
+        (output,) = self.session.run(["output"], {"fbank": fbank, "masks": masks})
+        return output
+
+    def plan_times_ms(self) -> dict[int, float]:
+        """Warm up and time every plan once, on first ask (the server asks at start-up;
+        an offline `embed` never does, so it does not pay ~4 s for a b32 timing run)."""
+        if self._times_ms is None:
+            self._times_ms = {size: self._time_plan(size) for size in self.plan_sizes}
+        return dict(self._times_ms)
+
+    def run_batch(self, fbank: np.ndarray, masks: np.ndarray) -> BatchRun:
+        chunks = fbank.shape[0]
+        if not 1 <= chunks <= self.max_batch:
+            raise ValueError(f"fbank: {chunks} chunks, expected 1..{self.max_batch} per batch")
+        if masks.shape[:2] != (chunks, MAX_SPEAKERS):
+            raise ValueError(f"masks: shape {masks.shape}, expected [{chunks}, {MAX_SPEAKERS}, F]")
+        plan = next(size for size in self.plan_sizes if size >= chunks)
+        fbank = np.ascontiguousarray(fbank, dtype=np.float32)
+        masks = np.ascontiguousarray(masks, dtype=np.float32)
+        with self._lock:
+            started = time.perf_counter()
+            output = self._forward(fbank, masks)
+            elapsed = time.perf_counter() - started
+        embeddings = output.reshape(chunks, MAX_SPEAKERS, EMBEDDING_DIM)
+        return BatchRun(embeddings, [f"b{plan}/eager"], elapsed, eager_runs=1)
