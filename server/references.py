@@ -73,6 +73,8 @@ B1_CASES = (
 )
 CASE_NAMES = (*B1_CASES, BATCH_CASE)
 FILE_SUFFIX = ".safetensors"
+#: The one safetensors metadata key; its value is the case's metadata as sorted JSON.
+METADATA_KEY = "speakerd"
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,10 @@ def make_references(out_dir: str | Path, weights_path: str | Path | None = None)
         if name == BATCH_CASE:
             metadata["b1_case_rows"] = json.dumps(rows, sort_keys=True)
         path = out / f"{name}{FILE_SUFFIX}"
-        save_file({key: tensors[key] for key in sorted(tensors)}, str(path), metadata=metadata)
+        # safetensors writes metadata from a hash map (its key order varies between runs), so
+        # it all goes under one key as sorted JSON: the bytes are then the same every run
+        packed = {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
+        save_file({key: tensors[key] for key in sorted(tensors)}, str(path), metadata=packed)
         paths.append(path)
     return paths
 
@@ -205,7 +210,8 @@ def load_case(path: str | Path) -> ReferenceCase:
     """Read one reference file; KeyError naming the missing key when it is not a case."""
     tensors: dict[str, np.ndarray] = {}
     with safe_open(str(path), framework="numpy") as handle:
-        metadata = dict(handle.metadata() or {})
+        stored = dict(handle.metadata() or {})
+        metadata = json.loads(stored[METADATA_KEY]) if METADATA_KEY in stored else stored
         for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
             tensors[key] = handle.get_tensor(key)
     for key in ("input/fbank", "input/masks", "tensor/output"):

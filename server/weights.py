@@ -151,4 +151,6 @@ def save_state_dict(state: dict[str, np.ndarray], path: str | Path) -> None:
     # num_batches_tracked counters into shape (1,), which pyannote's keys do not have.
     clean = {key: np.asarray(value, order="C") for key, value in state.items()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(clean, str(path), metadata={"format": "pt", "model": "WeSpeakerResNet34"})
+    # one metadata key only: safetensors writes metadata from a hash map, so with two keys
+    # their order (and the file's bytes, and the model id) could differ between runs
+    save_file(clean, str(path), metadata={"format": "pt"})
