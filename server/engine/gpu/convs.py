@@ -1,0 +1,223 @@
+"""Trunk convolutions through cuDNN frontend graphs (NHWC, float32 storage).
+
+Each distinct (shape, batch, math, fusion) gets one cuDNN graph whose execution plans
+are built one by one and timed once on real buffers; the fastest is kept (SPEC 4: the
+heuristic's first plan was up to 7x slower than the best). Buffers are bound at
+execution, so one graph serves every convolution of that shape in the trunk.
+
+Math:
+- FP32 strict: engines with the TENSOR_CORE, DOWN_CONVERT_INPUTS or
+  REDUCED_PRECISION_REDUCTION numerical notes are deselected, because an FP32-io cuDNN
+  convolution otherwise runs TF32 (measured on the H200). Only bare convolutions:
+  cuDNN's strict-FP32 fused graphs fell back to a 26-76 ms engine, so the epilogue is
+  our own kernel.
+- TF32: tensor-core engines allowed (but never FP16 down-conversion); per shape the
+  faster of the cuDNN fused graph (conv + bias [+ residual] [+ ReLU]) and the bare conv
+  + our epilogue kernel is used.
+Non-deterministic engines are always excluded, so two eager passes agree bit for bit.
+
+Why plans are built one index at a time rather than with `build_plans(ALL)`: the C++
+frontend refuses to build a deselected plan with an error that is not a "not
+supported" decline, and the Python layer of frontend 1.32 propagates such an error out
+of the ALL walk; building per index turns every refusal into "not a candidate".
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from server.architecture import ConvSpec
+from server.engine.base import Math
+
+#: Epilogues a convolution of the trunk needs: stem and conv1 "bias_relu", conv2
+#: "bias_add_relu" (residual), shortcut "bias_only".
+EPILOGUES = ("bias_only", "bias_relu", "bias_add_relu")
+#: Timed repetitions per execution plan (after one warm-up run): enough to rank plans
+#: that differ by more than a few percent, cheap enough for ~25 graphs x ~10 plans.
+TIMED_RUNS = 5
+#: A plan slower than this multiple of the best so far on its warm-up run is not timed
+#: further (strict FP32 has 50-100 ms plans next to 1-2 ms ones).
+HOPELESS = 3.0
+#: Execution plans tried per graph, in heuristic order. The measured best plan of every
+#: trunk shape (measurements/2026-12-02-h200-cudnn-*.jsonl) was within the first 12, and
+#: each runtime-compiled plan costs an NVRTC build at start-up.
+MAX_PLANS = 12
+#: Plans needing more workspace than this are not candidates (none of the measured best
+#: plans needed any; this only stops a pathological FFT plan from taking gigabytes).
+MAX_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ConvKey:
+    """What makes two convolutions share a cuDNN graph."""
+
+    batch: int
+    cin: int
+    cout: int
+    kernel: int
+    stride: int
+    h_in: int
+    w_in: int
+    math: Math
+    epilogue: str | None  # None: bare conv (epilogue by our kernel); else fused in cuDNN
+
+    @classmethod
+    def of(cls, spec: ConvSpec, batch: int, math: Math, epilogue: str | None) -> ConvKey:
+        return cls(batch, spec.cin, spec.cout, spec.kernel, spec.stride, spec.h_in, spec.w_in, math, epilogue)
+
+    @property
+    def h_out(self) -> int:
+        return (self.h_in + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+
+    @property
+    def w_out(self) -> int:
+        return (self.w_in + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.h_out * self.w_out * self.cout * self.cin * self.kernel**2
+
+    def label(self) -> str:
+        fused = f" fused {self.epilogue}" if self.epilogue else ""
+        return (
+            f"b{self.batch} {self.cin}->{self.cout} {self.h_in}x{self.w_in} k{self.kernel} s{self.stride} "
+            f"{self.math}{fused}"
+        )
+
+
+@dataclass
+class ConvGraph:
+    """A built cuDNN graph with its timed choice of execution plan."""
+
+    key: ConvKey
+    graph: object  # cudnn.pygraph
+    tensors: dict[str, object]  # "X", "W", "Y" (+ "B", "Z" when fused) -> cudnn tensor
+    plan_index: int
+    plan_name: str
+    workspace_bytes: int
+    ms: float  # median time of the chosen plan
+    plan_ms: list[float | None] = field(default_factory=list)  # every candidate (None: failed)
+    build_s: float = 0.0  # host seconds spent building and timing this graph
+
+    def pack(self, pointers: dict[str, int]) -> dict[object, int]:
+        """The variant pack for fixed buffers, built once per convolution of a plan."""
+        return {self.tensors[name]: pointer for name, pointer in pointers.items()}
+
+    def execute(self, pack: dict[object, int], workspace_ptr: int, handle) -> None:
+        """Enqueue the chosen plan on the handle's stream (graph-capturable)."""
+        self.graph.execute_plan_at_index(pack, workspace_ptr, self.plan_index, handle=handle)
+
+
+def _nhwc(graph, name: str, n: int, c: int, h: int, w: int, data_type):
+    return graph.tensor(name=name, dim=[n, c, h, w], stride=[c * h * w, 1, w * c, c], data_type=data_type)
+
+
+def excluded_notes(math: Math) -> list:
+    """Numerical notes whose engines may not serve `math` (see the module docstring)."""
+    import cudnn
+
+    notes = [
+        cudnn.numerical_note.NONDETERMINISTIC,
+        cudnn.numerical_note.DOWN_CONVERT_INPUTS,
+        cudnn.numerical_note.REDUCED_PRECISION_REDUCTION,
+    ]
+    if math == Math.FP32:
+        notes.append(cudnn.numerical_note.TENSOR_CORE)
+    return notes
+
+
+def build_graph(key: ConvKey, handle):
+    """cuDNN graph for `key` with its execution plans created and filtered (not built)."""
+    import cudnn
+
+    fp32 = cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(
+        io_data_type=fp32,
+        intermediate_data_type=fp32,
+        compute_data_type=fp32,
+        handle=handle,
+        is_cuda_graph_replay_expected=True,
+    )
+    pad = key.kernel // 2
+    x = _nhwc(graph, "X", key.batch, key.cin, key.h_in, key.w_in, fp32)
+    w = _nhwc(graph, "W", key.cout, key.cin, key.kernel, key.kernel, fp32)
+    y = graph.conv_fprop(
+        image=x,
+        weight=w,
+        padding=[pad, pad],
+        stride=[key.stride] * 2,
+        dilation=[1, 1],
+        compute_data_type=fp32,
+    )
+    tensors = {"X": x, "W": w}
+    if key.epilogue is not None:
+        assert key.epilogue in EPILOGUES, key.epilogue
+        bias = graph.tensor(
+            name="B", dim=[1, key.cout, 1, 1], stride=[key.cout, 1, key.cout, key.cout], data_type=fp32
+        )
+        y = graph.bias(input=y, bias=bias)
+        tensors["B"] = bias
+        if key.epilogue == "bias_add_relu":
+            z = _nhwc(graph, "Z", key.batch, key.cout, key.h_out, key.w_out, fp32)
+            y = graph.add(a=y, b=z)
+            tensors["Z"] = z
+        if key.epilogue != "bias_only":
+            y = graph.relu(input=y)
+    y.set_output(True).set_data_type(fp32)
+    tensors["Y"] = y
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.deselect_numeric_notes(excluded_notes(key.math))
+    return graph, tensors
+
+
+def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGraph:
+    """Build `key`'s graph, build and run each execution plan on `buffers` (device
+    pointers for X, W, Y [, B, Z]) and keep the fastest. Allocates temporary workspaces
+    (set-up only, never on the forward path)."""
+    import cupy
+
+    started = time.perf_counter()
+    graph, tensors = build_graph(key, handle)
+    pack = {tensors[name]: pointer for name, pointer in buffers.items()}
+    results: list[float | None] = []
+    failures: list[str] = []
+    best: tuple[float, int, int] | None = None
+    for index in range(min(MAX_PLANS, graph.get_execution_plan_count())):
+        try:
+            graph.build_plan_at_index(index)
+            need = int(graph.get_workspace_size_plan_at_index(index))
+            if need > MAX_WORKSPACE_BYTES:
+                raise RuntimeError(f"needs {need} workspace bytes")
+            workspace = cupy.empty((max(1, need),), dtype=cupy.uint8)
+            with stream:
+                graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
+                times = []
+                for run in range(1 + TIMED_RUNS):
+                    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                    start.record(stream)
+                    graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
+                    end.record(stream)
+                    end.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, end))
+                    if run == 0 and best is not None and times[0] > HOPELESS * best[0]:
+                        break
+            ms = statistics.median(times)
+        except Exception as error:  # a deselected or unsupported plan: not a candidate
+            results.append(None)
+            failures.append(f"[{index}] {type(error).__name__}: {str(error)[:160]}")
+            continue
+        results.append(round(ms, 4))
+        if best is None or ms < best[0]:
+            best = (ms, index, need)
+    if best is None:
+        raise RuntimeError(f"cuDNN has no working execution plan for {key.label()}: {'; '.join(failures)}")
+    ms, index, need = best
+    try:
+        name = str(graph.get_plan_name_at_index(index))
+    except Exception:  # a name is a report nicety; never fail a working plan over it
+        name = f"plan{index}"
+    return ConvGraph(key, graph, tensors, index, name, need, ms, results, time.perf_counter() - started)

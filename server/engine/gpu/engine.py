@@ -1,0 +1,343 @@
+"""GpuEngine: the model on one CUDA device, with a preallocated plan per batch size.
+
+Everything that is set up once lives here and is shared by the plans: the CuPy stream
+the whole forward runs on, the cuDNN handle bound to it, the device weights in the
+layouts cuDNN reads (KRSC), one cuDNN graph per distinct convolution (its execution plan
+chosen by timing), one cuDNN workspace of the largest need, the activation arena, our
+compiled kernels, and the cuBLAS handle of the final linear (strict FP32: default math,
+never TF32, whatever the trunk's math).
+
+Plans never run at once: every entry point holds one lock, and all work is ordered on
+one stream, so the arena and the workspace can be shared safely and two threads may call
+`run_batch` at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STATS_DIM, TAP_NAMES
+from server.engine.base import BatchRun, Engine, Math
+from server.engine.gpu import kernels
+from server.engine.gpu.convs import ConvGraph, ConvKey, time_plans
+from server.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
+from server.inputs import InputError
+from server.weights import FoldedConv, FoldedModel
+
+log = logging.getLogger(__name__)
+
+#: cuBLAS math mode for the final linear: CUBLAS_DEFAULT_MATH (0) never uses TF32.
+CUBLAS_DEFAULT_MATH = 0
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+#: Runs timed per plan at start-up for `plan_times_ms` (the batcher's cost model), after
+#: one warm-up run: the median of this many is stable to a few percent on an H200.
+TIMING_RUNS = 10
+#: Seed of the random activations the cuDNN plans are timed on (never zeros: zeros can
+#: run faster than real data).
+TIMING_SEED = 0
+
+
+class GpuEngine(Engine):
+    """CuPy + cuDNN engine; FP32 (strict) or TF32. See the module docstring."""
+
+    name = "gpu-cupy"
+
+    def __init__(
+        self,
+        model: FoldedModel,
+        math: Math | str = Math.FP32,
+        plan_sizes: tuple[int, ...] = (1, 32),
+        graphs: bool = True,
+    ) -> None:
+        import cudnn
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+
+        math = Math(math)
+        if math not in (Math.FP32, Math.TF32):
+            raise ValueError(f"math: {math} is not supported by {self.name}; expected fp32 or tf32")
+        sizes = tuple(sorted({int(size) for size in plan_sizes}))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"plan_sizes: {plan_sizes!r}, expected positive batch sizes")
+        started = time.perf_counter()
+        self.model = model
+        self.model_id = model.model_id
+        self.math = math
+        self.plan_sizes = sizes
+        self._lock = threading.RLock()
+        self.device = cupy.cuda.Device()
+        self.sm_count = int(self.device.attributes["MultiProcessorCount"])
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.handle = cudnn.create_handle()
+        cudnn.set_stream(handle=self.handle, stream=self.stream.ptr)
+        self._cublas = cublas
+        self.cublas_handle = cublas.create()
+        cublas.setStream(self.cublas_handle, self.stream.ptr)
+        cublas.setMathMode(self.cublas_handle, CUBLAS_DEFAULT_MATH)
+        cublas.setPointerMode(self.cublas_handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        self._one = np.ones((1,), dtype=np.float32)
+        self._zero = np.zeros((1,), dtype=np.float32)
+        self._kernels = {name: kernels.function(name) for name in kernels.KERNEL_NAMES}
+        self._weights: dict[int, tuple] = {}
+        self._graphs: dict[ConvKey, ConvGraph] = {}
+        self._failed: dict[ConvKey, str] = {}
+        self.seg_weight = cupy.asarray(model.seg_weight)  # [256, 5120] row-major
+        self.seg_bias = cupy.asarray(model.seg_bias)
+        with self.stream:
+            random = cupy.random.RandomState(TIMING_SEED)
+            self.arena = {
+                name: random.standard_normal((count,), dtype=cupy.float32)
+                for name, count in activation_elements(sizes[-1]).items()
+            }
+            self.workspace = cupy.zeros((1,), dtype=cupy.uint8)  # the real one comes below
+            self.plans: dict[int, Plan] = {size: Plan(self, size, self.arena) for size in sizes}
+            need = max([1, *(c.graph.workspace_bytes for p in self.plans.values() for c in p.convs)])
+            self.workspace = cupy.zeros((need,), dtype=cupy.uint8)
+        self.stream.synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()  # timing scratch goes back
+        self._times: dict[int, float] = {}
+        for plan in self.plans.values():
+            if graphs:
+                plan.capture_graph()
+            self._times[plan.batch] = self._time_plan(plan)
+        self.setup_s = time.perf_counter() - started
+        log.info(
+            "gpu engine %s plans %s ready in %.1f s (%d cuDNN graphs, %.1f s building them); plan ms %s",
+            math, sizes, self.setup_s, len(self._graphs), sum(g.build_s for g in self._graphs.values()),
+            {size: round(ms, 3) for size, ms in self._times.items()},
+        )  # fmt: skip
+
+    # ----- shared set-up pieces, used by Plan -----------------------------------------
+    def kernel(self, name: str):  # -> cupy.RawKernel
+        return self._kernels[name]
+
+    def device_weights(self, folded: FoldedConv):
+        """(weight KRSC [cout, k, k, cin], bias [cout]) on the device, uploaded once."""
+        import cupy
+
+        key = id(folded)
+        if key not in self._weights:
+            weight = cupy.asarray(np.ascontiguousarray(folded.weight.transpose(0, 2, 3, 1)))
+            self._weights[key] = (weight, cupy.asarray(folded.bias), folded)
+        weight, bias, _ = self._weights[key]
+        return weight, bias
+
+    def conv_graph(self, key: ConvKey, buffers: dict[str, int], required: bool = True) -> ConvGraph | None:
+        """The cuDNN graph for `key`, built and its plans timed on first request. A graph
+        cuDNN cannot serve raises when `required`, else gives None (a fused candidate)."""
+        if key in self._failed and not required:
+            return None
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = time_plans(key, self.handle, self.stream, buffers)
+            except Exception as error:
+                if required:
+                    raise
+                self._failed[key] = f"{type(error).__name__}: {error}"
+                log.info("no fused cuDNN graph for %s: %s", key.label(), str(error)[:300])
+                return None
+        return self._graphs[key]
+
+    def linear(self, pooled, output) -> None:
+        """output [rows, 256] = pooled [rows, 5120] @ seg_1.weight^T in FP32 on cuBLAS.
+
+        Column-major view: output^T (256 x rows) = W (256 x 5120) @ pooled^T (5120 x rows),
+        where W row-major is W^T column-major, hence op T on it."""
+        rows = pooled.shape[0]
+        self._cublas.sgemm(
+            self.cublas_handle, CUBLAS_OP_T, CUBLAS_OP_N, EMBEDDING_DIM, rows, STATS_DIM,
+            self._one.ctypes.data, self.seg_weight.data.ptr, STATS_DIM,
+            pooled.data.ptr, STATS_DIM, self._zero.ctypes.data, output.data.ptr, EMBEDDING_DIM,
+        )  # fmt: skip
+
+    # ----- Engine interface -----------------------------------------------------------
+    def plan_for(self, chunks: int) -> Plan:
+        """The smallest plan holding `chunks`."""
+        for size in self.plan_sizes:
+            if chunks <= size:
+                return self.plans[size]
+        raise InputError("fbank", f"{chunks} chunks in one batch, expected at most {self.max_batch}")
+
+    def run_batch(self, fbank: np.ndarray, masks: np.ndarray, *, use_graph: bool = True) -> BatchRun:
+        """One batch on the smallest plan holding it: its graph replayed (`use_graph`,
+        when captured) or the forward enqueued eagerly. See Engine.run_batch."""
+        import cupy
+
+        chunks = int(masks.shape[0]) if masks.ndim == 3 else 1
+        with self._lock:
+            self._check_open()
+            plan = self.plan_for(max(1, chunks))
+            start = time.perf_counter()
+            chunks = plan.upload(fbank, masks)
+            self.stream.synchronize()
+            copied = time.perf_counter()
+            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            begin.record(self.stream)
+            mode = plan.run(use_graph)
+            end.record(self.stream)
+            end.synchronize()
+            computed = time.perf_counter()
+            output, _active = plan.download(chunks)
+            done = time.perf_counter()
+            compute_s = cupy.cuda.get_elapsed_time(begin, end) / 1e3
+        return BatchRun(
+            embeddings=output.reshape(chunks, MAX_SPEAKERS, EMBEDDING_DIM),
+            plans=[f"b{plan.batch}/{mode}"],
+            compute_s=compute_s,
+            h2d_s=copied - start,
+            d2h_s=done - computed,
+            graph_replays=int(mode == "graph"),
+            eager_runs=int(mode == "eager"),
+        )
+
+    def active_frames(self, chunks: int) -> np.ndarray:
+        """[chunks, 3] trunk frames with non-zero weight of the last batch of that plan,
+        as the pooling kernel counted them (0 flags an empty mask)."""
+        with self._lock:
+            plan = self.plan_for(chunks)
+            return plan.host_active[: chunks * MAX_SPEAKERS].reshape(chunks, MAX_SPEAKERS).copy()
+
+    def forward_with_taps(self, fbank: np.ndarray, masks: np.ndarray) -> dict[str, np.ndarray]:
+        """Eager forward returning FP32 host copies of all 38 taps (NCHW trunk taps; rows
+        = chunk * 3 + speaker after pooling), each tap copied as soon as it is computed."""
+        taps: dict[str, np.ndarray] = {}
+        chunks = int(masks.shape[0]) if masks.ndim == 3 else 1
+        with self._lock:
+            self._check_open()
+            plan = self.plan_for(max(1, chunks))
+            chunks = plan.upload(fbank, masks)
+
+            def copy(name: str, view, shape: tuple[int, ...]) -> None:
+                if name in taps:
+                    raise AssertionError(f"tap {name} fired twice")
+                host = view.get(stream=self.stream)
+                self.stream.synchronize()
+                if len(shape) == 4:
+                    taps[name] = nhwc_to_nchw(host, (chunks, *shape[1:]))
+                else:
+                    taps[name] = np.ascontiguousarray(host[: chunks * MAX_SPEAKERS])
+
+            plan.forward(copy)
+            self.stream.synchronize()
+        missing = [name for name in TAP_NAMES if name not in taps]
+        assert not missing, f"taps never fired: {missing}"
+        return taps
+
+    def profile(self, batch: int, repeats: int = 5) -> list[tuple[str, float]]:
+        """GPU ms between consecutive taps of an eager forward of plan `batch` (CUDA events
+        recorded at every tap; the median of `repeats` forwards), on whatever inputs the
+        plan holds. Eager launch gaps are included where the GPU waited for the host."""
+        import cupy
+
+        samples: dict[str, list[float]] = {}
+        with self._lock:
+            self._check_open()
+            plan = self.plans[batch]
+            for _ in range(repeats):
+                events: list[tuple[str, object]] = []
+                start = cupy.cuda.Event()
+                start.record(self.stream)
+
+                def mark(name: str, _view, _shape, events=events) -> None:
+                    event = cupy.cuda.Event()
+                    event.record(self.stream)
+                    events.append((name, event))
+
+                plan.forward(mark)
+                self.stream.synchronize()
+                previous = start
+                for name, event in events:
+                    samples.setdefault(name, []).append(cupy.cuda.get_elapsed_time(previous, event))
+                    previous = event
+        return [(name, float(np.median(values))) for name, values in samples.items()]
+
+    def capture_graph(self, batch: int) -> None:
+        """(Re)capture plan `batch`'s forward into a CUDA graph."""
+        with self._lock:
+            self._check_open()
+            self.plans[batch].capture_graph()
+
+    def has_graph(self, batch: int) -> bool:
+        return self.plans[batch].graph is not None
+
+    def _time_plan(self, plan: Plan) -> float:
+        import cupy
+
+        plan.run()
+        times = []
+        for _ in range(TIMING_RUNS):
+            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            begin.record(self.stream)
+            plan.run()
+            end.record(self.stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(begin, end))
+        return float(np.median(times))
+
+    def plan_times_ms(self) -> dict[int, float]:
+        return dict(self._times)
+
+    def memory_report(self) -> dict[str, int]:
+        """Device bytes by kind: buffers (plans' own + the shared activation arena),
+        weights, cuDNN workspace, and their total; plus pinned host staging bytes."""
+        own = sum(plan.own_bytes() for plan in self.plans.values())
+        arena = sum(int(a.nbytes) for a in self.arena.values())
+        weights = sum(int(w.nbytes) + int(b.nbytes) for w, b, _ in self._weights.values())
+        weights += int(self.seg_weight.nbytes) + int(self.seg_bias.nbytes)
+        workspace = int(self.workspace.nbytes)
+        return {
+            "buffers": own + arena,
+            "weights": weights,
+            "workspace": workspace,
+            "total": own + arena + weights + workspace,
+            "pinned_host": sum(plan.pinned_bytes() for plan in self.plans.values()),
+        }
+
+    def conv_report(self, batch: int) -> list[dict]:
+        """Per convolution of plan `batch`: the chosen cuDNN plan, fused or ours, ms, TFLOP/s."""
+        rows = []
+        for choice in self.plans[batch].convs:
+            key = choice.graph.key
+            ours = choice.epilogue_kernel
+            rows.append({
+                "conv": choice.name, "shape": key.label(), "cudnn_plan": choice.graph.plan_name,
+                "epilogue": "cudnn-fused" if ours is None else f"ours:{ours}",
+                "conv_ms": round(choice.graph.ms, 4), "epilogue_ms": round(choice.epilogue_ms, 4),
+                "bare_plus_ours_ms": round(choice.bare_ms, 4),
+                "fused_ms": None if choice.fused_ms is None else round(choice.fused_ms, 4),
+                "tflops": round(key.flops / (choice.ms * 1e9), 1),
+                "plans_ms": choice.graph.plan_ms,
+            })  # fmt: skip
+        return rows
+
+    def build_report(self) -> dict:
+        """Start-up cost: seconds in total and building cuDNN graphs, graphs, failed fusions."""
+        return {
+            "setup_s": round(self.setup_s, 2),
+            "cudnn_graphs": len(self._graphs),
+            "cudnn_build_s": round(sum(g.build_s for g in self._graphs.values()), 2),
+            "fusions_unsupported": sorted(key.label() for key in self._failed),
+        }
+
+    def _check_open(self) -> None:
+        if not self.plans:
+            raise RuntimeError(f"{self.name}: the engine is closed")
+
+    def close(self) -> None:
+        import cudnn
+
+        with self._lock:
+            for plan in self.plans.values():
+                plan.graph = None
+            self.plans = {}
+            self._graphs.clear()
+            if self.cublas_handle is not None:
+                self._cublas.destroy(self.cublas_handle)
+                self.cublas_handle = None
+            if self.handle is not None:
+                cudnn.destroy_handle(self.handle)
+                self.handle = None

@@ -1,0 +1,70 @@
+"""The project's own CUDA kernels (kernels/*.cu), compiled once per process by NVRTC.
+
+Kept apart from the engine so CI can compile every kernel file without a GPU
+(`kernel_sources`, `compile_options`, `compile_binary` and `KERNEL_NAMES` are what
+tests/test_kernels_compile.py uses).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+#: kernels/ at the repository root.
+KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels"
+#: The file holding every entry point the engine launches.
+ENGINE_SOURCE = "speakerd.cu"
+#: every extern "C" entry point of kernels/speakerd.cu that the engine launches.
+KERNEL_NAMES = ("fbank_to_stem", "bias_only", "bias_relu", "bias_add_relu", "stats_pool")
+#: The compute capability CI compiles for without a device: the H200 (Hopper, sm_90),
+#: in the digits-only form CuPy's compiler takes.
+CI_ARCH = "90"
+
+
+def kernel_sources() -> dict[str, str]:
+    """file name -> CUDA C++ source of every kernels/*.cu."""
+    files = sorted(KERNEL_DIR.glob("*.cu"))
+    assert files, f"no kernels found under {KERNEL_DIR}"
+    return {path.name: path.read_text() for path in files}
+
+
+def compile_options() -> tuple[str, ...]:
+    """NVRTC options. -fmad=true is NVRTC's default; named so that a change is a
+    decision, since FMA contraction is part of the arithmetic the parity bounds were
+    measured with."""
+    return ("-std=c++17", "-fmad=true")
+
+
+def compile_binary(source: str, arch: str = CI_ARCH, name: str = ENGINE_SOURCE) -> bytes:
+    """`source` compiled by NVRTC into sm_`arch` machine code (a cubin). No device is
+    needed: the architecture is named, not queried. Raises RuntimeError carrying NVRTC's
+    log on a compile error."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(source, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, (*compile_options(), f"--gpu-architecture=sm_{arch}"))
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(
+                f"NVRTC failed on {name} for sm_{arch}: {error}\n{nvrtc.getProgramLog(program)}"
+            ) from error
+        return bytes(nvrtc.getCUBIN(program))
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@functools.cache
+def module():  # -> cupy.RawModule
+    """The compiled speakerd.cu for the current device (CuPy caches the binary on disk)."""
+    import cupy
+
+    source = kernel_sources()[ENGINE_SOURCE]
+    raw = cupy.RawModule(code=source, options=compile_options(), backend="nvrtc")
+    raw.compile()
+    return raw
+
+
+def function(name: str):  # -> cupy.RawKernel
+    assert name in KERNEL_NAMES, f"unknown kernel {name!r}; kernels are {KERNEL_NAMES}"
+    return module().get_function(name)

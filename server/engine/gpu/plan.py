@@ -1,0 +1,320 @@
+"""One preallocated forward pass of the network for a fixed batch size.
+
+A Plan owns (or views) every device buffer its forward touches, so the forward path
+allocates nothing and can be captured once into a CUDA graph and replayed:
+
+- fbank input [b, 998, 80], the stem's NHWC input [b, 80, 998, 1], masks [b, 3, F<=10000]
+  and the mask frame count F as a device int32 (read by the pooling kernel, so one graph
+  serves any F);
+- four activation buffers (block input, hidden, shortcut, block output) that ping-pong
+  through the trunk. They are views of an arena the engine shares between its plans: plans
+  never run at once (the engine serialises them on one stream under a lock);
+- pooled [3b, 5120], output [3b, 256], active frames [3b];
+- pinned host staging for the inputs and outputs (asynchronous copies).
+The cuDNN workspace is shared by all plans too (one buffer of the largest need).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from server.architecture import (
+    BLOCKS,
+    EMBEDDING_DIM,
+    FRAMES,
+    MAX_SPEAKERS,
+    MEL_BINS,
+    STATS_DIM,
+    STEM,
+    TRUNK_CHANNELS,
+    TRUNK_MELS,
+    ConvSpec,
+    tap_shape,
+)
+from server.engine.base import Math
+from server.engine.gpu.convs import ConvGraph, ConvKey
+from server.inputs import MAX_MASK_FRAMES, InputLengthError
+from server.weights import FoldedConv, FoldedModel
+
+#: Threads per block of the elementwise epilogue; blocks are capped at this many per SM
+#: (grid-stride loop), enough to keep HBM busy on an H200's 132 SMs.
+EPILOGUE_THREADS = 256
+EPILOGUE_BLOCKS_PER_SM = 8
+#: Repetitions when timing our epilogue kernel against cuDNN's fused graph.
+EPILOGUE_TIMED_RUNS = 5
+#: fbank_to_stem tile (kernels/speakerd.cu TILE) and its block shape.
+TRANSPOSE_TILE = 32
+TRANSPOSE_ROWS = 8
+#: (tap name, device view, tap shape) -> None, called after each tap is computed.
+TapHook = Callable[[str, object, tuple[int, ...]], None]
+
+
+def activation_elements(batch: int) -> dict[str, int]:
+    """Float32 elements of each activation buffer for `batch` chunks (the trunk's largest)."""
+    widest = max(c.cout * c.h_out * c.w_out for c in (STEM, *(b.conv1 for b in BLOCKS)))
+    shortcut = max(b.shortcut.cout * b.shortcut.h_out * b.shortcut.w_out for b in BLOCKS if b.shortcut)
+    return {
+        "x": batch * widest,
+        "hidden": batch * widest,
+        "out": batch * widest,
+        "shortcut": batch * shortcut,
+    }
+
+
+@dataclasses.dataclass
+class ConvChoice:
+    """How one convolution runs: its cuDNN graph, fused or followed by our epilogue."""
+
+    name: str  # e.g. "layer2.0.conv1"
+    spec: ConvSpec
+    graph: ConvGraph
+    epilogue_kernel: str | None  # our kernel after a bare conv; None when cuDNN fused it
+    epilogue_ms: float
+    pack: dict  # the variant pack: cuDNN tensor -> device pointer
+    y: object  # output buffer (our epilogue works on it in place)
+    bias: object
+    residual: object | None
+    bare_ms: float  # bare conv + our epilogue, as measured (what a fused graph had to beat)
+    fused_ms: float | None  # cuDNN's fused graph, when it was a candidate and ran
+
+    @property
+    def ms(self) -> float:
+        return self.graph.ms + self.epilogue_ms
+
+
+class Plan:
+    """Preallocated buffers and the ordered steps of one forward pass for `batch` chunks."""
+
+    def __init__(self, engine, batch: int, arena: dict[str, object]) -> None:
+        import cupy
+
+        self.engine = engine
+        self.batch = batch
+        self.math: Math = engine.math
+        self.stream = engine.stream
+        rows = batch * MAX_SPEAKERS
+        sizes = activation_elements(batch)
+        self.act = {name: arena[name][: sizes[name]] for name in sizes}
+        self.fbank = cupy.zeros((batch, FRAMES, MEL_BINS), dtype=cupy.float32)
+        # random, not zeros, while the stem's plans are timed (zeros can run faster)
+        self.stem_in = cupy.random.RandomState(batch).standard_normal(
+            (batch, MEL_BINS, FRAMES, 1), dtype=cupy.float32
+        )
+        self.masks = cupy.zeros((batch * MAX_SPEAKERS * MAX_MASK_FRAMES,), dtype=cupy.float32)
+        self.mask_frames = cupy.ones((1,), dtype=cupy.int32)
+        self.pooled = cupy.zeros((rows, STATS_DIM), dtype=cupy.float32)
+        self.output = cupy.zeros((rows, EMBEDDING_DIM), dtype=cupy.float32)
+        self.active = cupy.zeros((rows,), dtype=cupy.int32)
+        self.host_fbank = _pinned((batch, FRAMES, MEL_BINS), np.float32)
+        self.host_masks = _pinned((batch * MAX_SPEAKERS * MAX_MASK_FRAMES,), np.float32)
+        self.host_frames = _pinned((1,), np.int32)
+        self.host_output = _pinned((rows, EMBEDDING_DIM), np.float32)
+        self.host_active = _pinned((rows,), np.int32)
+        self.convs: list[ConvChoice] = []
+        self.graph = None  # cupy.cuda.Graph once captured
+        self._build()
+
+    # ----- set-up -------------------------------------------------------------------
+    def _choose(self, name: str, folded: FoldedConv, x, y, epilogue: str, residual=None) -> ConvChoice:
+        """Time the candidates for this convolution and keep the fastest (see convs.py)."""
+        spec = folded.spec
+        weight, bias = self.engine.device_weights(folded)
+        buffers = {"X": x.data.ptr, "W": weight.data.ptr, "Y": y.data.ptr}
+        bare = self.engine.conv_graph(ConvKey.of(spec, self.batch, self.math, None), buffers)
+        epilogue_ms = self._time_epilogue(epilogue, y, bias, residual, spec.cout)
+        bare_ms = bare.ms + epilogue_ms
+        best = ConvChoice(
+            name, spec, bare, epilogue, epilogue_ms, bare.pack(buffers), y, bias, residual, bare_ms, None
+        )
+        if self.math != Math.FP32:  # strict FP32 fused graphs run 26-76 ms: never candidates
+            fused_buffers = dict(buffers, B=bias.data.ptr)
+            if residual is not None:
+                fused_buffers["Z"] = residual.data.ptr
+            key = ConvKey.of(spec, self.batch, self.math, epilogue)
+            fused = self.engine.conv_graph(key, fused_buffers, required=False)
+            if fused is not None:
+                best.fused_ms = fused.ms
+                if fused.ms < bare_ms:
+                    best = dataclasses.replace(
+                        best,
+                        graph=fused,
+                        epilogue_kernel=None,
+                        epilogue_ms=0.0,
+                        pack=fused.pack(fused_buffers),
+                    )
+        return best
+
+    def _time_epilogue(self, kernel: str, y, bias, residual, channels: int) -> float:
+        import cupy
+
+        self._epilogue(kernel, y, bias, residual, channels)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(self.stream)
+        for _ in range(EPILOGUE_TIMED_RUNS):
+            self._epilogue(kernel, y, bias, residual, channels)
+        end.record(self.stream)
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end) / EPILOGUE_TIMED_RUNS
+
+    def _build(self) -> None:
+        model: FoldedModel = self.engine.model
+        a, b, c, d = (self.act[k] for k in ("x", "hidden", "out", "shortcut"))
+        self.steps: list[tuple[str, object]] = []  # (kind, payload) in forward order
+        self.steps.append(("transpose", None))
+        stem = self._choose("stem", model.stem, self.stem_in, a, "bias_relu")
+        self.steps += [("conv", stem), ("tap", ("stem", a))]
+        x, out = a, c
+        for spec_block, block in zip(BLOCKS, model.blocks, strict=True):
+            prefix = spec_block.prefix
+            conv1 = self._choose(f"{prefix}.conv1", block.conv1, x, b, "bias_relu")
+            self.steps += [("conv", conv1), ("tap", (spec_block.hidden_tap, b))]
+            residual = x
+            if block.shortcut is not None:
+                shortcut = self._choose(f"{prefix}.shortcut", block.shortcut, x, d, "bias_only")
+                self.steps += [("conv", shortcut), ("tap", (spec_block.shortcut_tap, d))]
+                residual = d
+            conv2 = self._choose(f"{prefix}.conv2", block.conv2, b, out, "bias_add_relu", residual)
+            self.steps += [("conv", conv2), ("tap", (spec_block.out_tap, out))]
+            x, out = out, x
+        self.trunk_out = x
+        self.steps += [("pool", None), ("tap", ("pooled", self.pooled))]
+        self.steps += [("linear", None), ("tap", ("output", self.output))]
+        self.convs = [payload for kind, payload in self.steps if kind == "conv"]  # type: ignore[misc]
+
+    # ----- the forward path (allocation-free, graph-capturable) ---------------------
+    def _epilogue(self, kernel: str, y, bias, residual, channels: int) -> None:
+        vectors = y.size // 4
+        blocks = min(-(-vectors // EPILOGUE_THREADS), self.engine.sm_count * EPILOGUE_BLOCKS_PER_SM)
+        args = [y, bias] + ([residual] if kernel == "bias_add_relu" else [])
+        args += [np.int64(vectors), np.int32(channels // 4)]
+        self.engine.kernel(kernel)((blocks,), (EPILOGUE_THREADS,), tuple(args), stream=self.stream)
+
+    def forward(self, hook: TapHook | None = None) -> None:
+        """Enqueue the whole forward on the plan's stream; `hook` sees each tap in order."""
+        handle = self.engine.handle
+        workspace = self.engine.workspace.data.ptr
+        for kind, payload in self.steps:
+            if kind == "conv":
+                choice: ConvChoice = payload  # type: ignore[assignment]
+                choice.graph.execute(choice.pack, workspace, handle)
+                if choice.epilogue_kernel is not None:
+                    self._epilogue(
+                        choice.epilogue_kernel, choice.y, choice.bias, choice.residual, choice.spec.cout
+                    )
+            elif kind == "transpose":
+                grid = (-(-FRAMES // TRANSPOSE_TILE), -(-MEL_BINS // TRANSPOSE_TILE), self.batch)
+                self.engine.kernel("fbank_to_stem")(
+                    grid, (TRANSPOSE_TILE, TRANSPOSE_ROWS), (self.fbank, self.stem_in), stream=self.stream
+                )
+            elif kind == "pool":
+                self.engine.kernel("stats_pool")(
+                    (self.batch, TRUNK_MELS),
+                    (TRUNK_CHANNELS,),
+                    (self.trunk_out, self.masks, self.mask_frames, self.pooled, self.active),
+                    stream=self.stream,
+                )
+            elif kind == "linear":
+                self.engine.linear(self.pooled, self.output)
+                self._epilogue("bias_only", self.output, self.engine.seg_bias, None, EMBEDDING_DIM)
+            elif kind == "tap" and hook is not None:
+                name, view = payload  # type: ignore[misc]
+                hook(name, view, tap_shape(name, self.batch))
+
+    # ----- host <-> device ------------------------------------------------------------
+    def check_inputs(self, fbank: np.ndarray, masks: np.ndarray) -> tuple[int, int]:
+        """(chunks, mask frames) of a batch for this plan; InputLengthError when the flat
+        sizes do not fit (names the buffer, the expected and the given element count)."""
+        if masks.ndim != 3 or masks.shape[1] != MAX_SPEAKERS or not 1 <= masks.shape[2] <= MAX_MASK_FRAMES:
+            frames = int(masks.shape[-1]) if masks.ndim and 1 <= masks.shape[-1] <= MAX_MASK_FRAMES else 1
+            chunks = max(1, int(masks.size) // (MAX_SPEAKERS * frames))
+            raise InputLengthError("masks", chunks * MAX_SPEAKERS * frames, int(masks.size))
+        chunks, frames = int(masks.shape[0]), int(masks.shape[2])
+        if not 1 <= chunks <= self.batch:
+            raise InputLengthError("masks", self.batch * MAX_SPEAKERS * frames, int(masks.size))
+        if fbank.size != chunks * FRAMES * MEL_BINS:
+            raise InputLengthError("fbank", chunks * FRAMES * MEL_BINS, int(fbank.size))
+        return chunks, frames
+
+    def upload(self, fbank: np.ndarray, masks: np.ndarray) -> int:
+        """Stage the inputs in pinned memory and enqueue their copies; returns chunks.
+        Rows past `chunks` keep stale values: rows never mix in the trunk, and their
+        outputs are not read."""
+        import cupy
+
+        chunks, frames = self.check_inputs(fbank, masks)
+        self.host_fbank.reshape(-1)[: fbank.size] = np.asarray(fbank, dtype=np.float32).reshape(-1)
+        self.host_masks[: masks.size] = np.asarray(masks, dtype=np.float32).reshape(-1)
+        self.host_frames[0] = frames
+        copy = cupy.cuda.runtime.memcpyAsync
+        h2d = cupy.cuda.runtime.memcpyHostToDevice
+        ptr = self.stream.ptr
+        copy(self.fbank.data.ptr, self.host_fbank.ctypes.data, fbank.size * 4, h2d, ptr)
+        copy(self.masks.data.ptr, self.host_masks.ctypes.data, masks.size * 4, h2d, ptr)
+        copy(self.mask_frames.data.ptr, self.host_frames.ctypes.data, 4, h2d, ptr)
+        return chunks
+
+    def download(self, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+        """(output [chunks*3, 256], active frames [chunks*3]) copied back (synchronises)."""
+        import cupy
+
+        rows = chunks * MAX_SPEAKERS
+        copy = cupy.cuda.runtime.memcpyAsync
+        d2h = cupy.cuda.runtime.memcpyDeviceToHost
+        copy(
+            self.host_output.ctypes.data, self.output.data.ptr, rows * EMBEDDING_DIM * 4, d2h, self.stream.ptr
+        )
+        copy(self.host_active.ctypes.data, self.active.data.ptr, rows * 4, d2h, self.stream.ptr)
+        self.stream.synchronize()
+        return self.host_output[:rows].copy(), self.host_active[:rows].copy()
+
+    def run(self, use_graph: bool = True) -> str:
+        """Replay the captured graph when there is one (and `use_graph`), else enqueue the
+        eager forward; returns "graph" or "eager"."""
+        if use_graph and self.graph is not None:
+            self.graph.launch(self.stream)
+            return "graph"
+        self.forward()
+        return "eager"
+
+    def capture_graph(self) -> None:
+        """Record the forward into a CUDA graph. Warmed up eagerly first (kernels loaded,
+        cuBLAS and cuDNN initialised) so the capture records only launches."""
+        self.forward()
+        self.stream.synchronize()
+        self.stream.begin_capture()
+        try:
+            self.forward()
+        finally:
+            graph = self.stream.end_capture()
+        if hasattr(graph, "upload"):  # instantiate on the device now, not at the first replay
+            graph.upload(self.stream)
+        self.stream.synchronize()
+        self.graph = graph
+
+    # ----- reports ----------------------------------------------------------------------
+    def own_bytes(self) -> int:
+        """Device bytes of the buffers this plan owns (not its arena views)."""
+        own = (self.fbank, self.stem_in, self.masks, self.mask_frames, self.pooled, self.output, self.active)
+        return sum(int(a.nbytes) for a in own)
+
+    def pinned_bytes(self) -> int:
+        staged = (self.host_fbank, self.host_masks, self.host_frames, self.host_output, self.host_active)
+        return sum(int(a.nbytes) for a in staged)
+
+
+def _pinned(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A NumPy array in page-locked host memory (asynchronous copies need it)."""
+    import cupy
+
+    count = int(np.prod(shape))
+    memory = cupy.cuda.alloc_pinned_memory(count * np.dtype(dtype).itemsize)
+    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+
+def nhwc_to_nchw(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A trunk tap copied from its NHWC buffer, as the NCHW array the references hold."""
+    n, c, h, w = shape
+    return np.ascontiguousarray(values[: n * h * w * c].reshape(n, h, w, c).transpose(0, 3, 1, 2))

@@ -1,0 +1,79 @@
+"""Every kernels/*.cu compiles with NVRTC for sm_90 (the H200), with no GPU needed.
+
+NVRTC comes with CuPy here (cupy_backends.cuda.libs.nvrtc, which loads libnvrtc); the CI
+venv has no CuPy, so there the compile test skips and says so, while the source checks
+below (entry points present, constants equal to server.architecture) always run: they
+catch a kernel drifting from the Python side without any CUDA at all.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from server import architecture
+from server.engine.gpu import kernels
+
+
+def _nvrtc_or_reason() -> str | None:
+    """None when NVRTC is usable, else why not."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as error:  # ImportError without CuPy; a load error without libnvrtc
+        return f"NVRTC unavailable (CuPy not installed, or no libnvrtc): {type(error).__name__}: {error}"
+    return None
+
+
+NO_NVRTC = _nvrtc_or_reason()
+
+
+@pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
+@pytest.mark.parametrize("name", sorted(kernels.kernel_sources()))
+def test_kernel_file_compiles_for_sm90(name: str) -> None:
+    source = kernels.kernel_sources()[name]
+    cubin = kernels.compile_binary(source, kernels.CI_ARCH, name)
+    assert cubin[:4] == b"\x7fELF", f"{name}: NVRTC output is not an ELF cubin ({cubin[:16]!r})"
+    for entry in re.findall(r'extern "C" __global__ void (\w+)', source):
+        assert entry.encode() in cubin, f"{name}: entry point {entry} missing from the cubin"
+
+
+def test_compile_errors_carry_the_nvrtc_log() -> None:
+    if NO_NVRTC is not None:
+        pytest.skip(NO_NVRTC)
+    with pytest.raises(RuntimeError, match="undeclared_name"):
+        kernels.compile_binary('extern "C" __global__ void k(float* y) { y[0] = undeclared_name; }')
+
+
+def test_engine_entry_points_are_defined() -> None:
+    source = kernels.kernel_sources()[kernels.ENGINE_SOURCE]
+    defined = set(re.findall(r'extern "C" __global__ void (\w+)', source))
+    missing = sorted(set(kernels.KERNEL_NAMES) - defined)
+    assert not missing, f"kernels the engine launches but {kernels.ENGINE_SOURCE} lacks: {missing}"
+
+
+#: kernels/speakerd.cu #define -> the server.architecture value it must equal.
+CONSTANTS = {
+    "FRAMES": architecture.FRAMES,
+    "MELS": architecture.MEL_BINS,
+    "SPEAKERS": architecture.MAX_SPEAKERS,
+    "TRUNK_CHANNELS": architecture.TRUNK_CHANNELS,
+    "TRUNK_MELS": architecture.TRUNK_MELS,
+    "TRUNK_FRAMES": architecture.TRUNK_FRAMES,
+}
+
+
+def test_kernel_constants_match_the_architecture() -> None:
+    source = kernels.kernel_sources()[kernels.ENGINE_SOURCE]
+    defines = dict(re.findall(r"^#define (\w+) (\d+)\s*$", source, flags=re.MULTILINE))
+    wrong = {
+        name: (defines.get(name), value)
+        for name, value in CONSTANTS.items()
+        if defines.get(name) != str(value)
+    }
+    assert not wrong, f"(kernel #define, architecture) disagree: {wrong}"
+    from server.engine.gpu.plan import TRANSPOSE_TILE
+
+    assert defines.get("TILE") == str(TRANSPOSE_TILE), (defines.get("TILE"), TRANSPOSE_TILE)
