@@ -2,15 +2,23 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PORT ?= 50051
-METRICS_PORT ?= 9100
-CACHE ?= $(HOME)/.cache/speakerd
+# The server reads SPEAKERD_PORT / SPEAKERD_METRICS_PORT itself; `make serve` passes them as
+# flags, so it takes them from the environment too (else the server's defaults).
+PORT ?= $(or $(SPEAKERD_PORT),50051)
+METRICS_PORT ?= $(or $(SPEAKERD_METRICS_PORT),9100)
+# Where the default (synthetic) model is made on first use; server/model_store.py reads it.
+SPEAKERD_CACHE ?= $(HOME)/.cache/speakerd
+# requires-python in pyproject.toml
+MIN_PYTHON := 3.11
 # the GPU extra is installed when an NVIDIA driver answers; CUDA 13 drivers get cupy-cuda13x
 GPU_EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && (nvidia-smi | grep -q 'CUDA Version: 1[3-9]' && echo ,gpu-cuda13 || echo ,gpu))
 
 .PHONY: venv serve test lint pytest proto clean
 
 $(BIN)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; need = tuple(map(int, "$(MIN_PYTHON)".split("."))); \
+		sys.exit(None if sys.version_info >= need else \
+		f"speakerd needs Python >= $(MIN_PYTHON), $(PYTHON) is {sys.version.split()[0]}: make PYTHON=python3.12 ...")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev$(GPU_EXTRA)]"
@@ -19,7 +27,15 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 serve: venv
-	$(BIN)/python -m server serve --port $(PORT) --metrics-port $(METRICS_PORT)
+	@echo "speakerd: gRPC on 127.0.0.1:$(PORT), Prometheus metrics on http://127.0.0.1:$(METRICS_PORT)/metrics"
+	@echo "  The first start makes the default model in $(SPEAKERD_CACHE) (about 15 s on 2 cores); every"
+	@echo "  start then builds the engine and runs the parity self-check. Health is NOT_SERVING until the"
+	@echo "  log says SERVING. From another shell in this directory:"
+	@echo "    $(BIN)/python -m client health --wait 600 --target 127.0.0.1:$(PORT)"
+	@echo "    $(BIN)/python -m client info --target 127.0.0.1:$(PORT)"
+	@echo "    curl -s http://127.0.0.1:$(METRICS_PORT)/metrics | grep '^speakerd_'"
+	@echo "  Ctrl-C (SIGINT) or SIGTERM drains the calls in progress, then stops."
+	SPEAKERD_CACHE="$(SPEAKERD_CACHE)" $(BIN)/python -m server serve --port $(PORT) --metrics-port $(METRICS_PORT)
 
 lint: venv
 	$(BIN)/ruff check .
