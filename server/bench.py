@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -48,6 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-tap b32 profile")
     parser.add_argument("--convs", action="store_true", help="also print the per-convolution choice table")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="logging level on stderr (INFO shows start-up)"
+    )
 
 
 def say(**fields) -> None:
@@ -247,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     from server.model_store import resolve_weights
     from server.weights import load_model
 
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
     usable, detail = gpu_available()
     if not usable:
         print(f"bench: no usable GPU: {detail}", file=sys.stderr)

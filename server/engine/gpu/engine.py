@@ -310,7 +310,7 @@ class GpuEngine(Engine):
                 "bare_plus_ours_ms": round(choice.bare_ms, 4),
                 "fused_ms": None if choice.fused_ms is None else round(choice.fused_ms, 4),
                 "tflops": round(key.flops / (choice.ms * 1e9), 1),
-                "plans_ms": choice.graph.plan_ms,
+                "plans_ms": choice.graph.plan_ms, "graph_build_s": round(choice.graph.build_s, 2),
             })  # fmt: skip
         return rows
 

@@ -79,6 +79,7 @@ class ConvChoice:
     residual: object | None
     bare_ms: float  # bare conv + our epilogue, as measured (what a fused graph had to beat)
     fused_ms: float | None  # cuDNN's fused graph, when it was a candidate and ran
+    elements: int  # floats of this conv's output (its buffer is a view of the widest size)
 
     @property
     def ms(self) -> float:
@@ -124,10 +125,22 @@ class Plan:
         weight, bias = self.engine.device_weights(folded)
         buffers = {"X": x.data.ptr, "W": weight.data.ptr, "Y": y.data.ptr}
         bare = self.engine.conv_graph(ConvKey.of(spec, self.batch, self.math, None), buffers)
-        epilogue_ms = self._time_epilogue(epilogue, y, bias, residual, spec.cout)
+        elements = self.batch * spec.cout * spec.h_out * spec.w_out
+        epilogue_ms = self._time_epilogue(epilogue, y, bias, residual, spec.cout, elements)
         bare_ms = bare.ms + epilogue_ms
         best = ConvChoice(
-            name, spec, bare, epilogue, epilogue_ms, bare.pack(buffers), y, bias, residual, bare_ms, None
+            name,
+            spec,
+            bare,
+            epilogue,
+            epilogue_ms,
+            bare.pack(buffers),
+            y,
+            bias,
+            residual,
+            bare_ms,
+            None,
+            elements,
         )
         if self.math != Math.FP32:  # strict FP32 fused graphs run 26-76 ms: never candidates
             fused_buffers = dict(buffers, B=bias.data.ptr)
@@ -147,14 +160,14 @@ class Plan:
                     )
         return best
 
-    def _time_epilogue(self, kernel: str, y, bias, residual, channels: int) -> float:
+    def _time_epilogue(self, kernel: str, y, bias, residual, channels: int, elements: int) -> float:
         import cupy
 
-        self._epilogue(kernel, y, bias, residual, channels)
+        self._epilogue(kernel, y, bias, residual, channels, elements)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(self.stream)
         for _ in range(EPILOGUE_TIMED_RUNS):
-            self._epilogue(kernel, y, bias, residual, channels)
+            self._epilogue(kernel, y, bias, residual, channels, elements)
         end.record(self.stream)
         end.synchronize()
         return cupy.cuda.get_elapsed_time(start, end) / EPILOGUE_TIMED_RUNS
@@ -185,8 +198,11 @@ class Plan:
         self.convs = [payload for kind, payload in self.steps if kind == "conv"]  # type: ignore[misc]
 
     # ----- the forward path (allocation-free, graph-capturable) ---------------------
-    def _epilogue(self, kernel: str, y, bias, residual, channels: int) -> None:
-        vectors = y.size // 4
+    def _epilogue(self, kernel: str, y, bias, residual, channels: int, elements: int) -> None:
+        """y[:elements] = act(y + bias[c] (+ residual)) in place, NHWC with `channels` fastest.
+        `elements` is the conv's own output size: buffers are views of the widest size."""
+        assert elements <= y.size and (residual is None or elements <= residual.size), (elements, y.size)
+        vectors = elements // 4
         blocks = min(-(-vectors // EPILOGUE_THREADS), self.engine.sm_count * EPILOGUE_BLOCKS_PER_SM)
         args = [y, bias] + ([residual] if kernel == "bias_add_relu" else [])
         args += [np.int64(vectors), np.int32(channels // 4)]
@@ -218,7 +234,9 @@ class Plan:
                 )
             elif kind == "linear":
                 self.engine.linear(self.pooled, self.output)
-                self._epilogue("bias_only", self.output, self.engine.seg_bias, None, EMBEDDING_DIM)
+                self._epilogue(
+                    "bias_only", self.output, self.engine.seg_bias, None, EMBEDDING_DIM, self.output.size
+                )
             elif kind == "tap" and hook is not None:
                 name, view = payload  # type: ignore[misc]
                 hook(name, view, tap_shape(name, self.batch))
