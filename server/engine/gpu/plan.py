@@ -218,7 +218,12 @@ class Plan:
                 choice.graph.execute(choice.pack, workspace, handle)
                 if choice.epilogue_kernel is not None:
                     self._epilogue(
-                        choice.epilogue_kernel, choice.y, choice.bias, choice.residual, choice.spec.cout
+                        choice.epilogue_kernel,
+                        choice.y,
+                        choice.bias,
+                        choice.residual,
+                        choice.spec.cout,
+                        choice.elements,
                     )
             elif kind == "transpose":
                 grid = (-(-FRAMES // TRANSPOSE_TILE), -(-MEL_BINS // TRANSPOSE_TILE), self.batch)
@@ -308,7 +313,10 @@ class Plan:
         finally:
             graph = self.stream.end_capture()
         if hasattr(graph, "upload"):  # instantiate on the device now, not at the first replay
-            graph.upload(self.stream)
+            try:
+                graph.upload(self.stream)
+            except TypeError:  # an older CuPy's upload() takes no stream
+                graph.upload()
         self.stream.synchronize()
         self.graph = graph
 
