@@ -294,6 +294,7 @@ class Batcher:
                     self._fail(piece.job, EngineFailed(f"engine error: {error}"))
                 return
             self._record(fbank.shape[0], outcome)
+            self.metrics.batch_requests.observe(len({id(piece.job) for piece in pieces}))
             self._scatter(pieces, outcome)
         finally:
             self._slots.release()

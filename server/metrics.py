@@ -29,6 +29,7 @@ METRIC_NAMES = (
     "speakerd_queue_wait_seconds",
     "speakerd_batch_size_chunks",
     "speakerd_batch_fill_ratio",
+    "speakerd_batch_requests",
     "speakerd_batch_compute_seconds",
     "speakerd_host_to_device_seconds",
     "speakerd_device_to_host_seconds",
@@ -71,6 +72,12 @@ class Metrics:
         self.batch_size = Histogram(
             "speakerd_batch_size_chunks",
             "Real chunks per formed batch (from one or more requests)",
+            buckets=CHUNK_BUCKETS,
+            registry=r,
+        )
+        self.batch_requests = Histogram(
+            "speakerd_batch_requests",
+            "Requests whose chunks share a formed batch (above 1 = cross-request batching works)",
             buckets=CHUNK_BUCKETS,
             registry=r,
         )

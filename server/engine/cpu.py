@@ -4,13 +4,16 @@ It runs the project's own ONNX export (`server.onnx_export`, outputs only) in FP
 Runtime's CPU provider has no TF32 or FP16 convolutions worth serving, so asking for them
 is an error rather than a silent FP32.
 
-Plans: ORT shapes are dynamic, so a CPU "plan" is a batch size the session has been
-warmed up and timed at; a batch of n chunks runs as exactly n chunks (padding to the plan
-size would only burn CPU). The measured per-plan times feed the batcher's cost model.
-
-Batch invariance: ORT's CPU convolution and GEMM reduce each output element over the same
-inputs in the same order whatever the batch size, so a chunk's embedding is bit-identical
-alone or among neighbours (tests/test_cpu_engine.py checks this bit for bit).
+Plans: a CPU "plan" of size b is a batch size the engine was warmed up and timed at; its
+chunks run through ORT one at a time. Two measurements decided that, on 2 cores:
+- ORT's batch-32 run cost the same per chunk as batch 1 (3.90 s vs 32 x 0.119 s): on a CPU
+  the convolutions already fill the cores for one chunk, so batching saves nothing;
+- batched runs are not batch-invariant: the same chunk at position 5 of a 6-chunk batch
+  came out 1.5e-7 away from its batch-1 embedding (where inside ORT was not pinned down;
+  a GEMM kernel's tail-row path is the likely place). One chunk per run makes every chunk's bits independent of its neighbours,
+  which the service promises (tests/test_cpu_engine.py and test_service.py check it bit
+  for bit). Masks are resized to the trunk's 125 frames before ORT for the same reason:
+  the graph then always sees one frame count, whatever F the request sent.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import numpy as np
 
 from server.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
-from server.engine.base import BatchRun, Engine, Math
+from server.engine.base import BatchRun, Engine, Math, resize_masks
 from server.onnx_reference import cpu_session
 from server.weights import FoldedModel
 
@@ -81,8 +84,12 @@ class CpuEngine(Engine):
         return (time.perf_counter() - started) * 1e3 / TIMED_RUNS
 
     def _forward(self, fbank: np.ndarray, masks: np.ndarray) -> np.ndarray:
-        (output,) = self.session.run(["output"], {"fbank": fbank, "masks": masks})
-        return output
+        """[n, 998, 80] and [n, 3, F] -> [n * 3, 256], one chunk per ORT run (module docstring)."""
+        rows = [
+            self.session.run(["output"], {"fbank": fbank[i : i + 1], "masks": masks[i : i + 1]})[0]
+            for i in range(fbank.shape[0])
+        ]
+        return np.concatenate(rows, axis=0)
 
     def plan_times_ms(self) -> dict[int, float]:
         """Warm up and time every plan once, on first ask (the server asks at start-up;
@@ -99,7 +106,7 @@ class CpuEngine(Engine):
             raise ValueError(f"masks: shape {masks.shape}, expected [{chunks}, {MAX_SPEAKERS}, F]")
         plan = next(size for size in self.plan_sizes if size >= chunks)
         fbank = np.ascontiguousarray(fbank, dtype=np.float32)
-        masks = np.ascontiguousarray(masks, dtype=np.float32)
+        masks = resize_masks(masks)  # one frame count for the graph, see the module docstring
         with self._lock:
             started = time.perf_counter()
             output = self._forward(fbank, masks)

@@ -1,0 +1,98 @@
+"""A real `python -m server serve` subprocess on loopback, for the service tests.
+
+Each test server is a separate process (the way it runs in production), on free ports it
+picks itself (`--port 0`); the harness reads the ports from the start-up log line, and
+keeps every log line so tests can check the order of events (self-check before SERVING).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from client.client import SpeakerClient
+
+LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics on :(?P<metrics>\d+)\)")
+#: Start-up on 2 cores: ORT session build, plan timing and the self-check take ~10-20 s.
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[str]
+    port: int = 0
+    metrics_port: int = 0
+    lines: list[str] = field(default_factory=list)
+    health_seen: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def index_of(self, text: str) -> int:
+        """Position of the first log line containing `text` (-1 when absent)."""
+        return next((i for i, line in enumerate(self.lines) if text in line), -1)
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (the server drains), then wait for its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+def start_server(weights: Path, *flags: str, wait_serving: bool = True) -> ServerProcess:
+    """Start a CPU server with `flags`; return once it is SERVING (or, if not, listening)."""
+    command = [sys.executable, "-m", "server", "serve", "--engine", "cpu", "--port", "0",
+               "--metrics-port", "0", "--weights", str(weights), *flags]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = ServerProcess(process)
+    listening = threading.Event()
+
+    def pump() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            server.lines.append(line)
+            match = LISTENING.search(line)
+            if match:
+                server.port, server.metrics_port = int(match["port"]), int(match["metrics"])
+                listening.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not listening.wait(0.1):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"server did not start (exit {process.poll()}):\n{server.log()}")
+    if wait_serving:
+        with SpeakerClient(server.target) as client:
+            while True:
+                try:
+                    status = client.health(timeout_s=2.0)
+                except Exception as error:  # the port is open but the call failed: record it
+                    status = f"error: {error}"
+                if not server.health_seen or server.health_seen[-1] != status:
+                    server.health_seen.append(status)
+                if status == "SERVING":
+                    break
+                if process.poll() is not None or time.monotonic() > deadline:
+                    process.kill()
+                    raise RuntimeError(f"server never SERVING (seen {server.health_seen}):\n{server.log()}")
+                time.sleep(0.05)
+    return server
