@@ -129,6 +129,33 @@ def excluded_notes(math: Math) -> list:
     return notes
 
 
+def instantiate(prototype: ConvGraph, handle) -> ConvGraph:
+    """A private copy of a timed graph for one convolution of the trunk: the same key and
+    execution plan (only that plan is built), its own cuDNN graph and plan objects.
+
+    Why not share one graph between the convolutions of a shape: a captured CUDA graph
+    replays the host-to-device copies cuDNN records per execute from host staging that
+    belongs to the execution plan, so every capture of a shared plan would replay the last
+    convolution's operands (seen on the H200: eager right, graph replay wrong). One plan
+    object per convolution keeps each recorded copy's source its own."""
+    started = time.perf_counter()
+    graph, tensors = build_graph(prototype.key, handle)
+    graph.build_plan_at_index(prototype.plan_index)
+    try:
+        name = str(graph.get_plan_name_at_index(prototype.plan_index))
+    except Exception:  # names are a check here, not a requirement
+        name = prototype.plan_name
+    if name != prototype.plan_name:
+        raise RuntimeError(
+            f"{prototype.key.label()}: plan {prototype.plan_index} is {name!r} in a rebuilt graph, "
+            f"{prototype.plan_name!r} when timed; heuristics are not deterministic here"
+        )
+    return ConvGraph(
+        prototype.key, graph, tensors, prototype.plan_index, name, prototype.workspace_bytes, prototype.ms,
+        prototype.plan_ms, time.perf_counter() - started,
+    )  # fmt: skip
+
+
 def build_graph(key: ConvKey, handle):
     """cuDNN graph for `key` with its execution plans created and filtered (not built)."""
     import cudnn

@@ -23,7 +23,7 @@ import numpy as np
 from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STATS_DIM, TAP_NAMES
 from server.engine.base import BatchRun, Engine, Math
 from server.engine.gpu import kernels
-from server.engine.gpu.convs import ConvGraph, ConvKey, time_plans
+from server.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
 from server.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
 from server.inputs import InputError
 from server.weights import FoldedConv, FoldedModel
@@ -85,6 +85,7 @@ class GpuEngine(Engine):
         self._weights: dict[int, tuple] = {}
         self._graphs: dict[ConvKey, ConvGraph] = {}
         self._failed: dict[ConvKey, str] = {}
+        self._instances: list[ConvGraph] = []
         self.seg_weight = cupy.asarray(model.seg_weight)  # [256, 5120] row-major
         self.seg_bias = cupy.asarray(model.seg_bias)
         with self.stream:
@@ -141,6 +142,13 @@ class GpuEngine(Engine):
                 log.info("no fused cuDNN graph for %s: %s", key.label(), str(error)[:300])
                 return None
         return self._graphs[key]
+
+    def conv_instance(self, prototype: ConvGraph) -> ConvGraph:
+        """A graph of its own for one convolution, with the plan timed on `prototype`
+        (see convs.instantiate for why convolutions never share one)."""
+        own = instantiate(prototype, self.handle)
+        self._instances.append(own)
+        return own
 
     def linear(self, pooled, output) -> None:
         """output [rows, 256] = pooled [rows, 5120] @ seg_1.weight^T in FP32 on cuBLAS.
@@ -320,6 +328,8 @@ class GpuEngine(Engine):
             "setup_s": round(self.setup_s, 2),
             "cudnn_graphs": len(self._graphs),
             "cudnn_build_s": round(sum(g.build_s for g in self._graphs.values()), 2),
+            "conv_instances": len(self._instances),
+            "instance_build_s": round(sum(g.build_s for g in self._instances), 2),
             "fusions_unsupported": sorted(key.label() for key in self._failed),
         }
 
@@ -335,6 +345,7 @@ class GpuEngine(Engine):
                 plan.graph = None
             self.plans = {}
             self._graphs.clear()
+            self._instances.clear()
             if self.cublas_handle is not None:
                 self._cublas.destroy(self.cublas_handle)
                 self.cublas_handle = None

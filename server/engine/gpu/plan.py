@@ -17,6 +17,7 @@ The cuDNN workspace is shared by all plans too (one buffer of the largest need).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -38,6 +39,8 @@ from server.engine.base import Math
 from server.engine.gpu.convs import ConvGraph, ConvKey
 from server.inputs import MAX_MASK_FRAMES, InputLengthError
 from server.weights import FoldedConv, FoldedModel
+
+log = logging.getLogger(__name__)
 
 #: Threads per block of the elementwise epilogue; blocks are capped at this many per SM
 #: (grid-stride loop), enough to keep HBM busy on an H200's 132 SMs.
@@ -116,6 +119,7 @@ class Plan:
         self.host_active = _pinned((rows,), np.int32)
         self.convs: list[ConvChoice] = []
         self.graph = None  # cupy.cuda.Graph once captured
+        self.graph_check: str | None = None  # why a captured graph was dropped, if it was
         self._build()
 
     # ----- set-up -------------------------------------------------------------------
@@ -151,14 +155,12 @@ class Plan:
             if fused is not None:
                 best.fused_ms = fused.ms
                 if fused.ms < bare_ms:
-                    best = dataclasses.replace(
-                        best,
-                        graph=fused,
-                        epilogue_kernel=None,
-                        epilogue_ms=0.0,
-                        pack=fused.pack(fused_buffers),
+                    own = self.engine.conv_instance(fused)
+                    return dataclasses.replace(
+                        best, graph=own, epilogue_kernel=None, epilogue_ms=0.0, pack=own.pack(fused_buffers)
                     )
-        return best
+        own = self.engine.conv_instance(bare)
+        return dataclasses.replace(best, graph=own, pack=own.pack(buffers))
 
     def _time_epilogue(self, kernel: str, y, bias, residual, channels: int, elements: int) -> float:
         import cupy
@@ -319,6 +321,34 @@ class Plan:
                 graph.upload()
         self.stream.synchronize()
         self.graph = graph
+        self.graph_check = self._check_graph()
+        if self.graph_check is not None:
+            log.warning(
+                "b%d graph replay differs from eager (%s): serving this plan eagerly",
+                self.batch,
+                self.graph_check,
+            )
+            self.graph = None
+
+    def _check_graph(self) -> str | None:
+        """Replay against eager on random inputs (set-up only); None when bit-identical.
+        A captured graph that disagrees with eager is never served."""
+        import cupy
+
+        with self.stream:
+            self.fbank[...] = cupy.random.RandomState(self.batch).standard_normal(
+                self.fbank.shape, dtype=cupy.float32
+            )
+            self.masks.fill(1.0)
+            self.mask_frames.fill(1)
+            self.forward()
+            eager = self.output.copy()
+            self.output.fill(0.0)
+            self.graph.launch(self.stream)
+            differ = int(cupy.count_nonzero(self.output != eager).get())
+            worst = float(cupy.max(cupy.abs(self.output - eager)).get())
+        self.stream.synchronize()
+        return None if differ == 0 else f"{differ} of {eager.size} values differ, max abs {worst:.3g}"
 
     # ----- reports ----------------------------------------------------------------------
     def own_bytes(self) -> int:
