@@ -53,6 +53,20 @@ def pad_speakers(masks: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_engine_config(
+    engine: str, math: Math | str, supported: tuple[Math, ...], plan_sizes: tuple[int, ...]
+) -> tuple[Math, tuple[int, ...]]:
+    """(math, ascending unique plan sizes), or ValueError naming what `engine` cannot do."""
+    math = Math(math)
+    if math not in supported:
+        expected = " or ".join(str(m) for m in supported)
+        raise ValueError(f"math: {math} is not supported by {engine}; expected {expected}")
+    sizes = tuple(sorted({int(size) for size in plan_sizes}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"plan_sizes: {plan_sizes!r}, expected positive batch sizes")
+    return math, sizes
+
+
 @dataclass
 class BatchRun:
     """What one `run_batch` produced and what it cost, for the caller and for metrics."""

@@ -10,10 +10,11 @@ chunks run through ORT one at a time. Two measurements decided that, on 2 cores:
   the convolutions already fill the cores for one chunk, so batching saves nothing;
 - batched runs are not batch-invariant: the same chunk at position 5 of a 6-chunk batch
   came out 1.5e-7 away from its batch-1 embedding (where inside ORT was not pinned down;
-  a GEMM kernel's tail-row path is the likely place). One chunk per run makes every chunk's bits independent of its neighbours,
-  which the service promises (tests/test_cpu_engine.py and test_service.py check it bit
-  for bit). Masks are resized to the trunk's 125 frames before ORT for the same reason:
-  the graph then always sees one frame count, whatever F the request sent.
+  a GEMM kernel's tail-row path is the likely place).
+One chunk per run makes every chunk's bits independent of its neighbours, which the
+service promises (tests/test_cpu_engine.py and tests/test_service.py check it bit for
+bit). Masks are resized to the trunk's 125 frames before ORT for the same reason: the
+graph then always sees one frame count, whatever F the request sent.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import numpy as np
 
 from server.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
-from server.engine.base import BatchRun, Engine, Math, resize_masks
+from server.engine.base import BatchRun, Engine, Math, check_engine_config, resize_masks
 from server.onnx_reference import cpu_session
 from server.weights import FoldedModel
 
@@ -55,12 +56,7 @@ class CpuEngine(Engine):
         plan_sizes: tuple[int, ...] = (1, 32),
         threads: int | None = None,
     ) -> None:
-        math = Math(math)
-        if math is not Math.FP32:
-            raise ValueError(f"math: {math} is not supported by {self.name}; expected fp32")
-        sizes = tuple(sorted({int(size) for size in plan_sizes}))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"plan_sizes: {plan_sizes!r}, expected positive batch sizes")
+        math, sizes = check_engine_config(self.name, math, (Math.FP32,), plan_sizes)
         self.model = model
         self.model_id = model.model_id
         self.math = math
