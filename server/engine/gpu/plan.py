@@ -212,6 +212,10 @@ class Plan:
 
     def forward(self, hook: TapHook | None = None) -> None:
         """Enqueue the whole forward on the plan's stream; `hook` sees each tap in order."""
+        with self.stream:  # CuPy launches on its current stream: make it ours, whoever calls
+            self._enqueue(hook)
+
+    def _enqueue(self, hook: TapHook | None) -> None:
         handle = self.engine.handle
         workspace = self.engine.workspace.data.ptr
         for kind, payload in self.steps:
