@@ -41,6 +41,25 @@ TIMING_RUNS = 10
 TIMING_SEED = 0
 
 
+def _raw_sgemm():
+    """cublasSgemm_v2 from the cuBLAS CuPy already loaded (dlopen by soname returns it)."""
+    import ctypes
+
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            library = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError("libcublas not found (tried libcublas.so.13, .12, libcublas.so)")
+    function = library.cublasSgemm_v2
+    p, i = ctypes.c_void_p, ctypes.c_int
+    function.restype = i
+    function.argtypes = [p, i, i, i, i, i, p, p, i, p, i, p, p, i]
+    return function
+
+
 class GpuEngine(Engine):
     """CuPy + cuDNN engine; FP32 (strict) or TF32. See the module docstring."""
 
@@ -79,6 +98,10 @@ class GpuEngine(Engine):
         cublas.setStream(self.cublas_handle, self.stream.ptr)
         cublas.setMathMode(self.cublas_handle, CUBLAS_DEFAULT_MATH)
         cublas.setPointerMode(self.cublas_handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        # cublasSgemm_v2 called directly: CuPy's wrapper re-binds the handle to CuPy's
+        # current stream on every call (the legacy stream outside `with stream`, racing our
+        # stream) and refuses to run during stream capture. The handle stays on our stream.
+        self._sgemm = _raw_sgemm()
         self._one = np.ones((1,), dtype=np.float32)
         self._zero = np.zeros((1,), dtype=np.float32)
         self._kernels = {name: kernels.function(name) for name in kernels.KERNEL_NAMES}
@@ -156,11 +179,12 @@ class GpuEngine(Engine):
         Column-major view: output^T (256 x rows) = W (256 x 5120) @ pooled^T (5120 x rows),
         where W row-major is W^T column-major, hence op T on it."""
         rows = pooled.shape[0]
-        self._cublas.sgemm(
+        status = self._sgemm(
             self.cublas_handle, CUBLAS_OP_T, CUBLAS_OP_N, EMBEDDING_DIM, rows, STATS_DIM,
             self._one.ctypes.data, self.seg_weight.data.ptr, STATS_DIM,
             pooled.data.ptr, STATS_DIM, self._zero.ctypes.data, output.data.ptr, EMBEDDING_DIM,
         )  # fmt: skip
+        assert status == 0, f"cublasSgemm_v2 returned status {status}"
 
     # ----- Engine interface -----------------------------------------------------------
     def plan_for(self, chunks: int) -> Plan:
