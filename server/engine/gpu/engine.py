@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STATS_DIM, TAP_NAMES
-from server.engine.base import BatchRun, Engine, Math
+from server.engine.base import BatchRun, Engine, Math, check_engine_config
 from server.engine.gpu import kernels
 from server.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
 from server.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
@@ -76,12 +76,7 @@ class GpuEngine(Engine):
         import cupy
         from cupy_backends.cuda.libs import cublas
 
-        math = Math(math)
-        if math not in (Math.FP32, Math.TF32):
-            raise ValueError(f"math: {math} is not supported by {self.name}; expected fp32 or tf32")
-        sizes = tuple(sorted({int(size) for size in plan_sizes}))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"plan_sizes: {plan_sizes!r}, expected positive batch sizes")
+        math, sizes = check_engine_config(self.name, math, (Math.FP32, Math.TF32), plan_sizes)
         started = time.perf_counter()
         self.model = model
         self.model_id = model.model_id
