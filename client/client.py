@@ -105,7 +105,34 @@ def health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
-class SpeakerClient:
+class _ClientCore:
+    """What the blocking and asyncio clients share: channel, stubs, deadline and retry rule."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel | grpc.aio.Channel,
+        timeout_s: float,
+        retry: RetryPolicy,
+        seed: int | None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self._rng = random.Random(seed)
+        self._channel = channel
+        self._stub = pb_grpc.SpeakerEmbeddingStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def _retry_pause(self, attempt: int, code: grpc.StatusCode, deadline: float) -> float | None:
+        """Seconds to wait before the next attempt, or None when this failure is final."""
+        pause = self.retry.backoff(attempt, self._rng)
+        final = attempt + 1 == self.retry.attempts or code not in self.retry.codes
+        return None if final or time.monotonic() + pause >= deadline else pause
+
+
+class SpeakerClient(_ClientCore):
     """Blocking client; one channel, safe to share between threads."""
 
     def __init__(
@@ -116,12 +143,8 @@ class SpeakerClient:
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         seed: int | None = None,
     ) -> None:
-        self.timeout_s = timeout_s
-        self.retry = retry
-        self._rng = random.Random(seed)
-        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_mb))
-        self._stub = pb_grpc.SpeakerEmbeddingStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        channel = grpc.insecure_channel(target, options=channel_options(max_message_mb))
+        super().__init__(channel, timeout_s, retry, seed)
 
     def __enter__(self) -> SpeakerClient:
         return self
@@ -133,16 +156,15 @@ class SpeakerClient:
         self._channel.close()
 
     def _call(self, method: Callable[..., object], request: object, timeout_s: float | None, request_id: str):
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = self._deadline(timeout_s)
         for attempt in range(self.retry.attempts):
             try:
                 return method(
                     request, timeout=max(0.0, deadline - time.monotonic()), metadata=_metadata(request_id)
                 )
             except grpc.RpcError as error:
-                pause = self.retry.backoff(attempt, self._rng)
-                final = attempt + 1 == self.retry.attempts or error.code() not in self.retry.codes
-                if final or time.monotonic() + pause >= deadline:
+                pause = self._retry_pause(attempt, error.code(), deadline)
+                if pause is None:
                     raise
                 time.sleep(pause)
         raise AssertionError("unreachable: the last attempt raises or returns")
@@ -202,7 +224,7 @@ class SpeakerClient:
         raise TimeoutError(f"not SERVING after {timeout_s:.0f} s; last status {status}")
 
 
-class AsyncSpeakerClient:
+class AsyncSpeakerClient(_ClientCore):
     """asyncio client on grpc.aio; create and use it inside one event loop."""
 
     def __init__(
@@ -213,12 +235,8 @@ class AsyncSpeakerClient:
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         seed: int | None = None,
     ) -> None:
-        self.timeout_s = timeout_s
-        self.retry = retry
-        self._rng = random.Random(seed)
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_mb))
-        self._stub = pb_grpc.SpeakerEmbeddingStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_mb))
+        super().__init__(channel, timeout_s, retry, seed)
 
     async def __aenter__(self) -> AsyncSpeakerClient:
         return self
@@ -232,15 +250,14 @@ class AsyncSpeakerClient:
     async def _call(
         self, method: Callable[..., object], request: object, timeout_s: float | None, request_id: str
     ):
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = self._deadline(timeout_s)
         for attempt in range(self.retry.attempts):
             try:
                 remaining = max(0.0, deadline - time.monotonic())
                 return await method(request, timeout=remaining, metadata=_metadata(request_id))  # type: ignore[misc]
             except grpc.aio.AioRpcError as error:
-                pause = self.retry.backoff(attempt, self._rng)
-                final = attempt + 1 == self.retry.attempts or error.code() not in self.retry.codes
-                if final or time.monotonic() + pause >= deadline:
+                pause = self._retry_pause(attempt, error.code(), deadline)
+                if pause is None:
                     raise
                 await asyncio.sleep(pause)
         raise AssertionError("unreachable: the last attempt raises or returns")
