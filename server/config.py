@@ -99,7 +99,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     def add(name: str, default: object, help_text: str, **kwargs: object) -> None:
         env = ENV_PREFIX + name.upper().replace("-", "_")
-        parser.add_argument(f"--{name}", default=_env(name, default), help=f"{help_text} [{env}]", **kwargs)
+        value = _env(name, default)
+        choices = kwargs.get("choices")
+        if choices is not None and env in os.environ:
+            # argparse checks the choices of a flag given on the command line, never of a
+            # default: a value from the environment is checked here instead
+            convert = kwargs.get("type", str)
+            if convert(value) not in choices:  # type: ignore[operator]
+                raise SystemExit(f"{env}={value!r}: expected one of {', '.join(map(str, choices))}")
+        parser.add_argument(f"--{name}", default=value, help=f"{help_text} [{env}]", **kwargs)
 
     add("host", DEFAULT_HOST, f"address to listen on (default {DEFAULT_HOST})")
     add("port", DEFAULT_PORT, f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)", type=_port)

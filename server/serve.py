@@ -70,10 +70,14 @@ def _build_engine(settings: config.ServeConfig) -> Engine:
              engine.plan_sizes, time.perf_counter() - started, weights, model.model_id[:12])  # fmt: skip
     try:
         check_engine(engine, model)
+        log.info("self-check passed for every plan; timing plans for the batcher's cost model")
+        # measured here, off the event loop (the batcher reads them when it is made): on a
+        # CPU engine this runs every plan once, seconds in which health must still answer
+        times = engine.plan_times_ms()
     except BaseException:
         engine.close()
         raise
-    log.info("self-check passed for every plan")
+    log.info("plan times %s", ", ".join(f"b{size} {ms:.2f} ms" for size, ms in sorted(times.items())))
     return engine
 
 

@@ -47,7 +47,7 @@ from server.weights import file_sha256, save_state_dict
 DEFAULT_SEED = 0
 #: Bumped whenever generation changes, so a cached default model of an older generator is
 #: never mistaken for the current one (it is part of the cache file name).
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: one safetensors metadata key (v1 files had two, in varying order)
 #: Calibration audio: its own seed, so the reference cases (other seeds) are never the
 #: calibration data; 4 disjoint 10 s chunks of a 40 s conversation are enough statistics
 #: (>= 125 x 10 x 4 = 5000 positions per channel even at layer4) and take ~7 s in float64.

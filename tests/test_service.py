@@ -274,9 +274,15 @@ def test_full_queue_is_resource_exhausted_and_retry_gets_through(small_server: S
 def test_expired_deadline_costs_no_engine_work(small_server: ServerProcess, mixed) -> None:
     before = scrape(small_server)
     with ThreadPoolExecutor(3) as pool:
-        busy = [pool.submit(SpeakerClient(small_server.target, 120).embed, mixed.fbank[:4], mixed.masks[:4])
-                for _ in range(2)]  # fmt: skip
-        time.sleep(0.2)  # both engine workers are now busy for ~0.5 s
+        # two full b8 batches: both engine workers busy for ~1 s each (two 4-chunk requests
+        # would share one batch and leave a worker free to serve the next call in time),
+        # sent 0.2 s apart so the first has left the 8-chunk queue when the second arrives
+        busy = []
+        for _ in range(2):
+            busy.append(
+                pool.submit(SpeakerClient(small_server.target, 120).embed, mixed.fbank[:8], mixed.masks[:8])
+            )
+            time.sleep(0.2)
         with (
             SpeakerClient(small_server.target, retry=NO_RETRY) as client,
             pytest.raises(grpc.RpcError) as raised,
@@ -288,7 +294,7 @@ def test_expired_deadline_costs_no_engine_work(small_server: ServerProcess, mixe
     time.sleep(0.5)
     after = scrape(small_server)
     embedded = delta(before, after, "speakerd_chunks_embedded_total{}")
-    assert embedded == 8, f"{embedded} chunks embedded; only the two busy requests' 8 should be"
+    assert embedded == 16, f"{embedded} chunks embedded; only the two busy requests' 16 should be"
     dropped = sum(delta(before, after, f"speakerd_requests_rejected_total{{reason={r}}}")
                   for r in ("deadline_exceeded", "cancelled"))  # fmt: skip
     assert dropped == 1, f"rejections {dropped}"
