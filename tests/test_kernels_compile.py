@@ -1,7 +1,8 @@
 """Every kernels/*.cu compiles with NVRTC for sm_90 (the H200), with no GPU needed.
 
-NVRTC comes with CuPy here (cupy_backends.cuda.libs.nvrtc, which loads libnvrtc); the CI
-venv has no CuPy, so there the compile test skips and says so, while the source checks
+NVRTC comes with CuPy here (cupy_backends.cuda.libs.nvrtc, which loads libnvrtc); .ci/run
+installs cupy-cuda12x and nvidia-cuda-nvrtc-cu12, so CI compiles every kernel without a GPU.
+Where neither is installed the compile test skips and says so, while the source checks
 below (entry points present, constants equal to server.architecture) always run: they
 catch a kernel drifting from the Python side without any CUDA at all.
 """
