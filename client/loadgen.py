@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from client.client import NO_RETRY, AsyncSpeakerClient, build_request
 from server.architecture import FRAMES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS
 
+#: A stream's pause after a failed call before its next one.
+ERROR_PAUSE_S = 0.01
 #: Percentiles reported, as the SLOs are written.
 PERCENTILES = (50, 90, 99)
 
@@ -61,6 +63,9 @@ async def _stream(
             response = await client.embed_request(request, timeout_s=timeout)
         except grpc.aio.AioRpcError as error:
             errors[error.code().name] += 1
+            # a refused call comes back in microseconds: without a pause one stream would spin
+            # on RESOURCE_EXHAUSTED, counting thousands of errors and starving the server's CPU
+            await asyncio.sleep(ERROR_PAUSE_S)
             continue
         latencies.append(time.perf_counter() - started)
         chunks += response.embeddings.shape[0]
