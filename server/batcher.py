@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, TRUNK_FRAMES
-from server.engine.base import BatchRun, Engine, resize_masks
+from server.engine.base import BatchRun, Engine, plan_for, resize_masks
 from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,6 @@ class Draining(BatcherError):
 
 class EngineFailed(BatcherError):
     """The engine raised while running a batch holding this request's chunks (INTERNAL)."""
-
-
-def plan_for(chunks: int, plan_sizes: tuple[int, ...]) -> int:
-    """The plan an engine runs `chunks` on: the smallest plan holding them."""
-    for size in plan_sizes:
-        if size >= chunks:
-            return size
-    raise ValueError(f"{chunks} chunks exceed the largest plan {plan_sizes[-1]}")
 
 
 def cheapest_pieces(chunks: int, plan_sizes: tuple[int, ...], times_ms: dict[int, float]) -> list[int]:

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from server.engine.base import Math
+from server.engine.factory import ENGINE_KINDS
 
 ENV_PREFIX = "SPEAKERD_"
 #: Loopback by default: exposing the port is a deliberate act (the container sets SPEAKERD_HOST).
@@ -112,7 +113,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("host", DEFAULT_HOST, f"address to listen on (default {DEFAULT_HOST})")
     add("port", DEFAULT_PORT, f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)", type=_port)
     add("metrics-port", DEFAULT_METRICS_PORT, "Prometheus /metrics port (0 picks a free one)", type=_port)
-    add("engine", "auto", "engine: auto (GPU when usable), cpu or gpu", choices=("auto", "cpu", "gpu"))
+    add("engine", "auto", "engine: auto (GPU when usable), cpu or gpu", choices=ENGINE_KINDS)
     add("weights", None, "safetensors weights (default: the embedded synthetic model)")
     add("math", Math.FP32.value, "trunk arithmetic", choices=[m.value for m in Math])
     add("plans", DEFAULT_PLANS, f"batch sizes to preallocate (default {DEFAULT_PLANS})", type=parse_plans)

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from server.engine.base import EmbedResult, Math
+from server.engine.factory import ENGINE_KINDS
 from server.fbank import fbank as compute_fbank
 from server.inputs import InputError, check_fbank, check_masks, check_waveform
 from server.weights import WeightsError, load_model
 
-ENGINES = ("auto", "cpu", "gpu")
 INPUT_ARRAYS = ("masks", "fbank", "waveform")
 #: Exit codes: bad input (the caller's to fix) differs from a failure to load weights or run.
 EXIT_BAD_INPUT = 2
@@ -93,7 +93,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--input", type=Path, required=True, help="IN.npz with masks and fbank or waveform")
     parser.add_argument("--output", type=Path, required=True, help="OUT.npz to write")
-    parser.add_argument("--engine", choices=ENGINES, default="auto", help="auto = GPU when usable, else CPU")
+    parser.add_argument(
+        "--engine", choices=ENGINE_KINDS, default="auto", help="auto = GPU when usable, else CPU"
+    )
     parser.add_argument("--math", choices=[m.value for m in Math], default=Math.FP32.value)
 
 

@@ -13,7 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from server.synthetic_model import DEFAULT_SEED, GENERATOR_VERSION, make_state_dict, save_model
+from server.synthetic_model import DEFAULT_SEED, GENERATOR_VERSION, make_state_dict
+from server.weights import save_state_dict
 
 #: Overrides the cache directory (containers mount a volume here).
 CACHE_ENV = "SPEAKERD_CACHE"
@@ -43,7 +44,7 @@ def ensure_synthetic_model(path: Path, seed: int = DEFAULT_SEED) -> Path:
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
         os.close(handle)
         try:
-            save_model(make_state_dict(seed), temporary)
+            save_state_dict(make_state_dict(seed), temporary)
             os.replace(temporary, path)
         finally:
             if os.path.exists(temporary):

@@ -178,11 +178,6 @@ def make_state_dict(seed: int = DEFAULT_SEED) -> StateDict:
     return make_model(seed)[0]
 
 
-def save_model(state: StateDict, path: str | Path) -> None:
-    """Validate and write with pyannote's WeSpeakerResNet34 keys."""
-    save_state_dict(state, path)
-
-
 def format_ranges(ranges: list[TapRange]) -> str:
     lines = [f"{'tap':<18} {'min':>10} {'max':>10} {'mean':>10} {'std':>10} {'>0':>6}"]
     lines += [
@@ -202,7 +197,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     state, ranges = make_model(args.seed)
-    save_model(state, args.out)
+    save_state_dict(state, args.out)
     print(format_ranges(ranges))
     print(
         f"wrote {args.out} (seed {args.seed}, model id {file_sha256(args.out)}) "

@@ -53,6 +53,14 @@ def pad_speakers(masks: np.ndarray) -> np.ndarray:
     return out
 
 
+def plan_for(chunks: int, plan_sizes: tuple[int, ...]) -> int:
+    """The plan an engine runs `chunks` on: the smallest plan holding them."""
+    for size in plan_sizes:
+        if size >= chunks:
+            return size
+    raise ValueError(f"{chunks} chunks exceed the largest plan {plan_sizes[-1]}")
+
+
 def check_engine_config(
     engine: str, math: Math | str, supported: tuple[Math, ...], plan_sizes: tuple[int, ...]
 ) -> tuple[Math, tuple[int, ...]]:

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from server.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
-from server.engine.base import BatchRun, Engine, Math, check_engine_config, resize_masks
+from server.engine.base import BatchRun, Engine, Math, check_engine_config, plan_for, resize_masks
 from server.onnx_reference import cpu_session
 from server.weights import FoldedModel
 
@@ -68,10 +68,10 @@ class CpuEngine(Engine):
         self._lock = threading.Lock()
         self._times_ms: dict[int, float] | None = None  # measured on first ask: see plan_times_ms
 
-    def _time_plan(self, size: int) -> float:
-        """Warm the session at batch `size`, then time it (ms, wall clock)."""
-        fbank = np.zeros((size, FRAMES, MEL_BINS), dtype=np.float32)
-        masks = np.ones((size, MAX_SPEAKERS, TRUNK_FRAMES), dtype=np.float32)
+    def _time_chunk(self) -> float:
+        """Warm the session, then time one chunk's run (ms, wall clock)."""
+        fbank = np.zeros((1, FRAMES, MEL_BINS), dtype=np.float32)
+        masks = np.ones((1, MAX_SPEAKERS, TRUNK_FRAMES), dtype=np.float32)
         for _ in range(WARMUP_RUNS):
             self._forward(fbank, masks)
         started = time.perf_counter()
@@ -88,10 +88,12 @@ class CpuEngine(Engine):
         return np.concatenate(rows, axis=0)
 
     def plan_times_ms(self) -> dict[int, float]:
-        """Warm up and time every plan once, on first ask (the server asks at start-up;
-        an offline `embed` never does, so it does not pay ~4 s for a b32 timing run)."""
+        """Plan b costs b single-chunk runs (one chunk per ORT call), so one timed chunk
+        gives every plan's time; measured on first ask (the server asks at start-up, an
+        offline `embed` never does)."""
         if self._times_ms is None:
-            self._times_ms = {size: self._time_plan(size) for size in self.plan_sizes}
+            chunk_ms = self._time_chunk()
+            self._times_ms = {size: size * chunk_ms for size in self.plan_sizes}
         return dict(self._times_ms)
 
     def run_batch(self, fbank: np.ndarray, masks: np.ndarray) -> BatchRun:
@@ -100,7 +102,7 @@ class CpuEngine(Engine):
             raise ValueError(f"fbank: {chunks} chunks, expected 1..{self.max_batch} per batch")
         if masks.shape[:2] != (chunks, MAX_SPEAKERS):
             raise ValueError(f"masks: shape {masks.shape}, expected [{chunks}, {MAX_SPEAKERS}, F]")
-        plan = next(size for size in self.plan_sizes if size >= chunks)
+        plan = plan_for(chunks, self.plan_sizes)
         fbank = np.ascontiguousarray(fbank, dtype=np.float32)
         masks = resize_masks(masks)  # one frame count for the graph, see the module docstring
         with self._lock:
