@@ -24,40 +24,19 @@ from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STATS_DIM, TAP_NAME
 from server.engine.base import BatchRun, Engine, Math, check_engine_config
 from server.engine.gpu import kernels
 from server.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
+from server.engine.gpu.cublas import Cublas
 from server.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
 from server.inputs import InputError
 from server.weights import FoldedConv, FoldedModel
 
 log = logging.getLogger(__name__)
 
-#: cuBLAS math mode for the final linear: CUBLAS_DEFAULT_MATH (0) never uses TF32.
-CUBLAS_DEFAULT_MATH = 0
-CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 #: Runs timed per plan at start-up for `plan_times_ms` (the batcher's cost model), after
 #: one warm-up run: the median of this many is stable to a few percent on an H200.
 TIMING_RUNS = 10
 #: Seed of the random activations the cuDNN plans are timed on (never zeros: zeros can
 #: run faster than real data).
 TIMING_SEED = 0
-
-
-def _raw_sgemm():
-    """cublasSgemm_v2 from the cuBLAS CuPy already loaded (dlopen by soname returns it)."""
-    import ctypes
-
-    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
-        try:
-            library = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    else:
-        raise RuntimeError("libcublas not found (tried libcublas.so.13, .12, libcublas.so)")
-    function = library.cublasSgemm_v2
-    p, i = ctypes.c_void_p, ctypes.c_int
-    function.restype = i
-    function.argtypes = [p, i, i, i, i, i, p, p, i, p, i, p, p, i]
-    return function
 
 
 class GpuEngine(Engine):
@@ -74,7 +53,6 @@ class GpuEngine(Engine):
     ) -> None:
         import cudnn
         import cupy
-        from cupy_backends.cuda.libs import cublas
 
         math, sizes = check_engine_config(self.name, math, (Math.FP32, Math.TF32), plan_sizes)
         started = time.perf_counter()
@@ -88,17 +66,7 @@ class GpuEngine(Engine):
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.handle = cudnn.create_handle()
         cudnn.set_stream(handle=self.handle, stream=self.stream.ptr)
-        self._cublas = cublas
-        self.cublas_handle = cublas.create()
-        cublas.setStream(self.cublas_handle, self.stream.ptr)
-        cublas.setMathMode(self.cublas_handle, CUBLAS_DEFAULT_MATH)
-        cublas.setPointerMode(self.cublas_handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        # cublasSgemm_v2 called directly: CuPy's wrapper re-binds the handle to CuPy's
-        # current stream on every call (the legacy stream outside `with stream`, racing our
-        # stream) and refuses to run during stream capture. The handle stays on our stream.
-        self._sgemm = _raw_sgemm()
-        self._one = np.ones((1,), dtype=np.float32)
-        self._zero = np.zeros((1,), dtype=np.float32)
+        self.cublas = Cublas(self.stream.ptr)  # strict FP32 linear; see gpu/cublas.py
         self._kernels = {name: kernels.function(name) for name in kernels.KERNEL_NAMES}
         self._weights: dict[int, tuple] = {}
         self._graphs: dict[ConvKey, ConvGraph] = {}
@@ -169,17 +137,9 @@ class GpuEngine(Engine):
         return own
 
     def linear(self, pooled, output) -> None:
-        """output [rows, 256] = pooled [rows, 5120] @ seg_1.weight^T in FP32 on cuBLAS.
-
-        Column-major view: output^T (256 x rows) = W (256 x 5120) @ pooled^T (5120 x rows),
-        where W row-major is W^T column-major, hence op T on it."""
-        rows = pooled.shape[0]
-        status = self._sgemm(
-            self.cublas_handle, CUBLAS_OP_T, CUBLAS_OP_N, EMBEDDING_DIM, rows, STATS_DIM,
-            self._one.ctypes.data, self.seg_weight.data.ptr, STATS_DIM,
-            pooled.data.ptr, STATS_DIM, self._zero.ctypes.data, output.data.ptr, EMBEDDING_DIM,
-        )  # fmt: skip
-        assert status == 0, f"cublasSgemm_v2 returned status {status}"
+        """output [rows, 256] = pooled [rows, 5120] @ seg_1.weight^T in FP32 on cuBLAS."""
+        x, weight, out = pooled.data.ptr, self.seg_weight.data.ptr, output.data.ptr
+        self.cublas.linear(x, weight, out, pooled.shape[0], STATS_DIM, EMBEDDING_DIM)
 
     # ----- Engine interface -----------------------------------------------------------
     def plan_for(self, chunks: int) -> Plan:
@@ -365,9 +325,7 @@ class GpuEngine(Engine):
             self.plans = {}
             self._graphs.clear()
             self._instances.clear()
-            if self.cublas_handle is not None:
-                self._cublas.destroy(self.cublas_handle)
-                self.cublas_handle = None
+            self.cublas.close()
             if self.handle is not None:
                 cudnn.destroy_handle(self.handle)
                 self.handle = None
