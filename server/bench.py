@@ -94,6 +94,8 @@ def bench_ours(math: Math, model, cases, args) -> dict[tuple[int, str], float]:
 
     from server.engine.gpu.engine import GpuEngine
 
+    # the pool still holds a closed engine's blocks: hand them back so the delta is ours
+    cupy.get_default_memory_pool().free_all_blocks()
     free_before, total = cupy.cuda.runtime.memGetInfo()
     started = time.perf_counter()
     engine = GpuEngine(model, math, tuple(sorted(cases)))

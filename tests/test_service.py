@@ -9,6 +9,7 @@ says SERVING only after the parity self-check; /metrics has every metric.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -225,6 +226,25 @@ def test_verify_passes_against_the_server(server: ServerProcess, references_dir,
     table = capsys.readouterr().out
     print(table)
     assert "7/7 cases within SPEC 3" in table and "FAIL" not in table
+
+
+def test_load_generator_reports_throughput_latency_and_batch_fill(server: ServerProcess) -> None:
+    """`client load` over two processes: every call succeeds, and the JSON's numbers agree
+    with each other and with the server's /metrics."""
+    command = [sys.executable, "-m", "client", "load", "--target", server.target, "--streams", "4",
+               "--processes", "2", "--seconds", "3", "--chunks", "2",
+               "--metrics-url", server.metrics_url]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(report)
+    assert report["processes"] == 2 and report["streams"] == 4 and report["errors"] == {}, report
+    assert report["requests_ok"] >= 4, report
+    rate = report["requests_ok"] * 2 / report["seconds"]
+    assert report["chunks_per_s"] == pytest.approx(rate, rel=1e-3), (report["chunks_per_s"], rate)
+    assert report["latency_p50_ms"] <= report["latency_p90_ms"] <= report["latency_p99_ms"], report
+    assert 0 < report["batch_fill_mean"] <= 1 and 1 <= report["batch_size_mean_chunks"] <= 8, report
+    assert report["batch_compute_ms_mean"] > 0, report
 
 
 # --- a second server with a tiny queue: back-pressure, deadlines and draining ------------

@@ -15,6 +15,10 @@ Math:
   faster of the cuDNN fused graph (conv + bias [+ residual] [+ ReLU]) and the bare conv
   + our epilogue kernel is used.
 Non-deterministic engines are always excluded, so two eager passes agree bit for bit.
+And a plan is kept only if one execution of it captured into a CUDA graph and replayed
+writes the same bits as its eager execution: on the H200 some TF32 b1 plan did not (the
+whole forward's replay differed from eager in every output, by up to 1e-3), and the
+serving path replays graphs.
 
 Why plans are built one index at a time rather than with `build_plans(ALL)`: the C++
 frontend refuses to build a deselected plan with an error that is not a "not
@@ -24,12 +28,15 @@ of the ALL walk; building per index turns every refusal into "not a candidate".
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
 
 from server.architecture import ConvSpec
 from server.engine.base import Math
+
+log = logging.getLogger(__name__)
 
 #: Epilogues a convolution of the trunk needs: stem and conv1 "bias_relu", conv2
 #: "bias_add_relu" (residual), shortcut "bias_only".
@@ -75,6 +82,10 @@ class ConvKey:
     @property
     def w_out(self) -> int:
         return (self.w_in + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+
+    @property
+    def output_elements(self) -> int:
+        return self.batch * self.cout * self.h_out * self.w_out
 
     @property
     def flops(self) -> int:
@@ -202,6 +213,32 @@ def build_graph(key: ConvKey, handle):
     return graph, tensors
 
 
+def replay_matches_eager(
+    graph, index: int, pack: dict, handle, stream, y_ptr: int, elements: int, workspace_bytes: int
+) -> bool:
+    """Whether plan `index`, captured alone into a CUDA graph and replayed, writes exactly
+    what its eager execution writes to Y (set-up only: allocates a workspace and copies)."""
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(y_ptr, elements * 4, owner=None)
+    y = cupy.ndarray((elements,), dtype=cupy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    workspace = cupy.empty((max(1, workspace_bytes),), dtype=cupy.uint8)
+    with stream:
+        graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
+        eager = y.copy()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
+        finally:
+            captured = stream.end_capture()
+        y.fill(float("nan"))
+        captured.launch(stream)
+        same = bool(cupy.array_equal(y, eager))
+    stream.synchronize()
+    return same
+
+
 def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGraph:
     """Build `key`'s graph, build and run each execution plan on `buffers` (device
     pointers for X, W, Y [, B, Z]) and keep the fastest. Allocates temporary workspaces
@@ -213,7 +250,8 @@ def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGra
     pack = {tensors[name]: pointer for name, pointer in buffers.items()}
     results: list[float | None] = []
     failures: list[str] = []
-    best: tuple[float, int, int] | None = None
+    medians: dict[int, float] = {}  # plan index -> median ms, of the plans that ran
+    best: float | None = None  # fastest median so far
     tried = 0
     for index in range(graph.get_execution_plan_count()):
         if tried >= MAX_PLANS:
@@ -240,7 +278,7 @@ def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGra
                     end.record(stream)
                     end.synchronize()
                     times.append(cupy.cuda.get_elapsed_time(start, end))
-                    if run == 0 and best is not None and times[0] > HOPELESS * best[0]:
+                    if run == 0 and best is not None and times[0] > HOPELESS * best:
                         break
             ms = statistics.median(times)
         except Exception as error:  # a deselected or unsupported plan: not a candidate
@@ -248,8 +286,9 @@ def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGra
             failures.append(f"[{index}] {type(error).__name__}: {str(error)[:160]}")
             continue
         results.append(round(ms, 4))
-        if best is None or ms < best[0]:
-            best = (ms, index, need)
+        medians[index] = ms
+        if best is None or ms < best:
+            best = ms
     if best is None:
         deselected = sum("Deselecting" in failure for failure in failures)
         others = [failure for failure in failures if "Deselecting" not in failure][:MAX_PLANS]
@@ -257,7 +296,23 @@ def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGra
             f"cuDNN has no working execution plan for {key.label()}: {deselected} deselected by the "
             f"numerical notes of {key.math}; others: {'; '.join(others) or 'none'}"
         )
-    ms, index, need = best
+
+    def replays(index: int) -> bool:
+        need = int(graph.get_workspace_size_plan_at_index(index))
+        if replay_matches_eager(graph, index, pack, handle, stream, buffers["Y"], key.output_elements, need):
+            return True
+        results[index] = None
+        failures.append(f"[{index}] captured replay differs from eager")
+        log.info("%s: plan %d replays differently from eager; not a candidate", key.label(), index)
+        return False
+
+    # fastest first; the first whose captured replay matches its eager run is kept
+    ranked = sorted((t, i) for i, t in medians.items())
+    chosen = next(((t, i) for t, i in ranked if replays(i)), None)
+    if chosen is None:
+        raise RuntimeError(f"{key.label()}: no plan replays from a CUDA graph as it runs eagerly: {failures}")
+    ms, index = chosen
+    need = int(graph.get_workspace_size_plan_at_index(index))
     try:
         name = str(graph.get_plan_name_at_index(index))
     except Exception:  # a name is a report nicety; never fail a working plan over it

@@ -7,16 +7,21 @@ chosen by timing), one cuDNN workspace of the largest need, the activation arena
 compiled kernels, and the cuBLAS handle of the final linear (strict FP32: default math,
 never TF32, whatever the trunk's math).
 
-Plans never run at once: every entry point holds one lock, and all work is ordered on
-one stream, so the arena and the workspace can be shared safely and two threads may call
-`run_batch` at once.
+Plans never run at once: every entry point holds one lock while it computes, and all
+compute is ordered on one stream, so the arena and the workspace can be shared safely and
+two threads may call `run_batch` at once. Only the input upload happens outside the lock,
+into a staging slot of its own on a copy stream (staging.py), so one batch's copy overlaps
+the other's compute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -26,6 +31,7 @@ from server.engine.gpu import kernels
 from server.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
 from server.engine.gpu.cublas import Cublas
 from server.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
+from server.engine.gpu.staging import INPUT_SLOTS, InputSlot
 from server.inputs import InputError
 from server.weights import FoldedConv, FoldedModel
 
@@ -64,6 +70,7 @@ class GpuEngine(Engine):
         self.device = cupy.cuda.Device()
         self.sm_count = int(self.device.attributes["MultiProcessorCount"])
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # input uploads (staging.py)
         self.handle = cudnn.create_handle()
         cudnn.set_stream(handle=self.handle, stream=self.stream.ptr)
         self.cublas = Cublas(self.stream.ptr)  # strict FP32 linear; see gpu/cublas.py
@@ -84,6 +91,10 @@ class GpuEngine(Engine):
             self.plans: dict[int, Plan] = {size: Plan(self, size, self.arena) for size in sizes}
             need = max([1, *(c.graph.workspace_bytes for p in self.plans.values() for c in p.convs)])
             self.workspace = cupy.zeros((need,), dtype=cupy.uint8)
+            self.slots = [InputSlot(sizes[-1]) for _ in range(INPUT_SLOTS)]
+        self._free_slots: queue.SimpleQueue[InputSlot] = queue.SimpleQueue()
+        for slot in self.slots:
+            self._free_slots.put(slot)
         self.stream.synchronize()
         cupy.get_default_memory_pool().free_all_blocks()  # timing scratch goes back
         self._times: dict[int, float] = {}
@@ -151,26 +162,31 @@ class GpuEngine(Engine):
 
     def run_batch(self, fbank: np.ndarray, masks: np.ndarray, *, use_graph: bool = True) -> BatchRun:
         """One batch on the smallest plan holding it: its graph replayed (`use_graph`,
-        when captured) or the forward enqueued eagerly. See Engine.run_batch."""
+        when captured) or the forward enqueued eagerly. See Engine.run_batch.
+
+        The batch is staged and uploaded on the copy stream before the compute lock is
+        taken, so a second thread's upload overlaps this one's compute (staging.py)."""
         import cupy
 
         chunks = int(masks.shape[0]) if masks.ndim == 3 else 1
-        with self._lock:
-            self._check_open()
-            plan = self.plan_for(max(1, chunks))
-            start = time.perf_counter()
-            chunks = plan.upload(fbank, masks)
-            self.stream.synchronize()
+        self._check_open()
+        plan = self.plan_for(max(1, chunks))
+        start = time.perf_counter()
+        with self._staged(plan, fbank, masks) as (slot, chunks):
+            slot.ready.synchronize()  # only this thread waits; the compute stream waits on the event
             copied = time.perf_counter()
-            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-            begin.record(self.stream)
-            mode = plan.run(use_graph)
-            end.record(self.stream)
-            end.synchronize()
-            computed = time.perf_counter()
-            output, _active = plan.download(chunks)
-            done = time.perf_counter()
-            compute_s = cupy.cuda.get_elapsed_time(begin, end) / 1e3
+            with self._lock:
+                self._check_open()
+                plan.load(slot)
+                begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+                begin.record(self.stream)
+                mode = plan.run(use_graph)
+                end.record(self.stream)
+                end.synchronize()
+                computed = time.perf_counter()
+                output, _active = plan.download(chunks)
+                done = time.perf_counter()
+                compute_s = cupy.cuda.get_elapsed_time(begin, end) / 1e3
         return BatchRun(
             embeddings=output.reshape(chunks, MAX_SPEAKERS, EMBEDDING_DIM),
             plans=[f"b{plan.batch}/{mode}"],
@@ -180,6 +196,18 @@ class GpuEngine(Engine):
             graph_replays=int(mode == "graph"),
             eager_runs=int(mode == "eager"),
         )
+
+    @contextlib.contextmanager
+    def _staged(self, plan: Plan, fbank: np.ndarray, masks: np.ndarray) -> Iterator[tuple[InputSlot, int]]:
+        """A free input slot holding the batch, its upload enqueued; (slot, chunks).
+        The slot goes back to the pool when the block ends (after the plan consumed it)."""
+        chunks, frames = plan.check_inputs(fbank, masks)
+        slot = self._free_slots.get()
+        try:
+            slot.stage(fbank, masks, frames, self.copy_stream)
+            yield slot, chunks
+        finally:
+            self._free_slots.put(slot)
 
     def active_frames(self, chunks: int) -> np.ndarray:
         """[chunks, 3] trunk frames with non-zero weight of the last batch of that plan,
@@ -193,10 +221,10 @@ class GpuEngine(Engine):
         = chunk * 3 + speaker after pooling), each tap copied as soon as it is computed."""
         taps: dict[str, np.ndarray] = {}
         chunks = int(masks.shape[0]) if masks.ndim == 3 else 1
-        with self._lock:
+        plan = self.plan_for(max(1, chunks))
+        with self._staged(plan, fbank, masks) as (slot, chunks), self._lock:
             self._check_open()
-            plan = self.plan_for(max(1, chunks))
-            chunks = plan.upload(fbank, masks)
+            plan.load(slot)
 
             def copy(name: str, view, shape: tuple[int, ...]) -> None:
                 if name in taps:
@@ -272,6 +300,7 @@ class GpuEngine(Engine):
         """Device bytes by kind: buffers (plans' own + the shared activation arena),
         weights, cuDNN workspace, and their total; plus pinned host staging bytes."""
         own = sum(plan.own_bytes() for plan in self.plans.values())
+        own += sum(slot.device_bytes() for slot in self.slots)
         arena = sum(int(a.nbytes) for a in self.arena.values())
         weights = sum(int(w.nbytes) + int(b.nbytes) for w, b, _ in self._weights.values())
         weights += int(self.seg_weight.nbytes) + int(self.seg_bias.nbytes)
@@ -281,7 +310,8 @@ class GpuEngine(Engine):
             "weights": weights,
             "workspace": workspace,
             "total": own + arena + weights + workspace,
-            "pinned_host": sum(plan.pinned_bytes() for plan in self.plans.values()),
+            "pinned_host": sum(plan.pinned_bytes() for plan in self.plans.values())
+            + sum(slot.pinned_bytes() for slot in self.slots),
         }
 
     def conv_report(self, batch: int) -> list[dict]:

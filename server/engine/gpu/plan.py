@@ -10,7 +10,8 @@ allocates nothing and can be captured once into a CUDA graph and replayed:
   through the trunk. They are views of an arena the engine shares between its plans: plans
   never run at once (the engine serialises them on one stream under a lock);
 - pooled [3b, 5120], output [3b, 256], active frames [3b];
-- pinned host staging for the inputs and outputs (asynchronous copies).
+- pinned host buffers for the outputs (asynchronous copies). Inputs arrive through the
+  engine's staging slots (staging.py), copied in while the previous batch computes.
 The cuDNN workspace is shared by all plans too (one buffer of the largest need).
 """
 
@@ -37,6 +38,7 @@ from server.architecture import (
 )
 from server.engine.base import Math
 from server.engine.gpu.convs import ConvGraph, ConvKey
+from server.engine.gpu.staging import InputSlot, pinned
 from server.inputs import MAX_MASK_FRAMES, InputLengthError
 from server.weights import FoldedConv, FoldedModel
 
@@ -112,11 +114,8 @@ class Plan:
         self.pooled = cupy.zeros((rows, STATS_DIM), dtype=cupy.float32)
         self.output = cupy.zeros((rows, EMBEDDING_DIM), dtype=cupy.float32)
         self.active = cupy.zeros((rows,), dtype=cupy.int32)
-        self.host_fbank = _pinned((batch, FRAMES, MEL_BINS), np.float32)
-        self.host_masks = _pinned((batch * MAX_SPEAKERS * MAX_MASK_FRAMES,), np.float32)
-        self.host_frames = _pinned((1,), np.int32)
-        self.host_output = _pinned((rows, EMBEDDING_DIM), np.float32)
-        self.host_active = _pinned((rows,), np.int32)
+        self.host_output = pinned((rows, EMBEDDING_DIM), np.float32)
+        self.host_active = pinned((rows,), np.int32)
         self.convs: list[ConvChoice] = []
         self.graph = None  # cupy.cuda.Graph once captured
         self.graph_check: str | None = None  # why a captured graph was dropped, if it was
@@ -267,23 +266,11 @@ class Plan:
             raise InputLengthError("fbank", chunks * FRAMES * MEL_BINS, int(fbank.size))
         return chunks, frames
 
-    def upload(self, fbank: np.ndarray, masks: np.ndarray) -> int:
-        """Stage the inputs in pinned memory and enqueue their copies; returns chunks.
-        Rows past `chunks` keep stale values: rows never mix in the trunk, and their
-        outputs are not read."""
-        import cupy
-
-        chunks, frames = self.check_inputs(fbank, masks)
-        self.host_fbank.reshape(-1)[: fbank.size] = np.asarray(fbank, dtype=np.float32).reshape(-1)
-        self.host_masks[: masks.size] = np.asarray(masks, dtype=np.float32).reshape(-1)
-        self.host_frames[0] = frames
-        copy = cupy.cuda.runtime.memcpyAsync
-        h2d = cupy.cuda.runtime.memcpyHostToDevice
-        ptr = self.stream.ptr
-        copy(self.fbank.data.ptr, self.host_fbank.ctypes.data, fbank.size * 4, h2d, ptr)
-        copy(self.masks.data.ptr, self.host_masks.ctypes.data, masks.size * 4, h2d, ptr)
-        copy(self.mask_frames.data.ptr, self.host_frames.ctypes.data, 4, h2d, ptr)
-        return chunks
+    def load(self, slot: InputSlot) -> None:
+        """Enqueue the move of a staged batch into this plan's inputs (see staging.py).
+        Rows past the batch's chunks keep stale values: rows never mix in the trunk, and
+        their outputs are not read."""
+        slot.move_to(self.fbank, self.masks, self.mask_frames, self.stream)
 
     def download(self, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """(output [chunks*3, 256], active frames [chunks*3]) copied back (synchronises)."""
@@ -361,17 +348,7 @@ class Plan:
         return sum(int(a.nbytes) for a in own)
 
     def pinned_bytes(self) -> int:
-        staged = (self.host_fbank, self.host_masks, self.host_frames, self.host_output, self.host_active)
-        return sum(int(a.nbytes) for a in staged)
-
-
-def _pinned(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """A NumPy array in page-locked host memory (asynchronous copies need it)."""
-    import cupy
-
-    count = int(np.prod(shape))
-    memory = cupy.cuda.alloc_pinned_memory(count * np.dtype(dtype).itemsize)
-    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+        return int(self.host_output.nbytes + self.host_active.nbytes)
 
 
 def nhwc_to_nchw(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
