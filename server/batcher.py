@@ -6,9 +6,9 @@ whenever an engine worker is free it takes up to `max_batch` chunks in arrival o
 across requests, splitting a large request over several batches. A batch that is not full
 waits at most `max_delay_s` (from its oldest chunk's arrival) for more chunks.
 
-Two workers run batches at once, because `Engine.run_batch` is safe for two threads: on the
-GPU one batch's host-to-device copy and pooling overlap the other's trunk compute. A batch
-is formed only when a worker is free, so while both are busy the queue grows and the next
+PIPELINE_DEPTH workers run batches at once (`Engine.run_batch` is thread-safe): on the GPU
+one batch computes while the next ones are assembled, staged and uploaded. A batch is
+formed only when a worker is free, so while all are busy the queue grows and the next
 batch leaves fuller.
 
 All queue state lives on the event loop thread; workers only read the requests' arrays
@@ -34,9 +34,10 @@ from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-#: Batches in flight at once: one computing while the next copies in (two-stage pipeline);
-#: the engine contract guarantees run_batch is safe for exactly this many threads.
-PIPELINE_DEPTH = 2
+#: Batches in flight at once: one computing while two are assembled and uploaded. Two
+#: were not enough on the H200: assembling and staging a b32 batch (~8 ms of host work
+#: under load) outlasts its ~7 ms TF32 compute, so the GPU waited between batches.
+PIPELINE_DEPTH = 3
 
 
 class BatcherError(Exception):

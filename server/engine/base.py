@@ -128,8 +128,8 @@ class Engine(abc.ABC):
         GPU in its pooling kernel, ONNX Runtime inside the graph). A batch mixing requests
         of different F is resized on the host to F = 125 first, where the nearest resize
         is the identity, so a chunk's embedding does not depend on its neighbours.
-        Must be safe to call from two threads at once: the batcher overlaps one batch's
-        host-to-device copy with the previous batch's compute that way.
+        Must be safe to call from several threads at once: the batcher overlaps batches'
+        assembly and host-to-device copies with the previous batch's compute that way.
         """
 
     def plan_times_ms(self) -> dict[int, float]:

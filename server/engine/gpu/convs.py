@@ -1,7 +1,8 @@
 """Trunk convolutions through cuDNN frontend graphs (NHWC, float32 storage).
 
 Each distinct (shape, batch, math, fusion) gets one cuDNN graph whose execution plans
-are built one by one and timed once on real buffers; the fastest is kept (SPEC 4: the
+are built one by one and timed once on real buffers, replayed from CUDA graphs; the
+fastest is kept (SPEC 4: the
 heuristic's first plan was up to 7x slower than the best). Buffers are bound at
 execution, so one graph serves every convolution of that shape in the trunk.
 
@@ -15,10 +16,8 @@ Math:
   faster of the cuDNN fused graph (conv + bias [+ residual] [+ ReLU]) and the bare conv
   + our epilogue kernel is used.
 Non-deterministic engines are always excluded, so two eager passes agree bit for bit.
-And a plan is kept only if one execution of it captured into a CUDA graph and replayed
-writes the same bits as its eager execution: on the H200 some TF32 b1 plan did not (the
-whole forward's replay differed from eager in every output, by up to 1e-3), and the
-serving path replays graphs.
+Plans are timed as they serve: one execution captured into a CUDA graph and replayed.
+A plan whose replay does not write the same bits as its eager execution is no candidate.
 
 Why plans are built one index at a time rather than with `build_plans(ALL)`: the C++
 frontend refuses to build a deselected plan with an error that is not a "not
@@ -213,16 +212,27 @@ def build_graph(key: ConvKey, handle):
     return graph, tensors
 
 
-def replay_matches_eager(
-    graph, index: int, pack: dict, handle, stream, y_ptr: int, elements: int, workspace_bytes: int
-) -> bool:
-    """Whether plan `index`, captured alone into a CUDA graph and replayed, writes exactly
-    what its eager execution writes to Y (set-up only: allocates a workspace and copies)."""
+def _y_view(y_ptr: int, elements: int):
+    """A CuPy view of a convolution's output buffer (owned by the plan)."""
     import cupy
 
     memory = cupy.cuda.UnownedMemory(y_ptr, elements * 4, owner=None)
-    y = cupy.ndarray((elements,), dtype=cupy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
-    workspace = cupy.empty((max(1, workspace_bytes),), dtype=cupy.uint8)
+    return cupy.ndarray((elements,), dtype=cupy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _time_candidate(graph, index: int, pack: dict, handle, stream, y, best: float | None) -> float:
+    """Median GPU ms of plan `index` replayed from a CUDA graph holding one execution.
+
+    Why replays: graphs are what serves, and at b1 a plan's eager execute costs more host
+    time (~80 us) than GPU time (~15 us), so eager timing ranks host overhead, not plans.
+    The first replay must write exactly what the eager execution wrote, else the plan is
+    no candidate (raises). Allocates a workspace and a copy: set-up only."""
+    import cupy
+
+    need = int(graph.get_workspace_size_plan_at_index(index))
+    if need > MAX_WORKSPACE_BYTES:
+        raise RuntimeError(f"needs {need} workspace bytes")
+    workspace = cupy.empty((max(1, need),), dtype=cupy.uint8)
     with stream:
         graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
         eager = y.copy()
@@ -231,32 +241,44 @@ def replay_matches_eager(
         try:
             graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
         finally:
-            captured = stream.end_capture()
+            replay = stream.end_capture()
         y.fill(float("nan"))
-        captured.launch(stream)
-        same = bool(cupy.array_equal(y, eager))
-    stream.synchronize()
-    return same
+        replay.launch(stream)
+        if not bool(cupy.array_equal(y, eager)):
+            raise RuntimeError("its captured replay differs from its eager execution")
+        times = []
+        for run in range(TIMED_RUNS):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            replay.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+            if run == 0 and best is not None and times[0] > HOPELESS * best:
+                break
+    return statistics.median(times)
 
 
-def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGraph:
-    """Build `key`'s graph, build and run each execution plan on `buffers` (device
-    pointers for X, W, Y [, B, Z]) and keep the fastest. Allocates temporary workspaces
-    (set-up only, never on the forward path)."""
-    import cupy
-
+def time_plans(
+    key: ConvKey, handle, stream, buffers: dict[str, int], banned: frozenset[int] = frozenset()
+) -> ConvGraph:
+    """Build `key`'s graph, build and time each execution plan (see _time_candidate) on
+    `buffers` (device pointers for X, W, Y [, B, Z]) and keep the fastest. Plans in
+    `banned` (seen replaying wrongly inside a whole forward) are skipped."""
     started = time.perf_counter()
     graph, tensors = build_graph(key, handle)
     pack = {tensors[name]: pointer for name, pointer in buffers.items()}
+    y = _y_view(buffers["Y"], key.output_elements)
     results: list[float | None] = []
     failures: list[str] = []
-    medians: dict[int, float] = {}  # plan index -> median ms, of the plans that ran
-    best: float | None = None  # fastest median so far
+    best: tuple[float, int] | None = None  # (median ms, plan index) of the fastest so far
     tried = 0
     for index in range(graph.get_execution_plan_count()):
         if tried >= MAX_PLANS:
             break
         try:
+            if index in banned:
+                raise RuntimeError("banned: replayed wrongly inside a captured forward")
             graph.build_plan_at_index(index)  # a deselected plan refuses here, uncounted
         except Exception as error:
             results.append(None)
@@ -264,31 +286,15 @@ def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGra
             continue
         tried += 1
         try:
-            need = int(graph.get_workspace_size_plan_at_index(index))
-            if need > MAX_WORKSPACE_BYTES:
-                raise RuntimeError(f"needs {need} workspace bytes")
-            workspace = cupy.empty((max(1, need),), dtype=cupy.uint8)
-            with stream:
-                graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
-                times = []
-                for run in range(1 + TIMED_RUNS):
-                    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                    start.record(stream)
-                    graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
-                    end.record(stream)
-                    end.synchronize()
-                    times.append(cupy.cuda.get_elapsed_time(start, end))
-                    if run == 0 and best is not None and times[0] > HOPELESS * best:
-                        break
-            ms = statistics.median(times)
-        except Exception as error:  # a deselected or unsupported plan: not a candidate
+            ms = _time_candidate(graph, index, pack, handle, stream, y, None if best is None else best[0])
+        except Exception as error:  # unsupported here, or replays wrongly: not a candidate
             results.append(None)
             failures.append(f"[{index}] {type(error).__name__}: {str(error)[:160]}")
+            log.info("%s: plan %d is not a candidate: %s", key.label(), index, str(error)[:160])
             continue
         results.append(round(ms, 4))
-        medians[index] = ms
-        if best is None or ms < best:
-            best = ms
+        if best is None or ms < best[0]:
+            best = (ms, index)
     if best is None:
         deselected = sum("Deselecting" in failure for failure in failures)
         others = [failure for failure in failures if "Deselecting" not in failure][:MAX_PLANS]
@@ -296,22 +302,7 @@ def time_plans(key: ConvKey, handle, stream, buffers: dict[str, int]) -> ConvGra
             f"cuDNN has no working execution plan for {key.label()}: {deselected} deselected by the "
             f"numerical notes of {key.math}; others: {'; '.join(others) or 'none'}"
         )
-
-    def replays(index: int) -> bool:
-        need = int(graph.get_workspace_size_plan_at_index(index))
-        if replay_matches_eager(graph, index, pack, handle, stream, buffers["Y"], key.output_elements, need):
-            return True
-        results[index] = None
-        failures.append(f"[{index}] captured replay differs from eager")
-        log.info("%s: plan %d replays differently from eager; not a candidate", key.label(), index)
-        return False
-
-    # fastest first; the first whose captured replay matches its eager run is kept
-    ranked = sorted((t, i) for i, t in medians.items())
-    chosen = next(((t, i) for t, i in ranked if replays(i)), None)
-    if chosen is None:
-        raise RuntimeError(f"{key.label()}: no plan replays from a CUDA graph as it runs eagerly: {failures}")
-    ms, index = chosen
+    ms, index = best
     need = int(graph.get_workspace_size_plan_at_index(index))
     try:
         name = str(graph.get_plan_name_at_index(index))

@@ -9,7 +9,7 @@ never TF32, whatever the trunk's math).
 
 Plans never run at once: every entry point holds one lock while it computes, and all
 compute is ordered on one stream, so the arena and the workspace can be shared safely and
-two threads may call `run_batch` at once. Only the input upload happens outside the lock,
+several threads may call `run_batch` at once. Only the input upload happens outside the lock,
 into a staging slot of its own on a copy stream (staging.py), so one batch's copy overlaps
 the other's compute.
 """
@@ -78,6 +78,7 @@ class GpuEngine(Engine):
         self._weights: dict[int, tuple] = {}
         self._graphs: dict[ConvKey, ConvGraph] = {}
         self._failed: dict[ConvKey, str] = {}
+        self._banned: dict[ConvKey, set[int]] = {}  # plans that replayed wrongly in a forward
         self._instances: list[ConvGraph] = []
         self.seg_weight = cupy.asarray(model.seg_weight)  # [256, 5120] row-major
         self.seg_bias = cupy.asarray(model.seg_bias)
@@ -98,9 +99,9 @@ class GpuEngine(Engine):
         self.stream.synchronize()
         cupy.get_default_memory_pool().free_all_blocks()  # timing scratch goes back
         self._times: dict[int, float] = {}
+        if graphs:
+            self._capture_all()
         for plan in self.plans.values():
-            if graphs:
-                plan.capture_graph()
             self._times[plan.batch] = self._time_plan(plan)
         self.setup_s = time.perf_counter() - started
         log.info(
@@ -125,13 +126,15 @@ class GpuEngine(Engine):
         return weight, bias
 
     def conv_graph(self, key: ConvKey, buffers: dict[str, int], required: bool = True) -> ConvGraph | None:
-        """The cuDNN graph for `key`, built and its plans timed on first request. A graph
-        cuDNN cannot serve raises when `required`, else gives None (a fused candidate)."""
+        """The cuDNN graph for `key`, built and its plans timed on first request (again after
+        a ban). A graph cuDNN cannot serve raises when `required`, else gives None (a fused
+        candidate)."""
         if key in self._failed and not required:
             return None
         if key not in self._graphs:
             try:
-                self._graphs[key] = time_plans(key, self.handle, self.stream, buffers)
+                banned = frozenset(self._banned.get(key, ()))
+                self._graphs[key] = time_plans(key, self.handle, self.stream, buffers, banned)
             except Exception as error:
                 if required:
                     raise
@@ -139,6 +142,24 @@ class GpuEngine(Engine):
                 log.info("no fused cuDNN graph for %s: %s", key.label(), str(error)[:300])
                 return None
         return self._graphs[key]
+
+    def ban(self, key: ConvKey, plan_index: int) -> None:
+        """Never use plan `plan_index` for `key` again (it replayed wrongly inside a captured
+        forward); the next conv_graph(key) times the remaining plans."""
+        self._banned.setdefault(key, set()).add(plan_index)
+        self._graphs.pop(key, None)
+
+    def ensure_workspace(self, need: int) -> bool:
+        """Grow the shared cuDNN workspace to `need` bytes; True when it moved (captured
+        graphs hold its old address and must be captured again)."""
+        import cupy
+
+        if need <= self.workspace.nbytes:
+            return False
+        with self.stream:
+            self.workspace = cupy.zeros((need,), dtype=cupy.uint8)
+        self.stream.synchronize()
+        return True
 
     def conv_instance(self, prototype: ConvGraph) -> ConvGraph:
         """A graph of its own for one convolution, with the plan timed on `prototype`
@@ -271,10 +292,20 @@ class GpuEngine(Engine):
         return [(name, float(np.median(values))) for name, values in samples.items()]
 
     def capture_graph(self, batch: int) -> None:
-        """(Re)capture plan `batch`'s forward into a CUDA graph."""
+        """(Re)capture plan `batch`'s forward into a CUDA graph (all plans' graphs when a
+        re-chosen convolution had to grow the shared workspace)."""
         with self._lock:
             self._check_open()
-            self.plans[batch].capture_graph()
+            if self.plans[batch].capture_graph():
+                self._capture_all()
+
+    def _capture_all(self) -> None:
+        """Capture every plan's graph; again while a capture grew the workspace (the
+        graphs captured before it would hold its old address)."""
+        for _ in range(len(self.plans) + 1):
+            if not any([plan.capture_graph() for plan in self.plans.values()]):
+                return
+        raise RuntimeError("the cuDNN workspace kept growing while graphs were captured")
 
     def has_graph(self, batch: int) -> bool:
         return self.plans[batch].graph is not None

@@ -50,6 +50,9 @@ EPILOGUE_THREADS = 256
 EPILOGUE_BLOCKS_PER_SM = 8
 #: Repetitions when timing our epilogue kernel against cuDNN's fused graph.
 EPILOGUE_TIMED_RUNS = 5
+#: Convolutions chosen again, at most, when a captured forward replays differently from
+#: eager (each time the first diverging convolution's plan is banned); then it runs eagerly.
+MAX_RECHOICES = 8
 #: fbank_to_stem tile (kernels/speakerd.cu TILE) and its block shape.
 TRANSPOSE_TILE = 32
 TRANSPOSE_ROWS = 8
@@ -85,6 +88,9 @@ class ConvChoice:
     bare_ms: float  # bare conv + our epilogue, as measured (what a fused graph had to beat)
     fused_ms: float | None  # cuDNN's fused graph, when it was a candidate and ran
     elements: int  # floats of this conv's output (its buffer is a view of the widest size)
+    folded: FoldedConv  # what it was chosen from, to choose again (see Plan.capture_graph)
+    x: object
+    epilogue: str  # the epilogue asked for, whoever runs it
 
     @property
     def ms(self) -> float:
@@ -144,6 +150,9 @@ class Plan:
             bare_ms,
             None,
             elements,
+            folded,
+            x,
+            epilogue,
         )
         if self.math != Math.FP32:  # strict FP32 fused graphs run 26-76 ms: never candidates
             fused_buffers = dict(buffers, B=bias.data.ptr)
@@ -209,15 +218,16 @@ class Plan:
         args += [np.int64(vectors), np.int32(channels // 4)]
         self.engine.kernel(kernel)((blocks,), (EPILOGUE_THREADS,), tuple(args), stream=self.stream)
 
-    def forward(self, hook: TapHook | None = None) -> None:
-        """Enqueue the whole forward on the plan's stream; `hook` sees each tap in order."""
+    def forward(self, hook: TapHook | None = None, stop: int | None = None) -> None:
+        """Enqueue the forward (its first `stop` steps, when given) on the plan's stream;
+        `hook` sees each tap in order."""
         with self.stream:  # CuPy launches on its current stream: make it ours, whoever calls
-            self._enqueue(hook)
+            self._enqueue(hook, stop)
 
-    def _enqueue(self, hook: TapHook | None) -> None:
+    def _enqueue(self, hook: TapHook | None, stop: int | None) -> None:
         handle = self.engine.handle
         workspace = self.engine.workspace.data.ptr
-        for kind, payload in self.steps:
+        for kind, payload in self.steps[:stop]:
             if kind == "conv":
                 choice: ConvChoice = payload  # type: ignore[assignment]
                 choice.graph.execute(choice.pack, workspace, handle)
@@ -295,14 +305,35 @@ class Plan:
         self.forward()
         return "eager"
 
-    def capture_graph(self) -> None:
-        """Record the forward into a CUDA graph. Warmed up eagerly first (kernels loaded,
-        cuBLAS and cuDNN initialised) so the capture records only launches."""
-        self.forward()
+    def capture_graph(self) -> bool:
+        """Record the forward into a CUDA graph, kept only if its replay is bit-identical to
+        eager. When it is not, the first convolution whose captured prefix replays
+        differently has its plan banned and is chosen again (up to MAX_RECHOICES times);
+        failing that the plan serves eagerly. True when a re-choice grew the shared
+        workspace (graphs of the other plans must then be captured again)."""
+        moved = False
+        for _ in range(MAX_RECHOICES + 1):
+            self._capture()
+            self.graph_check = self._check_graph()
+            if self.graph_check is None:
+                return moved
+            step = self._first_divergent_conv()
+            if step is None:
+                break
+            moved |= self._choose_again(step)
+        log.warning("b%d graph replay differs from eager (%s): serving this plan eagerly",
+                    self.batch, self.graph_check)  # fmt: skip
+        self.graph = None
+        return moved
+
+    def _capture(self, stop: int | None = None):
+        """Capture the forward (its first `stop` steps) after an eager warm-up (kernels
+        loaded, cuBLAS and cuDNN initialised) so the capture records only launches."""
+        self.forward(stop=stop)
         self.stream.synchronize()
         self.stream.begin_capture()
         try:
-            self.forward()
+            self.forward(stop=stop)
         finally:
             graph = self.stream.end_capture()
         if hasattr(graph, "upload"):  # instantiate on the device now, not at the first replay
@@ -311,19 +342,11 @@ class Plan:
             except TypeError:  # an older CuPy's upload() takes no stream
                 graph.upload()
         self.stream.synchronize()
-        self.graph = graph
-        self.graph_check = self._check_graph()
-        if self.graph_check is not None:
-            log.warning(
-                "b%d graph replay differs from eager (%s): serving this plan eagerly",
-                self.batch,
-                self.graph_check,
-            )
-            self.graph = None
+        if stop is None:
+            self.graph = graph
+        return graph
 
-    def _check_graph(self) -> str | None:
-        """Replay against eager on random inputs (set-up only); None when bit-identical.
-        A captured graph that disagrees with eager is never served."""
+    def _random_inputs(self) -> None:
         import cupy
 
         with self.stream:
@@ -332,6 +355,14 @@ class Plan:
             )
             self.masks.fill(1.0)
             self.mask_frames.fill(1)
+
+    def _check_graph(self) -> str | None:
+        """Replay against eager on random inputs (set-up only); None when bit-identical.
+        A captured graph that disagrees with eager is never served."""
+        import cupy
+
+        self._random_inputs()
+        with self.stream:
             self.forward()
             eager = self.output.copy()
             self.output.fill(0.0)
@@ -340,6 +371,58 @@ class Plan:
             worst = float(cupy.max(cupy.abs(self.output - eager)).get())
         self.stream.synchronize()
         return None if differ == 0 else f"{differ} of {eager.size} values differ, max abs {worst:.3g}"
+
+    def _prefix_differs(self, step: int) -> bool:
+        """Whether the forward up to and including conv step `step`, captured and replayed,
+        writes that convolution's output differently from eager."""
+        import cupy
+
+        choice: ConvChoice = self.steps[step][1]  # type: ignore[assignment]
+        y = choice.y[: choice.elements]
+        graph = self._capture(stop=step + 1)
+        with self.stream:
+            self.forward(stop=step + 1)
+            eager = y.copy()
+            y.fill(float("nan"))
+            graph.launch(self.stream)
+            same = bool(cupy.array_equal(y, eager))
+        self.stream.synchronize()
+        return not same
+
+    def _first_divergent_conv(self) -> int | None:
+        """Step index of the first convolution whose captured prefix replays differently
+        (binary search: once a prefix diverges, longer ones do too); None when every conv
+        matches (the difference is in pooling or the linear)."""
+        self._random_inputs()
+        steps = [i for i, (kind, _) in enumerate(self.steps) if kind == "conv"]
+        if not self._prefix_differs(steps[-1]):
+            return None
+        low, high = 0, len(steps) - 1  # steps[high] differs
+        while low < high:
+            middle = (low + high) // 2
+            if self._prefix_differs(steps[middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return steps[high]
+
+    def _choose_again(self, step: int) -> bool:
+        """Ban the plan of conv step `step` for its key and choose again every conv of this
+        forward that ran that plan; True when the workspace had to grow."""
+        bad: ConvChoice = self.steps[step][1]  # type: ignore[assignment]
+        key, index = bad.graph.key, bad.graph.plan_index
+        log.warning(
+            "b%d: %s plan %s replays differently inside the captured forward; choosing again without it",
+            self.batch, bad.name, bad.graph.plan_name,
+        )  # fmt: skip
+        self.engine.ban(key, index)
+        for i, (kind, payload) in enumerate(self.steps):
+            if kind == "conv" and payload.graph.key == key and payload.graph.plan_index == index:
+                c: ConvChoice = payload  # type: ignore[assignment]
+                self.steps[i] = ("conv", self._choose(c.name, c.folded, c.x, c.y, c.epilogue, c.residual))
+        self.convs = [payload for kind, payload in self.steps if kind == "conv"]  # type: ignore[misc]
+        need = max(choice.graph.workspace_bytes for choice in self.convs)
+        return self.engine.ensure_workspace(need)
 
     # ----- reports ----------------------------------------------------------------------
     def own_bytes(self) -> int:

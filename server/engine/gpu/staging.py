@@ -17,9 +17,10 @@ import numpy as np
 from server.architecture import FRAMES, MAX_SPEAKERS, MEL_BINS
 from server.inputs import MAX_MASK_FRAMES
 
-#: Slots in rotation: one being consumed by the compute stream and one being filled
-#: (the batcher runs two batches at once); more would only hold memory.
-INPUT_SLOTS = 2
+#: Slots in rotation, one per batch the batcher keeps in flight (batcher.PIPELINE_DEPTH):
+#: one consumed by the compute stream while the others fill. A thread finding none free
+#: waits; more would only hold memory.
+INPUT_SLOTS = 3
 
 
 class InputSlot:
