@@ -52,8 +52,9 @@ def from_tensor(tensor: pb.Tensor, field: str) -> np.ndarray:
         raise TensorError(field, f"shape {list(shape)} is not an array shape")
     dtype = DTYPES[tensor.dtype]
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(tensor.data) != expected:
+    data = tensor.data  # each read of a bytes field copies it out of the message: read once
+    if len(data) != expected:
         raise TensorError(
-            field, f"{len(tensor.data)} bytes, expected {expected} for shape {list(shape)} of {dtype.name}"
+            field, f"{len(data)} bytes, expected {expected} for shape {list(shape)} of {dtype.name}"
         )
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape)

@@ -21,6 +21,10 @@ SONAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
 #: CUBLAS_DEFAULT_MATH never uses TF32 (cublasMath_t = 0): the linear stays strict FP32.
 CUBLAS_DEFAULT_MATH = 0
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+#: cuBLAS workspace given to the handle (cublasSetWorkspace): the size NVIDIA recommends
+#: for Hopper. Without a user workspace cuBLAS may pick other algorithms while a stream
+#: is being captured than when it runs eagerly, and a captured linear must replay eager's bits.
+WORKSPACE_BYTES = 32 << 20
 #: Scalars alpha/beta read from host memory (cublasPointerMode_t = 0); a captured graph
 #: holds the values read at capture time.
 CUBLAS_POINTER_MODE_HOST = 0
@@ -62,6 +66,8 @@ class Cublas:
     """One cuBLAS handle, bound once to `stream_ptr`, with FP32 GEMM in default math."""
 
     def __init__(self, stream_ptr: int) -> None:
+        import cupy
+
         lib = _library()
         p, i = ctypes.c_void_p, ctypes.c_int
         self._sgemm = lib.cublasSgemm_v2
@@ -76,6 +82,11 @@ class Cublas:
         self._check("cublasSetMathMode", lib.cublasSetMathMode(p(self.handle), i(CUBLAS_DEFAULT_MATH)))
         mode = lib.cublasSetPointerMode_v2(p(self.handle), i(CUBLAS_POINTER_MODE_HOST))
         self._check("cublasSetPointerMode_v2", mode)
+        # after SetStream, which resets a handle's workspace to cuBLAS's default pool
+        self.workspace = cupy.zeros((WORKSPACE_BYTES,), dtype=cupy.uint8)
+        size = ctypes.c_size_t(WORKSPACE_BYTES)
+        status = lib.cublasSetWorkspace_v2(p(self.handle), p(self.workspace.data.ptr), size)
+        self._check("cublasSetWorkspace_v2", status)
         self._one = np.ones((1,), dtype=np.float32)
         self._zero = np.zeros((1,), dtype=np.float32)
 

@@ -335,7 +335,7 @@ class GpuEngine(Engine):
         arena = sum(int(a.nbytes) for a in self.arena.values())
         weights = sum(int(w.nbytes) + int(b.nbytes) for w, b, _ in self._weights.values())
         weights += int(self.seg_weight.nbytes) + int(self.seg_bias.nbytes)
-        workspace = int(self.workspace.nbytes)
+        workspace = int(self.workspace.nbytes) + int(self.cublas.workspace.nbytes)  # cuDNN + cuBLAS
         return {
             "buffers": own + arena,
             "weights": weights,

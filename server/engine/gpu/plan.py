@@ -372,13 +372,19 @@ class Plan:
         self.stream.synchronize()
         return None if differ == 0 else f"{differ} of {eager.size} values differ, max abs {worst:.3g}"
 
+    def _step_output(self, step: int):
+        """The buffer step `step` writes: a conv's output, pooled, or the embeddings."""
+        kind, payload = self.steps[step]
+        if kind == "conv":
+            return payload.y[: payload.elements]  # type: ignore[attr-defined]
+        return {"pool": self.pooled, "linear": self.output}[kind]
+
     def _prefix_differs(self, step: int) -> bool:
-        """Whether the forward up to and including conv step `step`, captured and replayed,
-        writes that convolution's output differently from eager."""
+        """Whether the forward up to and including step `step` (a conv, the pooling or the
+        linear), captured and replayed, writes that step's output differently from eager."""
         import cupy
 
-        choice: ConvChoice = self.steps[step][1]  # type: ignore[assignment]
-        y = choice.y[: choice.elements]
+        y = self._step_output(step)
         graph = self._capture(stop=step + 1)
         with self.stream:
             self.forward(stop=step + 1)
@@ -392,10 +398,14 @@ class Plan:
     def _first_divergent_conv(self) -> int | None:
         """Step index of the first convolution whose captured prefix replays differently
         (binary search: once a prefix diverges, longer ones do too); None when every conv
-        matches (the difference is in pooling or the linear)."""
+        matches, after logging whether the pooling or the linear differs."""
         self._random_inputs()
         steps = [i for i, (kind, _) in enumerate(self.steps) if kind == "conv"]
         if not self._prefix_differs(steps[-1]):
+            tail = [i for i, (kind, _) in enumerate(self.steps) if kind in ("pool", "linear")]
+            first = next((self.steps[i][0] for i in tail if self._prefix_differs(i)), "neither step alone")
+            log.warning("b%d: every convolution replays as eager; the first step that differs: %s",
+                        self.batch, first)  # fmt: skip
             return None
         low, high = 0, len(steps) - 1  # steps[high] differs
         while low < high:
