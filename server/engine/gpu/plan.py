@@ -27,6 +27,7 @@ from server.architecture import (
     BLOCKS,
     EMBEDDING_DIM,
     FRAMES,
+    MASK_FRAMES,
     MAX_SPEAKERS,
     MEL_BINS,
     STATS_DIM,
@@ -53,6 +54,8 @@ EPILOGUE_TIMED_RUNS = 5
 #: Convolutions chosen again, at most, when a captured forward replays differently from
 #: eager (each time the first diverging convolution's plan is banned); then it runs eagerly.
 MAX_RECHOICES = 8
+#: Replays compared with eager per check input set when a graph is captured.
+GRAPH_CHECK_REPLAYS = 8
 #: fbank_to_stem tile (kernels/speakerd.cu TILE) and its block shape.
 TRANSPOSE_TILE = 32
 TRANSPOSE_ROWS = 8
@@ -346,31 +349,47 @@ class Plan:
             self.graph = graph
         return graph
 
-    def _random_inputs(self) -> None:
+    def _random_inputs(self, realistic: bool = False) -> None:
+        """Check inputs: random fbank with masks all ones over one frame, or (`realistic`)
+        random 0/1 masks over MASK_FRAMES frames with the last speaker of chunk 0 empty."""
         import cupy
 
+        random = cupy.random.RandomState(self.batch + int(realistic))
         with self.stream:
-            self.fbank[...] = cupy.random.RandomState(self.batch).standard_normal(
-                self.fbank.shape, dtype=cupy.float32
-            )
-            self.masks.fill(1.0)
-            self.mask_frames.fill(1)
+            self.fbank[...] = random.standard_normal(self.fbank.shape, dtype=cupy.float32)
+            if not realistic:
+                self.masks.fill(1.0)
+                self.mask_frames.fill(1)
+                return
+            used = self.batch * MAX_SPEAKERS * MASK_FRAMES
+            self.masks[:used] = (random.random_sample(used) > 0.5).astype(cupy.float32)
+            self.masks[(MAX_SPEAKERS - 1) * MASK_FRAMES : MAX_SPEAKERS * MASK_FRAMES] = 0.0
+            self.mask_frames.fill(MASK_FRAMES)
 
     def _check_graph(self) -> str | None:
-        """Replay against eager on random inputs (set-up only); None when bit-identical.
-        A captured graph that disagrees with eager is never served."""
+        """Replays against eager (set-up only); None when bit-identical every time. Two
+        input sets, GRAPH_CHECK_REPLAYS replays each (a race inside the graph shows up as
+        replays that disagree). A captured graph that disagrees with eager is never served."""
         import cupy
 
-        self._random_inputs()
-        with self.stream:
-            self.forward()
-            eager = self.output.copy()
-            self.output.fill(0.0)
-            self.graph.launch(self.stream)
-            differ = int(cupy.count_nonzero(self.output != eager).get())
-            worst = float(cupy.max(cupy.abs(self.output - eager)).get())
-        self.stream.synchronize()
-        return None if differ == 0 else f"{differ} of {eager.size} values differ, max abs {worst:.3g}"
+        for realistic in (False, True):
+            self._random_inputs(realistic)
+            with self.stream:
+                self.forward()
+                eager, eager_active = self.output.copy(), self.active.copy()
+                for replay in range(GRAPH_CHECK_REPLAYS):
+                    self.output.fill(float("nan"))
+                    self.active.fill(-1)
+                    self.graph.launch(self.stream)
+                    differ = int(cupy.count_nonzero(self.output != eager).get())
+                    differ += int(cupy.count_nonzero(self.active != eager_active).get())
+                    if differ:
+                        worst = float(cupy.nanmax(cupy.abs(self.output - eager)).get())
+                        self.stream.synchronize()
+                        inputs = "realistic masks" if realistic else "masks of ones"
+                        return f"replay {replay + 1} on {inputs}: {differ} values differ, max abs {worst:.3g}"
+            self.stream.synchronize()
+        return None
 
     def _step_output(self, step: int):
         """The buffer step `step` writes: a conv's output, pooled, or the embeddings."""
