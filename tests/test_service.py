@@ -30,6 +30,7 @@ from speakerd.v1.tensors import to_tensor
 from client.client import NO_RETRY, RetryPolicy, SpeakerClient, build_request
 from client.verify import main as verify_main
 from server.architecture import EMBEDDING_DIM, FRAMES, MEL_BINS
+from server.batcher import PIPELINE_DEPTH
 from server.engine.base import Math
 from server.engine.cpu import CpuEngine
 from server.metrics import METRIC_NAMES
@@ -294,11 +295,11 @@ def test_full_queue_is_resource_exhausted_and_retry_gets_through(small_server: S
 def test_expired_deadline_costs_no_engine_work(small_server: ServerProcess, mixed) -> None:
     before = scrape(small_server)
     with ThreadPoolExecutor(3) as pool:
-        # two full b8 batches: both engine workers busy for ~1 s each (two 4-chunk requests
-        # would share one batch and leave a worker free to serve the next call in time),
-        # sent 0.2 s apart so the first has left the 8-chunk queue when the second arrives
+        # one full b8 batch per engine worker: all busy for ~1 s each (smaller requests
+        # would share a batch and leave a worker free to serve the next call in time),
+        # sent 0.2 s apart so each has left the 8-chunk queue when the next arrives
         busy = []
-        for _ in range(2):
+        for _ in range(PIPELINE_DEPTH):
             busy.append(
                 pool.submit(SpeakerClient(small_server.target, 120).embed, mixed.fbank[:8], mixed.masks[:8])
             )
@@ -314,7 +315,8 @@ def test_expired_deadline_costs_no_engine_work(small_server: ServerProcess, mixe
     time.sleep(0.5)
     after = scrape(small_server)
     embedded = delta(before, after, "speakerd_chunks_embedded_total{}")
-    assert embedded == 16, f"{embedded} chunks embedded; only the two busy requests' 16 should be"
+    expected = 8 * PIPELINE_DEPTH
+    assert embedded == expected, f"{embedded} chunks embedded; only the busy requests' {expected} should be"
     dropped = sum(delta(before, after, f"speakerd_requests_rejected_total{{reason={r}}}")
                   for r in ("deadline_exceeded", "cancelled"))  # fmt: skip
     assert dropped == 1, f"rejections {dropped}"
