@@ -51,7 +51,7 @@ TIMED_RUNS = 5
 HOPELESS = 3.0
 #: Execution plans that build and are timed per graph, in heuristic order (deselected ones
 #: do not count: in strict FP32 the first dozen are all tensor-core plans). The best of every
-#: trunk shape (measurements/2026-12-02-h200-cudnn-*.jsonl) was within the first 12, and
+#: trunk shape (../shared/measurements/2026-12-02-h200-cudnn-*.jsonl) was within the first 12, and
 #: each runtime-compiled plan costs an NVRTC build at start-up.
 MAX_PLANS = 12
 #: Plans needing more workspace than this are not candidates (none of the measured best
