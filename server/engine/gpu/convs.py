@@ -237,6 +237,15 @@ def _capture_one(graph, index: int, pack: dict, workspace, handle, stream, mode:
     return captured
 
 
+def replay_matches(captured, stream, y, eager) -> bool:
+    """Launch `captured` on `stream` over a NaN-filled `y`; whether it wrote exactly `eager`."""
+    import cupy
+
+    y.fill(float("nan"))
+    captured.launch(stream)
+    return bool(cupy.array_equal(y, eager))
+
+
 def _replays_strictly(graph, index: int, pack: dict, workspace, handle, stream, y, eager) -> bool:
     """Whether plan `index` captures in global mode (any call that cannot be captured, e.g.
     work on the legacy stream, invalidates the capture) and two replays over a workspace
@@ -252,9 +261,7 @@ def _replays_strictly(graph, index: int, pack: dict, workspace, handle, stream, 
         return False
     for _ in range(2):
         workspace.fill(255)
-        y.fill(float("nan"))
-        captured.launch(stream)
-        if not bool(cupy.array_equal(y, eager)):
+        if not replay_matches(captured, stream, y, eager):
             return False
     return True
 
@@ -281,9 +288,7 @@ def _time_candidate(
         stream.synchronize()
         strict = _replays_strictly(graph, index, pack, workspace, handle, stream, y, eager)
         replay = _capture_one(graph, index, pack, workspace, handle, stream, None)
-        y.fill(float("nan"))
-        replay.launch(stream)
-        if not bool(cupy.array_equal(y, eager)):
+        if not replay_matches(replay, stream, y, eager):
             raise RuntimeError("its captured replay differs from its eager execution")
         times = []
         for run in range(TIMED_RUNS):

@@ -38,7 +38,7 @@ from server.architecture import (
     tap_shape,
 )
 from server.engine.base import Math
-from server.engine.gpu.convs import ConvGraph, ConvKey
+from server.engine.gpu.convs import ConvGraph, ConvKey, replay_matches
 from server.engine.gpu.staging import InputSlot, pinned
 from server.inputs import MAX_MASK_FRAMES, InputLengthError
 from server.weights import FoldedConv, FoldedModel
@@ -329,10 +329,12 @@ class Plan:
         self.graph = None
         return moved
 
-    def _capture(self, stop: int | None = None):
-        """Capture the forward (its first `stop` steps) after an eager warm-up (kernels
-        loaded, cuBLAS and cuDNN initialised) so the capture records only launches."""
-        self.forward(stop=stop)
+    def _capture(self, stop: int | None = None, warm_up: bool = True):
+        """Capture the forward (its first `stop` steps), after an eager warm-up (kernels
+        loaded, cuBLAS and cuDNN initialised) so the capture records only launches;
+        `warm_up=False` when the caller has just run those steps eagerly."""
+        if warm_up:
+            self.forward(stop=stop)
         self.stream.synchronize()
         self.stream.begin_capture()
         try:
@@ -401,16 +403,13 @@ class Plan:
     def _prefix_differs(self, step: int) -> bool:
         """Whether the forward up to and including step `step` (a conv, the pooling or the
         linear), captured and replayed, writes that step's output differently from eager."""
-        import cupy
-
         y = self._step_output(step)
-        graph = self._capture(stop=step + 1)
         with self.stream:
             self.forward(stop=step + 1)
             eager = y.copy()
-            y.fill(float("nan"))
-            graph.launch(self.stream)
-            same = bool(cupy.array_equal(y, eager))
+        graph = self._capture(stop=step + 1, warm_up=False)
+        with self.stream:
+            same = replay_matches(graph, self.stream, y, eager)
         self.stream.synchronize()
         return not same
 
