@@ -30,5 +30,5 @@ if kill -0 $SPID 2>/dev/null; then
   kill $SPID; wait $SPID
 fi
 grep -E "self-check|ERROR|Traceback|Error" $OUT/serve.log | head -8
-grep -h "does not capture in global\|replays differently\|no plan replays strictly\|graph replay differs\|first step that differs" $OUT/bench.err $OUT/serve.log | cut -c1-220 | sort | uniq -c | sort -rn | head -12
+grep -h "does not capture in global\|replays differently\|no plan replays strictly\|graph replay differs\|first step that differs\|fusion off\|goes bare" $OUT/bench.err $OUT/serve.log | cut -c1-220 | sort | uniq -c | sort -rn | head -12
 echo "all done at $SECONDS s"

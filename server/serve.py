@@ -20,14 +20,13 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 
 from server import config
 from server.batcher import Batcher
 from server.engine.base import Engine
 from server.metrics import Metrics
 from server.self_check import check_engine
-from server.service import SERVICE_NAME, SpeakerEmbeddingService, package_version
+from server.service import SERVICE_NAME, SpeakerEmbeddingService, package_version, register
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ class SpeakerServer:
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
         self._server = grpc.aio.server(options=options)
-        pb_grpc.add_SpeakerEmbeddingServicer_to_server(self.service, self._server)
+        register(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (

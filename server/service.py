@@ -1,7 +1,9 @@
 """The `speakerd.v1.SpeakerEmbedding` gRPC service on grpc.aio.
 
-A call is decoded and validated off the event loop (a 32-chunk fbank is 10 MB to check for
-NaN), queued in the batcher as chunks, and answered with its own rows in its own order.
+Embed requests reach the handlers as raw bytes (see `register`) and are parsed without
+copying their tensors (request_wire.py); each is validated off the event loop (a 32-chunk
+fbank is 10 MB to check for NaN), queued in the batcher as chunks, and answered with its
+own rows in its own order.
 Every failure maps to one gRPC code and one `speakerd_requests_rejected_total` reason, with a
 message naming the field and what was expected (SPEC 5), and is logged with the request id
 (the `x-request-id` metadata, else the request's `request_id`, else a generated one).
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
@@ -21,7 +23,6 @@ from importlib import metadata
 import grpc
 import numpy as np
 from speakerd.v1 import speakerd_pb2 as pb
-from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
 
 from server.architecture import CHUNK_SAMPLES, EMBEDDING_DIM, FRAMES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS
@@ -29,6 +30,7 @@ from server.batcher import Batcher, DeadlinePassed, Draining, EngineFailed, Queu
 from server.engine.base import Engine, active_frames, pad_speakers
 from server.inputs import InputError, check_fbank, check_masks, check_waveform
 from server.metrics import Metrics
+from server.request_wire import WireError, WireRequest, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class Rejection(Exception):
         self.code = code
         self.reason = reason
         self.message = message
+        self.request_id = ""  # set once the request's id is known
 
 
 @dataclass(frozen=True)
@@ -78,10 +81,10 @@ def _waveform_fbank() -> object | None:
     return fbank
 
 
-def prepare(request: pb.EmbedRequest, max_chunks: int, waveform_fbank: object | None) -> Prepared:
+def prepare(request: WireRequest, max_chunks: int, waveform_fbank: object | None) -> Prepared:
     """Decode and validate; InputError naming the field and the expected shape otherwise."""
     try:
-        kind = request.WhichOneof("features")
+        kind = request.features
         if kind is None:
             raise InputError(
                 "features", f"set fbank [n, {FRAMES}, {MEL_BINS}] or waveform [n, {CHUNK_SAMPLES}]"
@@ -93,7 +96,7 @@ def prepare(request: pb.EmbedRequest, max_chunks: int, waveform_fbank: object | 
             fbank = waveform_fbank(waveform)  # type: ignore[operator]
         else:
             fbank = check_fbank(from_tensor(request.fbank, "fbank"))
-        if not request.HasField("masks"):
+        if request.masks is None:
             raise InputError(
                 "masks", f"missing; expected [{fbank.shape[0]}, s, F] with s in 1..{MAX_SPEAKERS}"
             )
@@ -107,8 +110,10 @@ def prepare(request: pb.EmbedRequest, max_chunks: int, waveform_fbank: object | 
     return Prepared(fbank, pad_speakers(masks), int(masks.shape[1]), active_frames(masks))
 
 
-class SpeakerEmbeddingService(pb_grpc.SpeakerEmbeddingServicer):
-    """Serves the engine attached by `attach`; UNAVAILABLE before that and while draining."""
+class SpeakerEmbeddingService:
+    """Serves the engine attached by `attach`; UNAVAILABLE before that and while draining.
+    Its methods are the generated servicer's, registered by `register` (embed requests as
+    bytes)."""
 
     def __init__(self, metrics: Metrics, max_message_bytes: int) -> None:
         self.metrics = metrics
@@ -142,30 +147,24 @@ class SpeakerEmbeddingService(pb_grpc.SpeakerEmbeddingServicer):
 
     # --- calls -------------------------------------------------------------------------
 
-    async def EmbedChunks(
-        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
-    ) -> pb.EmbedResponse:
-        request_id = _request_id(context, request.request_id)
-        return await self._observed("EmbedChunks", request, context, request_id)
+    async def EmbedChunks(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """`raw`: the serialized EmbedRequest (see `register`)."""
+        return await self._observed("EmbedChunks", raw, context, lambda given: _request_id(context, given))
 
     async def EmbedChunksStream(
-        self, request_iterator: AsyncIterator[pb.EmbedRequest], context: grpc.aio.ServicerContext
+        self, raw_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedResponse]:
         """Answers in request order; up to STREAM_WINDOW requests are batched concurrently."""
         stream_id = _request_id(context, "")
-        window: asyncio.Queue[tuple[str, asyncio.Task[pb.EmbedResponse]] | None] = asyncio.Queue(
-            STREAM_WINDOW
-        )
+        window: asyncio.Queue[asyncio.Task[pb.EmbedResponse] | None] = asyncio.Queue(STREAM_WINDOW)
 
         async def read() -> None:
             index = 0
             try:
-                async for request in request_iterator:
-                    request_id = request.request_id or f"{stream_id}/{index}"
-                    task = asyncio.ensure_future(
-                        self._observed("EmbedChunksStream", request, context, request_id)
-                    )
-                    await window.put((request_id, task))
+                async for raw in raw_iterator:
+                    own = f"{stream_id}/{index}"
+                    call = self._observed("EmbedChunksStream", raw, context, lambda given, f=own: given or f)
+                    await window.put(asyncio.ensure_future(call))
                     index += 1
             finally:
                 await window.put(None)
@@ -173,20 +172,20 @@ class SpeakerEmbeddingService(pb_grpc.SpeakerEmbeddingServicer):
         reader = asyncio.ensure_future(read())
         index = 0
         try:
-            while (item := await window.get()) is not None:
-                request_id, task = item
+            while (task := await window.get()) is not None:
                 try:
                     response = await task
                 except Rejection as error:
-                    await context.abort(error.code, f"request {index} (id {request_id}): {error.message}")
+                    where = f"request {index} (id {error.request_id})"
+                    await context.abort(error.code, f"{where}: {error.message}")
                 yield response
                 index += 1
         finally:
             reader.cancel()
             while not window.empty():
-                item = window.get_nowait()
-                if item is not None:
-                    item[1].cancel()
+                task = window.get_nowait()
+                if task is not None:
+                    task.cancel()
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -215,19 +214,32 @@ class SpeakerEmbeddingService(pb_grpc.SpeakerEmbeddingServicer):
     # --- one request -------------------------------------------------------------------
 
     async def _observed(
-        self, method: str, request: pb.EmbedRequest, context: grpc.aio.ServicerContext, request_id: str
+        self,
+        method: str,
+        raw: bytes,
+        context: grpc.aio.ServicerContext,
+        name: Callable[[str], str],
     ) -> pb.EmbedResponse:
-        """Serve one request with its metrics and log line; unary calls abort on Rejection."""
+        """Serve one serialized request with its metrics and log line; `name` turns the
+        request's own request_id into the id it is logged and answered under. Unary calls
+        abort on Rejection; stream calls re-raise it for the stream to abort."""
         started = time.perf_counter()
         code = grpc.StatusCode.OK
+        request_id = name("")
         self._enter()
         try:
+            try:  # a few microseconds: tensors stay views into `raw`
+                request = parse_request(raw)
+            except WireError as error:
+                raise Rejection(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(error)) from error
+            request_id = name(request.request_id)
             response = await self._embed(request, context, request_id)
             log.debug("%s %s: %d chunks in %.1f ms", method, request_id, response.embeddings.shape[0],
                       1e3 * (time.perf_counter() - started))  # fmt: skip
             return response
         except Rejection as error:
             code = error.code
+            error.request_id = request_id
             self.metrics.rejected.labels(reason=error.reason).inc()
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
             log.log(level, "%s %s: %s %s", method, request_id, code.name, error.message)
@@ -261,7 +273,7 @@ class SpeakerEmbeddingService(pb_grpc.SpeakerEmbeddingServicer):
             self._idle.set()
 
     async def _embed(
-        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext, request_id: str
+        self, request: WireRequest, context: grpc.aio.ServicerContext, request_id: str
     ) -> pb.EmbedResponse:
         engine, batcher = self.engine, self.batcher
         if self.draining:
@@ -312,3 +324,24 @@ def _request_id(context: grpc.aio.ServicerContext, given: str) -> str:
         if key == REQUEST_ID_KEY and value:
             return str(value)
     return given or uuid.uuid4().hex[:16]
+
+
+def register(service: SpeakerEmbeddingService, server: grpc.aio.Server) -> None:
+    """Add `service` to `server` as the generated add_SpeakerEmbeddingServicer_to_server
+    would, except that the embed methods get their requests as raw bytes (no request
+    deserializer), for request_wire.parse_request to read without copying the tensors."""
+    handlers = {
+        "EmbedChunks": grpc.unary_unary_rpc_method_handler(
+            service.EmbedChunks, response_serializer=pb.EmbedResponse.SerializeToString
+        ),
+        "EmbedChunksStream": grpc.stream_stream_rpc_method_handler(
+            service.EmbedChunksStream, response_serializer=pb.EmbedResponse.SerializeToString
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo,
+            request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # the generated code's fast path

@@ -34,6 +34,7 @@ from server.batcher import PIPELINE_DEPTH
 from server.engine.base import Math
 from server.engine.cpu import CpuEngine
 from server.metrics import METRIC_NAMES
+from server.service import SERVICE_NAME as SERVICE
 from tests.serving import ServerProcess, start_server
 
 #: Plans of the test servers: b8 keeps CPU batches short (~1 s) yet spans several requests.
@@ -177,6 +178,24 @@ def test_bad_inputs_are_invalid_argument_and_harm_no_one(server: ServerProcess, 
     for name, (request, field) in bad_requests(mixed).items():
         with pytest.raises(grpc.RpcError) as raised:
             stub.EmbedChunks(request, timeout=30)
+        code, details = raised.value.code(), raised.value.details()
+        print(f"{name:<16} {code.name:<18} {details}")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {code} {details}"
+        assert details.startswith(f"{field}:") or f" {field}:" in details, (
+            f"{name}: {details!r} names no {field}"
+        )
+    # bytes no protobuf encoder would write: the server parses them itself (request_wire.py)
+    raw_call = channel.unary_unary(
+        f"/{SERVICE}/EmbedChunks", response_deserializer=pb.EmbedResponse.FromString
+    )
+    whole = _raw(mixed.fbank[:2], mixed.masks[:2]).SerializeToString()
+    for name, raw, field in (
+        ("cut short", whole[:-100], "masks"),  # the last field runs past the end
+        ("group wire type", b"\x0b", "request"),
+        ("bad UTF-8 id", whole + b"\x22\x02\xff\xfe", "request_id"),
+    ):
+        with pytest.raises(grpc.RpcError) as raised:
+            raw_call(raw, timeout=30)
         code, details = raised.value.code(), raised.value.details()
         print(f"{name:<16} {code.name:<18} {details}")
         assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {code} {details}"

@@ -6,6 +6,9 @@ so a 10 MB fbank costs one memcpy per side instead of a per-float protobuf decod
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import numpy as np
 
 from speakerd.v1 import speakerd_pb2 as pb
@@ -42,8 +45,17 @@ def to_tensor(array: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=wire, shape=list(array.shape), data=data)
 
 
-def from_tensor(tensor: pb.Tensor, field: str) -> np.ndarray:
-    """Tensor -> read-only array of its shape; TensorError naming `field` when malformed."""
+class TensorFields(Protocol):
+    """What from_tensor reads: a pb.Tensor, or the server's zero-copy view of one."""
+
+    dtype: int
+    shape: Sequence[int]
+    data: bytes | memoryview
+
+
+def from_tensor(tensor: TensorFields, field: str) -> np.ndarray:
+    """Tensor -> read-only array of its shape (a view of `data`, no copy); TensorError
+    naming `field` when malformed."""
     if tensor.dtype not in DTYPES:
         name = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else str(tensor.dtype)
         raise TensorError(field, f"dtype {name}, expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_UINT8")

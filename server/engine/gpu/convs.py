@@ -54,9 +54,13 @@ HOPELESS = 3.0
 #: trunk shape (../shared/measurements/2026-12-02-h200-cudnn-*.jsonl) was within the first 12, and
 #: each runtime-compiled plan costs an NVRTC build at start-up.
 MAX_PLANS = 12
-#: Plans needing more workspace than this are not candidates (none of the measured best
-#: plans needed any; this only stops a pathological FFT plan from taking gigabytes).
-MAX_WORKSPACE_BYTES = 256 << 20
+#: Plans needing more workspace than this are not candidates. Strict FP32's fastest plans
+#: need a lot: eng70 ran layer1's b32 conv in 2.10 ms with 654 MB of workspace where the
+#: best plan without workspace took 4.79 ms, layer2's in 1.40 ms with 327 MB vs 4.68
+#: (H200 probe 2026-12-03, measurements/). One workspace of the largest need is shared by
+#: every convolution, so 1 GiB is the most it costs on a 141 GB device; larger is
+#: refused, so a pathological plan cannot take gigabytes.
+MAX_WORKSPACE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

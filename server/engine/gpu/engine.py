@@ -145,7 +145,14 @@ class GpuEngine(Engine):
 
     def ban(self, key: ConvKey, plan_index: int) -> None:
         """Never use plan `plan_index` for `key` again (it replayed wrongly inside a captured
-        forward); the next conv_graph(key) times the remaining plans."""
+        forward). A fused key loses fusion altogether: its convolutions run bare with our
+        epilogue, which is how every strict-FP32 graph runs. Why not try the next fused plan:
+        on the H200 the TF32 b1 layer3.0.shortcut had seven fused plans, all variants of one
+        engine (eng51), and every one of them replayed wrongly inside the forward. A bare
+        key times its remaining plans at the next conv_graph(key)."""
+        if key.epilogue is not None:
+            self._failed[key] = f"fused plan {plan_index} replayed wrongly inside a captured forward"
+            log.warning("%s: fusion off (%s)", key.label(), self._failed[key])
         self._banned.setdefault(key, set()).add(plan_index)
         self._graphs.pop(key, None)
 
@@ -370,7 +377,7 @@ class GpuEngine(Engine):
             "cudnn_build_s": round(sum(g.build_s for g in self._graphs.values()), 2),
             "conv_instances": len(self._instances),
             "instance_build_s": round(sum(g.build_s for g in self._instances), 2),
-            "fusions_unsupported": sorted(key.label() for key in self._failed),
+            "fusions_unsupported": sorted(key.label() for key in self._failed),  # or turned off
         }
 
     def _check_open(self) -> None:
