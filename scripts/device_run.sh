@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=$PWD:$PWD/proto:/tmp/site
 export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
 export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
-REQUIRE_GPU=1 timeout ${TEST_S:-220} python3 -m pytest -q tests/test_gpu_engine.py tests/test_kernels_compile.py 2>&1 | tee $OUT/gpu-tests.log | grep -E "^(first|last|short|empty|one|soft|b32|fp32|tf32|  *(stem|pooled|output|layer4.2.out)|[0-9]+ (passed|failed)|FAILED|ERROR)" | head -70
+REQUIRE_GPU=1 timeout ${TEST_S:-260} python3 -m pytest -q tests/test_gpu_engine.py tests/test_gpu_igemm.py tests/test_kernels_compile.py 2>&1 | tee $OUT/gpu-tests.log | grep -E "^(first|last|short|empty|one|soft|b32|fp32|tf32|[0-9]+->|  *(stem|pooled|output|layer4.2.out)|[0-9]+ (passed|failed)|FAILED|ERROR)" | head -70
 echo "tests at $SECONDS s"
 python3 -m server make-references --out /tmp/refs > $OUT/refs.log 2>&1; echo "refs at $SECONDS s"
 timeout ${BENCH_S:-200} python3 -m server bench --references /tmp/refs --convs --log-level INFO 2> $OUT/bench.err | tee $OUT/bench.jsonl | grep -v '"kind": "conv"' | cut -c1-900

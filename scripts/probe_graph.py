@@ -101,7 +101,7 @@ def survey(plan, label: str, out: Path) -> None:
             alone[choice.name] = {
                 "nodes": kinds,
                 "plan": choice.graph.plan_name,
-                "fused": choice.epilogue_kernel is None,
+                "fused": choice.fused,
                 "workspace": choice.graph.workspace_bytes,
             }
         if choice.name == "layer3.0.shortcut":
@@ -126,14 +126,14 @@ def main() -> int:
     say(
         probe="choices",
         convs=[
-            [c.name, c.graph.plan_name, c.epilogue_kernel or "fused", c.graph.workspace_bytes]
+            [c.name, c.runner, c.graph.workspace_bytes]
             for c in plan.convs
         ],
     )
     survey(plan, f"{args.math}-b{args.batch}-as-chosen", out)
 
     for i, (kind, c) in enumerate(plan.steps):  # every fused conv -> bare conv + our epilogue
-        if kind == "conv" and c.epilogue_kernel is None:
+        if kind == "conv" and c.fused:
             engine._failed[c.graph.key] = "probe: fusion off"
             plan.steps[i] = ("conv", plan._choose(c.name, c.folded, c.x, c.y, c.epilogue, c.residual))
     plan.convs = [c for kind, c in plan.steps if kind == "conv"]
@@ -152,7 +152,7 @@ def main() -> int:
         graph=plan.graph is not None,
         check=plan.graph_check,
         build=engine.build_report(),
-        fused=[c.name for c in plan.convs if c.epilogue_kernel is None],
+        fused=[c.name for c in plan.convs if c.fused],
     )
     if plan.graph is not None:
         before = replay_diffs(plan, 10)

@@ -29,6 +29,8 @@ def _nvrtc_or_reason() -> str | None:
 
 
 NO_NVRTC = _nvrtc_or_reason()
+#: An entry point's declaration (launch bounds optional).
+ENTRY = r'extern "C" __global__ (?:__launch_bounds__\([^)]*\) )?void (\w+)'
 
 
 @pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
@@ -37,7 +39,7 @@ def test_kernel_file_compiles_for_sm90(name: str) -> None:
     source = kernels.kernel_sources()[name]
     cubin = kernels.compile_binary(source, kernels.CI_ARCH, name)
     assert cubin[:4] == b"\x7fELF", f"{name}: NVRTC output is not an ELF cubin ({cubin[:16]!r})"
-    for entry in re.findall(r'extern "C" __global__ void (\w+)', source):
+    for entry in re.findall(ENTRY, source):
         assert entry.encode() in cubin, f"{name}: entry point {entry} missing from the cubin"
 
 
@@ -50,7 +52,7 @@ def test_compile_errors_carry_the_nvrtc_log() -> None:
 
 def test_engine_entry_points_are_defined() -> None:
     source = kernels.kernel_sources()[kernels.ENGINE_SOURCE]
-    defined = set(re.findall(r'extern "C" __global__ void (\w+)', source))
+    defined = set(re.findall(ENTRY, source))
     missing = sorted(set(kernels.KERNEL_NAMES) - defined)
     assert not missing, f"kernels the engine launches but {kernels.ENGINE_SOURCE} lacks: {missing}"
 

@@ -79,6 +79,7 @@ class GpuEngine(Engine):
         self._graphs: dict[ConvKey, ConvGraph] = {}
         self._failed: dict[ConvKey, str] = {}
         self._banned: dict[ConvKey, set[int]] = {}  # plans that replayed wrongly in a forward
+        self._own_refused: dict[ConvKey, str] = {}  # shapes our kernel may not run, and why
         self._instances: list[ConvGraph] = []
         self.seg_weight = cupy.asarray(model.seg_weight)  # [256, 5120] row-major
         self.seg_bias = cupy.asarray(model.seg_bias)
@@ -155,6 +156,15 @@ class GpuEngine(Engine):
             log.warning("%s: fusion off (%s)", key.label(), self._failed[key])
         self._banned.setdefault(key, set()).add(plan_index)
         self._graphs.pop(key, None)
+
+    def own_allowed(self, key: ConvKey) -> bool:
+        """Whether our convolution kernel may be a candidate for `key` (a bare key)."""
+        return key not in self._own_refused
+
+    def refuse_own(self, key: ConvKey, reason: str) -> None:
+        """Never run our kernel for `key` again (it disagreed with cuDNN or replayed wrongly)."""
+        self._own_refused[key] = reason
+        log.warning("%s: our convolution kernel turned off: %s", key.label(), reason)
 
     def ensure_workspace(self, need: int) -> bool:
         """Grow the shared cuDNN workspace to `need` bytes; True when it moved (captured
@@ -357,13 +367,15 @@ class GpuEngine(Engine):
         rows = []
         for choice in self.plans[batch].convs:
             key = choice.graph.key
-            ours = choice.epilogue_kernel
+            epilogue = choice.epilogue_kernel
             rows.append({
-                "conv": choice.name, "shape": key.label(), "cudnn_plan": choice.graph.plan_name,
-                "epilogue": "cudnn-fused" if ours is None else f"ours:{ours}",
+                "conv": choice.name, "shape": key.label(), "runs": choice.runner, "ms": round(choice.ms, 4),
+                "cudnn_plan": choice.graph.plan_name,
+                "epilogue": "fused" if epilogue is None else f"ours:{epilogue}",
                 "conv_ms": round(choice.graph.ms, 4), "epilogue_ms": round(choice.epilogue_ms, 4),
                 "bare_plus_ours_ms": round(choice.bare_ms, 4),
                 "fused_ms": None if choice.fused_ms is None else round(choice.fused_ms, 4),
+                "own_kernel_ms": None if choice.own_ms is None else round(choice.own_ms, 4),
                 "tflops": round(key.flops / (choice.ms * 1e9), 1),
                 "plans_ms": choice.graph.plan_ms, "graph_build_s": round(choice.graph.build_s, 2),
             })  # fmt: skip
@@ -378,6 +390,7 @@ class GpuEngine(Engine):
             "conv_instances": len(self._instances),
             "instance_build_s": round(sum(g.build_s for g in self._instances), 2),
             "fusions_unsupported": sorted(key.label() for key in self._failed),  # or turned off
+            "own_kernel_refused": {key.label(): why for key, why in self._own_refused.items()},
         }
 
     def _check_open(self) -> None:

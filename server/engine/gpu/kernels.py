@@ -55,12 +55,11 @@ def compile_binary(source: str, arch: str = CI_ARCH, name: str = ENGINE_SOURCE) 
 
 
 @functools.cache
-def module():  # -> cupy.RawModule
-    """The compiled speakerd.cu for the current device (CuPy caches the binary on disk)."""
+def module(source: str = ENGINE_SOURCE):  # -> cupy.RawModule
+    """kernels/`source` compiled for the current device (CuPy caches the binary on disk)."""
     import cupy
 
-    source = kernel_sources()[ENGINE_SOURCE]
-    raw = cupy.RawModule(code=source, options=compile_options(), backend="nvrtc")
+    raw = cupy.RawModule(code=kernel_sources()[source], options=compile_options(), backend="nvrtc")
     raw.compile()
     return raw
 

@@ -38,7 +38,9 @@ from server.architecture import (
     tap_shape,
 )
 from server.engine.base import Math
+from server.engine.gpu import igemm
 from server.engine.gpu.convs import ConvGraph, ConvKey, replay_matches
+from server.engine.gpu.igemm import IgemmConv
 from server.engine.gpu.staging import InputSlot, pinned
 from server.inputs import MAX_MASK_FRAMES, InputLengthError
 from server.weights import FoldedConv, FoldedModel
@@ -78,7 +80,8 @@ def activation_elements(batch: int) -> dict[str, int]:
 
 @dataclasses.dataclass
 class ConvChoice:
-    """How one convolution runs: its cuDNN graph, fused or followed by our epilogue."""
+    """How one convolution runs: our kernel (`own`), or its cuDNN graph, fused or followed
+    by our epilogue kernel."""
 
     name: str  # e.g. "layer2.0.conv1"
     spec: ConvSpec
@@ -95,10 +98,24 @@ class ConvChoice:
     folded: FoldedConv  # what it was chosen from, to choose again (see Plan.capture_graph)
     x: object
     epilogue: str  # the epilogue asked for, whoever runs it
+    own: IgemmConv | None = None  # our kernel, when it won (then `graph` is cuDNN's bare prototype)
+    own_ms: float | None = None  # our kernel as measured, when it was a candidate
 
     @property
     def ms(self) -> float:
-        return self.graph.ms + self.epilogue_ms
+        return self.own.ms if self.own is not None else self.graph.ms + self.epilogue_ms
+
+    @property
+    def fused(self) -> bool:
+        """Whether cuDNN's fused graph runs it (conv and epilogue in one cuDNN plan)."""
+        return self.own is None and self.epilogue_kernel is None
+
+    @property
+    def runner(self) -> str:
+        """What runs it, for reports and logs."""
+        if self.own is not None:
+            return f"ours:{self.own.name}"
+        return f"cudnn:{self.graph.plan_name}" + ("" if self.epilogue_kernel else " fused")
 
 
 class Plan:
@@ -158,21 +175,65 @@ class Plan:
             x,
             epilogue,
         )
+        fused, fused_buffers = None, dict(buffers, B=bias.data.ptr)
         if self.math != Math.FP32:  # strict FP32 fused graphs run 26-76 ms: never candidates
-            fused_buffers = dict(buffers, B=bias.data.ptr)
             if residual is not None:
                 fused_buffers["Z"] = residual.data.ptr
             key = ConvKey.of(spec, self.batch, self.math, epilogue)
             fused = self.engine.conv_graph(key, fused_buffers, required=False)
-            if fused is not None:
-                best.fused_ms = fused.ms
-                if fused.ms < bare_ms:
-                    own = self.engine.conv_instance(fused)
-                    return dataclasses.replace(
-                        best, graph=own, epilogue_kernel=None, epilogue_ms=0.0, pack=own.pack(fused_buffers)
-                    )
-        own = self.engine.conv_instance(bare)
-        return dataclasses.replace(best, graph=own, pack=own.pack(buffers))
+            best.fused_ms = None if fused is None else fused.ms
+        ours = self._fastest_own(best, weight, buffers, bare)
+        best.own_ms = None if ours is None else ours.ms
+        cudnn_ms = min(bare_ms, fused.ms if fused is not None else bare_ms)
+        if ours is not None and ours.ms < cudnn_ms:
+            return dataclasses.replace(best, own=ours, epilogue_kernel=None, epilogue_ms=0.0, pack={})
+        if fused is not None and fused.ms < bare_ms:
+            instance = self.engine.conv_instance(fused)
+            return dataclasses.replace(
+                best, graph=instance, epilogue_kernel=None, epilogue_ms=0.0, pack=instance.pack(fused_buffers)
+            )
+        instance = self.engine.conv_instance(bare)
+        return dataclasses.replace(best, graph=instance, pack=instance.pack(buffers))
+
+    def _fastest_own(
+        self, choice: ConvChoice, weight, buffers: dict[str, int], bare: ConvGraph
+    ) -> IgemmConv | None:
+        """Our kernel for `choice`'s convolution at its fastest channel tile, or None when
+        it cannot run the shape, was turned off for it, or disagrees with cuDNN's bare conv
+        + our epilogue on the same buffers by more than igemm.AGREEMENT (then it is turned
+        off for the shape, with a warning: that is a bug of ours)."""
+        import cupy
+
+        spec, key = choice.spec, ConvKey.of(choice.spec, self.batch, self.math, None)
+        tiles = igemm.tiles_for(spec, self.math)
+        if not tiles or not self.engine.own_allowed(key):
+            return None
+        workspace = cupy.empty((max(1, bare.workspace_bytes),), dtype=cupy.uint8)
+        y = choice.y[: choice.elements]
+        with self.stream:
+            bare.execute(bare.pack(buffers), workspace.data.ptr, self.engine.handle)
+            c = choice
+            self._epilogue(c.epilogue, c.y, c.bias, c.residual, spec.cout, c.elements)
+            reference = y.copy()
+        fastest = None
+        for tile in tiles:
+            conv = IgemmConv.bind(
+                spec, self.batch, self.math, tile, c.epilogue, c.x, weight, c.bias, c.residual, c.y
+            )  # fmt: skip
+            with self.stream:
+                y.fill(float("nan"))
+                conv.launch(self.stream)
+                difference = igemm.relative_difference(y, reference)
+            if not difference <= igemm.AGREEMENT[self.math]:
+                self.engine.refuse_own(
+                    key, f"{conv.name} differs from cuDNN by {difference:.3g} of the output scale (bound "
+                    f"{igemm.AGREEMENT[self.math]:g})",
+                )  # fmt: skip
+                return None
+            conv.time(self.stream)
+            if fastest is None or conv.ms < fastest.ms:
+                fastest = conv
+        return fastest
 
     def _time_epilogue(self, kernel: str, y, bias, residual, channels: int, elements: int) -> float:
         import cupy
@@ -234,6 +295,9 @@ class Plan:
         for kind, payload in self.steps[:stop]:
             if kind == "conv":
                 choice: ConvChoice = payload  # type: ignore[assignment]
+                if choice.own is not None:
+                    choice.own.launch(self.stream)
+                    continue
                 choice.graph.execute(choice.pack, workspace, handle)
                 if choice.epilogue_kernel is not None:
                     self._epilogue(
@@ -333,7 +397,7 @@ class Plan:
             if step is None:
                 break
             moved |= self._choose_again([self._culprit(step)])
-        fused = [i for i, (kind, c) in enumerate(self.steps) if kind == "conv" and c.epilogue_kernel is None]
+        fused = [i for i, (kind, c) in enumerate(self.steps) if kind == "conv" and c.fused]
         if fused:
             log.warning("b%d: graph replay still differs (%s); every convolution goes bare",
                         self.batch, self.graph_check)  # fmt: skip
@@ -355,7 +419,7 @@ class Plan:
         the nearest cuDNN-fused conv at or before it, else `step` itself."""
         for i in range(step, -1, -1):
             kind, choice = self.steps[i]
-            if kind == "conv" and choice.epilogue_kernel is None:
+            if kind == "conv" and choice.fused:
                 return i
         return step
 
@@ -465,26 +529,32 @@ class Plan:
         return steps[high]
 
     def _choose_again(self, steps: list[int]) -> bool:
-        """Ban the plan of each conv step in `steps` for its key (a fused key loses fusion,
-        see GpuEngine.ban) and choose again every conv of this forward that ran one of
-        those plans; True when the workspace had to grow."""
+        """Ban what ran each conv step in `steps` for its key (a cuDNN plan: a fused key loses
+        fusion, see GpuEngine.ban; our kernel: turned off for the shape) and choose again
+        every conv of this forward that ran one of those; True when the workspace grew."""
         banned = set()
         for step in steps:
             bad: ConvChoice = self.steps[step][1]  # type: ignore[assignment]
-            key, index = bad.graph.key, bad.graph.plan_index
-            log.warning(
-                "b%d: %s plan %s (%s) replays differently inside the captured forward; choosing again",
-                self.batch, bad.name, bad.graph.plan_name, "fused" if key.epilogue else "bare",
-            )  # fmt: skip
-            self.engine.ban(key, index)
-            banned.add((key, index))
+            log.warning("b%d: %s (%s) replays differently inside the captured forward; choosing again",
+                        self.batch, bad.name, bad.runner)  # fmt: skip
+            if bad.own is not None:
+                self.engine.refuse_own(ConvKey.of(bad.spec, self.batch, self.math, None), "replayed wrongly")
+            else:
+                self.engine.ban(bad.graph.key, bad.graph.plan_index)
+            banned.add(self._runs(bad))
         for i, (kind, payload) in enumerate(self.steps):
-            if kind == "conv" and (payload.graph.key, payload.graph.plan_index) in banned:
+            if kind == "conv" and self._runs(payload) in banned:
                 c: ConvChoice = payload  # type: ignore[assignment]
                 self.steps[i] = ("conv", self._choose(c.name, c.folded, c.x, c.y, c.epilogue, c.residual))
         self.convs = [payload for kind, payload in self.steps if kind == "conv"]  # type: ignore[misc]
         need = max(choice.graph.workspace_bytes for choice in self.convs)
         return self.engine.ensure_workspace(need)
+
+    def _runs(self, choice: ConvChoice) -> tuple:
+        """What runs `choice`, as an identity shared by every conv running the same thing."""
+        if choice.own is not None:
+            return ("ours", ConvKey.of(choice.spec, self.batch, self.math, None), choice.own.tile)
+        return ("cudnn", choice.graph.key, choice.graph.plan_index)
 
     # ----- reports ----------------------------------------------------------------------
     def own_bytes(self) -> int:

@@ -1,0 +1,121 @@
+"""Our tensor-core convolution kernel (kernels/conv_igemm.cu) against a float64 convolution.
+
+Every shape class of the trunk the kernel may take (3x3 stride 1 and 2, the 1x1 stride-2
+shortcut, 32 to 256 channels), every channel tile, both maths, every epilogue. The bounds
+say what the modes promise: FP32 mode (3xTF32) within FP32_BOUND of the output scale, like
+cuDNN's strict FP32 engines (9e-7 in the H200 probe), and at least FP32_GAIN times closer
+than one TF32 MMA, so FP32 mode is not TF32 in disguise; TF32 within TF32_BOUND.
+The table printed is (shape, math, tile, epilogue, max |error| / max |reference|).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.architecture import ConvSpec
+from server.engine.base import Math
+from tests.test_gpu_engine import needs_gpu
+
+#: (cin, cout, h, w, kernel, stride, batch): layer1 and layer2.0.conv1 at 80x998, the
+#: layer3.0 shortcut, layer4's 3x3 conv.
+SHAPES = [
+    (32, 32, 80, 998, 3, 1, 2),
+    (32, 64, 80, 998, 3, 2, 2),
+    (64, 128, 40, 499, 1, 2, 3),
+    (256, 256, 10, 125, 3, 1, 5),
+]
+FP32_BOUND = 5e-6
+TF32_BOUND = 5e-3
+FP32_GAIN = 20.0
+
+
+def _reference(x, w, bias, residual, kernel: int, stride: int, relu: bool):
+    """float64 NHWC conv (KRSC weights) + bias (+ residual) (+ ReLU), by im2col on the GPU."""
+    import cupy
+
+    pad = kernel // 2
+    n, h, wd, c = x.shape
+    ho, wo = (h + 2 * pad - kernel) // stride + 1, (wd + 2 * pad - kernel) // stride + 1
+    padded = cupy.pad(x.astype(cupy.float64), ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    taps = [
+        padded[:, dh : dh + stride * ho : stride, dw : dw + stride * wo : stride, :]
+        for dh in range(kernel)
+        for dw in range(kernel)
+    ]
+    patches = cupy.concatenate(taps, axis=3).reshape(n * ho * wo, kernel * kernel * c)
+    out = patches @ w.reshape(w.shape[0], -1).astype(cupy.float64).T + bias.astype(cupy.float64)
+    if residual is not None:
+        out += residual.reshape(out.shape)
+    return cupy.maximum(out, 0.0) if relu else out
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_k{s[4]}s{s[5]}")
+def test_kernel_matches_float64(shape, capsys) -> None:
+    import cupy
+
+    from server.engine.gpu import igemm
+
+    cin, cout, h, w, kernel, stride, batch = shape
+    spec = ConvSpec("test", "test", cin, cout, kernel, stride, h, w)
+    random = cupy.random.RandomState(7)
+    x = random.standard_normal((batch, h, w, cin), dtype=cupy.float32)
+    weight = random.standard_normal((cout, kernel, kernel, cin), dtype=cupy.float32) * np.float32(
+        (2.0 / (kernel * kernel * cin)) ** 0.5
+    )
+    bias = random.standard_normal((cout,), dtype=cupy.float32)
+    pixels = batch * spec.h_out * spec.w_out
+    residual = random.standard_normal((pixels, cout), dtype=cupy.float32)
+    y = cupy.empty((pixels, cout), dtype=cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if stride == 1 and cin == cout else [])
+    errors: dict[tuple[str, int, str], float] = {}
+    for epilogue in epilogues:
+        add = residual if epilogue == "bias_add_relu" else None
+        reference = _reference(x, weight, bias, add, kernel, stride, epilogue != "bias_only")
+        for math in (Math.FP32, Math.TF32):
+            tiles = igemm.tiles_for(spec, math)
+            assert tiles, f"{spec.cin}->{spec.cout}: no tile for {math}"
+            for tile in tiles:
+                conv = igemm.IgemmConv.bind(spec, batch, math, tile, epilogue, x, weight, bias, add, y)
+                with stream:
+                    y.fill(float("nan"))
+                    conv.launch(stream)
+                stream.synchronize()
+                error = igemm.relative_difference(y.astype(cupy.float64), reference)
+                errors[(str(math), tile, epilogue)] = error
+                with capsys.disabled():
+                    print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  {math!s:<5} n{tile:<3} "
+                          f"{epilogue:<14} {error:.3e}", end="")  # fmt: skip
+    for (math, tile, epilogue), error in errors.items():
+        if math == "fp32":
+            tf32 = errors[("tf32", tile, epilogue)]
+            assert error <= FP32_BOUND, f"3xTF32 n{tile} {epilogue}: {error:.3e} > {FP32_BOUND:g}"
+            assert error * FP32_GAIN <= tf32, (
+                f"3xTF32 n{tile} {epilogue}: {error:.3e} is not {FP32_GAIN:g}x below TF32's {tf32:.3e}"
+            )
+        else:
+            assert error <= TF32_BOUND, f"TF32 n{tile} {epilogue}: {error:.3e} > {TF32_BOUND:g}"
+
+
+def test_kernel_names_and_tiling_match_the_source() -> None:
+    """The Python side's entry points and tiling constants are the .cu file's (no GPU)."""
+    import re
+
+    from server.engine.gpu import igemm, kernels
+
+    source = kernels.kernel_sources()[igemm.SOURCE]
+    defined = set(re.findall(r'extern "C" __global__ __launch_bounds__\([^)]*\) void (\w+)', source))
+    assert set(igemm.KERNEL_NAMES) <= defined, (
+        f"missing from {igemm.SOURCE}: {set(igemm.KERNEL_NAMES) - defined}"
+    )
+    defines = {name: int(value) for name, value in re.findall(r"#define IGEMM_(\w+) (\d+)", source)}
+    expected = {"BM": igemm.BLOCK_PIXELS, "THREADS": igemm.THREADS, "STAGES": igemm.STAGES,
+                "LDS": igemm.SHARED_ROW, "BK": igemm.CHANNEL_STEP}  # fmt: skip
+    assert {k: defines[k] for k in expected} == expected, defines
+    stem = ConvSpec("stem", "bn", 1, 32, 3, 1, 80, 998)
+    assert igemm.tiles_for(stem, Math.FP32) == (), "the stem (1 input channel) is cuDNN's"
+    assert igemm.tiles_for(ConvSpec("l1", "bn", 32, 32, 3, 1, 80, 998), Math.TF32) == (32,)
+    assert igemm.tiles_for(ConvSpec("l4", "bn", 256, 256, 3, 1, 10, 125), Math.FP32) == (64, 32)
