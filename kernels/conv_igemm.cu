@@ -7,14 +7,19 @@
 // each operand is split into a TF32 high part and a TF32 remainder, and
 // hi*hi + hi*lo + lo*hi is accumulated in FP32 (the dropped lo*lo term is ~2^-22 relative),
 // so the error stays at FP32 level (checked against float64 by the GPU tests) for three
-// MMAs per product. The plain TF32 variant is one MMA on round-to-nearest TF32 operands.
+// MMAs per product. The plain TF32 variant is one MMA on the FP32 bits, which the tensor
+// cores read as TF32 by dropping the low 13 mantissa bits (CUTLASS's "fast" TF32): no
+// conversion instructions, which would otherwise cost more issue slots than the MMAs.
 //
 // GEMM view: M = n*ho*wo output pixels, N = cout, K = r*r*cin ordered (tap, channel) to
 // match KRSC weights. Block tile BM x BN x BK (128 x 32|64 x 32): one K step is 32
 // channels of one filter tap, so every A row is 128 contiguous bytes of one input pixel
 // (zero-filled by cp.async where the tap falls in the padding). STAGES-deep cp.async
-// pipeline; 4 warps, each 32 rows x BN. Shared rows are padded to 36 floats, so the
-// fragment loads (8 rows x 4 columns per instruction) hit 32 different banks.
+// pipeline; 4 warps, each 32 rows x BN. Within each 8-wide k slice, the fragment's columns
+// t and t + 4 are read from the adjacent shared columns 2t and 2t + 1, for A and B alike
+// (a dot product does not care which k pairs with which, only that A and B agree), so each
+// fragment pair is one 8-byte load; rows are padded to 40 floats so those loads hit 32
+// different banks per half warp.
 //
 // Requirements (checked on the host): cin % 32 == 0, cout % BN == 0, r in {1, 3},
 // pad = r / 2; 16-byte aligned x and w.
@@ -23,15 +28,9 @@
 #define IGEMM_BK 32
 #define IGEMM_STAGES 3
 #define IGEMM_THREADS 128
-#define IGEMM_LDS 36  // IGEMM_BK + 4 floats of padding
+#define IGEMM_LDS 40  // IGEMM_BK + 8 floats of padding
 
 namespace {
-
-__device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned bits;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
-    return bits;
-}
 
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
     const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -54,10 +53,11 @@ __device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, const unsi
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// hi = TF32(v), lo = TF32(v - hi): v == hi + lo to ~2^-22 relative.
+// hi = v with the low 13 mantissa bits cleared (exactly a TF32 value), lo = v - hi (exact
+// in FP32, |lo| < 2^-10 |v|), read as TF32 by the MMA: hi + lo is v to ~2^-20 relative.
 __device__ __forceinline__ void split(float v, unsigned& hi, unsigned& lo) {
-    hi = to_tf32(v);
-    lo = to_tf32(v - __uint_as_float(hi));
+    hi = __float_as_uint(v) & 0xffffe000u;
+    lo = __float_as_uint(v - __uint_as_float(hi));
 }
 
 template <int BN, bool PRECISE>
@@ -140,27 +140,30 @@ __device__ __forceinline__ void conv_igemm(const float* __restrict__ x, const fl
             unsigned a_hi[2][4], a_lo[2][4];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const float* rows = a_tile + (i * 16 + group) * IGEMM_LDS + kk + quad;
-                const float v[4] = {rows[0], rows[8 * IGEMM_LDS], rows[4], rows[8 * IGEMM_LDS + 4]};
+                const float* rows = a_tile + (i * 16 + group) * IGEMM_LDS + kk + 2 * quad;
+                const float2 top = *reinterpret_cast<const float2*>(rows);                   // row g
+                const float2 bottom = *reinterpret_cast<const float2*>(rows + 8 * IGEMM_LDS);  // row g + 8
+                const float v[4] = {top.x, bottom.x, top.y, bottom.y};  // a0..a3: (g, t) (g+8, t) (g, t+4) (g+8, t+4)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     if (PRECISE) {
                         split(v[e], a_hi[i][e], a_lo[i][e]);
                     } else {
-                        a_hi[i][e] = to_tf32(v[e]);
+                        a_hi[i][e] = __float_as_uint(v[e]);
                     }
                 }
             }
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
-                const float* column = b_tile + (j * 8 + group) * IGEMM_LDS + kk + quad;
+                const float2 column =
+                    *reinterpret_cast<const float2*>(b_tile + (j * 8 + group) * IGEMM_LDS + kk + 2 * quad);
                 unsigned b_hi[2], b_lo[2];
                 if (PRECISE) {
-                    split(column[0], b_hi[0], b_lo[0]);
-                    split(column[4], b_hi[1], b_lo[1]);
+                    split(column.x, b_hi[0], b_lo[0]);
+                    split(column.y, b_hi[1], b_lo[1]);
                 } else {
-                    b_hi[0] = to_tf32(column[0]);
-                    b_hi[1] = to_tf32(column[4]);
+                    b_hi[0] = __float_as_uint(column.x);
+                    b_hi[1] = __float_as_uint(column.y);
                 }
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
@@ -212,7 +215,7 @@ __device__ __forceinline__ void conv_igemm(const float* __restrict__ x, const fl
 #define IGEMM_ARGS x, w, bias, residual, y, n, h, wd, c, ho, wo, k, r, stride, relu
 
 // Entry points: conv_igemm_<math>_n<BN>. grid (ceil(pixels / 128), cout / BN), block 128,
-// dynamic shared memory IGEMM_STAGES * (128 + BN) * 36 * 4 bytes; residual may be null.
+// dynamic shared memory IGEMM_STAGES * (128 + BN) * 40 * 4 bytes; residual may be null.
 extern "C" __global__ __launch_bounds__(IGEMM_THREADS) void conv_igemm_tf32_n32(IGEMM_PARAMS) {
     conv_igemm<32, false>(IGEMM_ARGS);
 }

@@ -23,7 +23,7 @@ SOURCE = "conv_igemm.cu"
 BLOCK_PIXELS = 128
 THREADS = 128
 STAGES = 3
-SHARED_ROW = 36
+SHARED_ROW = 40
 #: Channel tiles there are kernels for, widest first (fewer blocks re-reading the input).
 TILE_CHANNELS = (64, 32)
 #: Input channels one K step covers: cin must be a multiple.
@@ -34,7 +34,8 @@ TIMED_REPLAYS = 5
 LAUNCHES_PER_REPLAY = 5
 #: Largest accepted max |ours - cuDNN| / max |cuDNN| on the same buffers, per math: both
 #: FP32-accurate paths land near 1e-6 of the output scale (H200 probe: 9e-7 against float64),
-#: two TF32 results near 3e-4 each. A kernel outside it is a bug and never serves.
+#: TF32 results near 3e-4 (ours truncates to TF32 where cuDNN may round: up to twice that).
+#: A kernel outside it is a bug and never serves.
 AGREEMENT = {Math.FP32: 2e-5, Math.TF32: 5e-3}
 
 
