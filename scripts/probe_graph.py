@@ -125,10 +125,7 @@ def main() -> int:
     plan = engine.plans[args.batch]
     say(
         probe="choices",
-        convs=[
-            [c.name, c.runner, c.graph.workspace_bytes]
-            for c in plan.convs
-        ],
+        convs=[[c.name, c.runner, c.graph.workspace_bytes] for c in plan.convs],
     )
     survey(plan, f"{args.math}-b{args.batch}-as-chosen", out)
 
