@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from server.architecture import MAX_SPEAKERS, TRUNK_FLOPS_PER_CHUNK
+from server.config import CONV_KERNELS
 from server.engine.base import Math, pad_speakers
 from server.self_check import compare
 
@@ -49,6 +51,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-tap b32 profile")
     parser.add_argument("--convs", action="store_true", help="also print the per-convolution choice table")
+    parser.add_argument(
+        "--conv-kernels", default=os.environ.get("SPEAKERD_CONV_KERNELS", "auto"), choices=CONV_KERNELS,
+        help="auto: our conv kernel where faster; cudnn: cuDNN only [SPEAKERD_CONV_KERNELS]",
+    )  # fmt: skip
     parser.add_argument(
         "--log-level", default="WARNING", help="logging level on stderr (INFO shows start-up)"
     )
@@ -98,7 +104,7 @@ def bench_ours(math: Math, model, cases, args) -> dict[tuple[int, str], float]:
     cupy.get_default_memory_pool().free_all_blocks()
     free_before, total = cupy.cuda.runtime.memGetInfo()
     started = time.perf_counter()
-    engine = GpuEngine(model, math, tuple(sorted(cases)))
+    engine = GpuEngine(model, math, tuple(sorted(cases)), own_kernels=args.conv_kernels == "auto")
     free_after, _ = cupy.cuda.runtime.memGetInfo()
     say(
         kind="engine",

@@ -35,6 +35,9 @@ DEFAULT_DRAIN_SECONDS = 25.0
 #: for masks and for a client packing up to ~96 fbank chunks into one call.
 DEFAULT_MAX_MESSAGE_MB = 64
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Who may run the trunk's convolutions on the GPU: "auto" times our tensor-core kernel
+#: against cuDNN per convolution; "cudnn" never runs ours (an operator's escape hatch).
+CONV_KERNELS = ("auto", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class ServeConfig:
     drain_seconds: float
     max_message_mb: int
     log_level: str
+    conv_kernels: str = "auto"
 
     @property
     def max_message_bytes(self) -> int:
@@ -122,6 +126,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("drain-seconds", DEFAULT_DRAIN_SECONDS, "SIGTERM grace for in-flight calls", type=_non_negative_float)
     add("max-message-mb", DEFAULT_MAX_MESSAGE_MB, "largest gRPC message in MiB", type=_positive_int)
     add("log-level", "INFO", "log level", choices=LOG_LEVELS, type=str.upper)
+    add("conv-kernels", "auto", "GPU convolutions: auto (ours where faster), cudnn", choices=CONV_KERNELS)
 
 
 def from_args(args: argparse.Namespace) -> ServeConfig:
@@ -142,4 +147,5 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         drain_seconds=float(args.drain_seconds),
         max_message_mb=int(args.max_message_mb),
         log_level=args.log_level,
+        conv_kernels=args.conv_kernels,
     )

@@ -64,7 +64,7 @@ def _build_engine(settings: config.ServeConfig) -> Engine:
     started = time.perf_counter()
     weights = resolve_weights(settings.weights)
     model = load_model(weights)
-    engine = create_engine(settings.engine, model, settings.math, settings.plans)
+    engine = create_engine(settings.engine, model, settings.math, settings.plans, settings.conv_kernels)
     log.info("engine %s %s plans %s built in %.1f s from %s (model %s)", engine.name, engine.math,
              engine.plan_sizes, time.perf_counter() - started, weights, model.model_id[:12])  # fmt: skip
     try:

@@ -13,6 +13,7 @@ failure); the layout helpers at the bottom need no GPU and run everywhere.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -51,7 +52,8 @@ def engines(folded_model):
     times every cuDNN plan)."""
     from server.engine.gpu.engine import GpuEngine
 
-    built = {math: GpuEngine(folded_model, math, (1, 32)) for math in MATHS}
+    own = os.environ.get("SPEAKERD_CONV_KERNELS", "auto") == "auto"  # cudnn: cuDNN runs every conv
+    built = {math: GpuEngine(folded_model, math, (1, 32), own_kernels=own) for math in MATHS}
     yield built
     for engine in built.values():
         engine.close()

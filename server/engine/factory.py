@@ -44,8 +44,10 @@ def create_engine(
     model: FoldedModel,
     math: Math | str = Math.FP32,
     plan_sizes: tuple[int, ...] = DEFAULT_PLAN_SIZES,
+    conv_kernels: str = "auto",
 ) -> Engine:
-    """Build, warm up and time an engine of `kind` (auto | cpu | gpu) for `model`."""
+    """Build, warm up and time an engine of `kind` (auto | cpu | gpu) for `model`;
+    `conv_kernels` ("auto" | "cudnn") says whether the GPU engine may run our kernels."""
     resolved = resolve_kind(kind)
     if resolved == "cpu":
         from server.engine.cpu import CpuEngine
@@ -53,4 +55,4 @@ def create_engine(
         return CpuEngine(model, Math(math), plan_sizes)
     from server.engine.gpu.engine import GpuEngine
 
-    return GpuEngine(model, Math(math), plan_sizes)
+    return GpuEngine(model, Math(math), plan_sizes, own_kernels=conv_kernels == "auto")

@@ -56,6 +56,7 @@ class GpuEngine(Engine):
         math: Math | str = Math.FP32,
         plan_sizes: tuple[int, ...] = (1, 32),
         graphs: bool = True,
+        own_kernels: bool = True,
     ) -> None:
         import cudnn
         import cupy
@@ -80,6 +81,7 @@ class GpuEngine(Engine):
         self._failed: dict[ConvKey, str] = {}
         self._banned: dict[ConvKey, set[int]] = {}  # plans that replayed wrongly in a forward
         self._own_refused: dict[ConvKey, str] = {}  # shapes our kernel may not run, and why
+        self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
         self._instances: list[ConvGraph] = []
         self.seg_weight = cupy.asarray(model.seg_weight)  # [256, 5120] row-major
         self.seg_bias = cupy.asarray(model.seg_bias)
@@ -159,7 +161,7 @@ class GpuEngine(Engine):
 
     def own_allowed(self, key: ConvKey) -> bool:
         """Whether our convolution kernel may be a candidate for `key` (a bare key)."""
-        return key not in self._own_refused
+        return self.own_kernels and key not in self._own_refused
 
     def refuse_own(self, key: ConvKey, reason: str) -> None:
         """Never run our kernel for `key` again (it disagreed with cuDNN or replayed wrongly)."""
