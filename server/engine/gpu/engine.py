@@ -369,11 +369,13 @@ class GpuEngine(Engine):
         rows = []
         for choice in self.plans[batch].convs:
             key = choice.graph.key
-            epilogue = choice.epilogue_kernel
+            if choice.own is not None:
+                epilogue = "in-our-kernel"
+            else:
+                epilogue = "cudnn-fused" if choice.fused else f"ours:{choice.epilogue_kernel}"
             rows.append({
                 "conv": choice.name, "shape": key.label(), "runs": choice.runner, "ms": round(choice.ms, 4),
-                "cudnn_plan": choice.graph.plan_name,
-                "epilogue": "fused" if epilogue is None else f"ours:{epilogue}",
+                "cudnn_plan": choice.graph.plan_name, "epilogue": epilogue,
                 "conv_ms": round(choice.graph.ms, 4), "epilogue_ms": round(choice.epilogue_ms, 4),
                 "bare_plus_ours_ms": round(choice.bare_ms, 4),
                 "fused_ms": None if choice.fused_ms is None else round(choice.fused_ms, 4),
