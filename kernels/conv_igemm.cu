@@ -7,9 +7,9 @@
 // each operand is split into a TF32 high part and a TF32 remainder, and
 // hi*hi + hi*lo + lo*hi is accumulated in FP32 (the dropped lo*lo term is ~2^-22 relative),
 // so the error stays at FP32 level (checked against float64 by the GPU tests) for three
-// MMAs per product. The plain TF32 variant is one MMA on the FP32 bits, which the tensor
-// cores read as TF32 by dropping the low 13 mantissa bits (CUTLASS's "fast" TF32): no
-// conversion instructions, which would otherwise cost more issue slots than the MMAs.
+// MMAs per product. The plain TF32 variant is one MMA on operands rounded to TF32. Rounding
+// is done with integer ops (round_tf32), not cvt.rna.tf32.f32, whose quarter issue rate
+// would cost more than the MMAs themselves.
 //
 // GEMM view: M = n*ho*wo output pixels, N = cout, K = r*r*cin ordered (tap, channel) to
 // match KRSC weights. Block tile BM x BN x BK (128 x 32|64 x 32): one K step is 32
@@ -53,11 +53,17 @@ __device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, const unsi
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// hi = v with the low 13 mantissa bits cleared (exactly a TF32 value), lo = v - hi (exact
-// in FP32, |lo| < 2^-10 |v|), read as TF32 by the MMA: hi + lo is v to ~2^-20 relative.
+// v rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, by integer
+// ops on the bits (adding half of the dropped ulp carries into the kept bits and, at a
+// mantissa overflow, into the exponent, which is the correct rounding there too): two
+// full-rate instructions where cvt.rna.tf32.f32 would issue at a quarter of the rate.
+__device__ __forceinline__ unsigned round_tf32(unsigned bits) { return (bits + 0x1000u) & 0xffffe000u; }
+
+// hi = TF32(v), lo = TF32(v - hi) (v - hi is exact in FP32, |v - hi| <= 2^-11 |v|):
+// hi + lo is v to ~2^-22 relative, the accuracy 3xTF32 needs to stay at FP32 level.
 __device__ __forceinline__ void split(float v, unsigned& hi, unsigned& lo) {
-    hi = __float_as_uint(v) & 0xffffe000u;
-    lo = __float_as_uint(v - __uint_as_float(hi));
+    hi = round_tf32(__float_as_uint(v));
+    lo = round_tf32(__float_as_uint(v - __uint_as_float(hi)));
 }
 
 template <int BN, bool PRECISE>
@@ -149,7 +155,7 @@ __device__ __forceinline__ void conv_igemm(const float* __restrict__ x, const fl
                     if (PRECISE) {
                         split(v[e], a_hi[i][e], a_lo[i][e]);
                     } else {
-                        a_hi[i][e] = __float_as_uint(v[e]);
+                        a_hi[i][e] = round_tf32(__float_as_uint(v[e]));
                     }
                 }
             }
@@ -162,8 +168,8 @@ __device__ __forceinline__ void conv_igemm(const float* __restrict__ x, const fl
                     split(column.x, b_hi[0], b_lo[0]);
                     split(column.y, b_hi[1], b_lo[1]);
                 } else {
-                    b_hi[0] = __float_as_uint(column.x);
-                    b_hi[1] = __float_as_uint(column.y);
+                    b_hi[0] = round_tf32(__float_as_uint(column.x));
+                    b_hi[1] = round_tf32(__float_as_uint(column.y));
                 }
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {

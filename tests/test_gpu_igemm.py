@@ -2,10 +2,12 @@
 
 Every shape class of the trunk the kernel may take (3x3 stride 1 and 2, the 1x1 stride-2
 shortcut, 32 to 256 channels), every channel tile, both maths, every epilogue. The bounds
-say what the modes promise: FP32 mode (3xTF32) within FP32_BOUND of the output scale, like
-cuDNN's strict FP32 engines (9e-7 in the H200 probe), and at least FP32_GAIN times closer
-than one TF32 MMA, so FP32 mode is not TF32 in disguise; TF32 within TF32_BOUND.
-The table printed is (shape, math, tile, epilogue, max |error| / max |reference|).
+say what the modes promise: FP32 mode (3xTF32) at most FP32_VS_CUDNN times the error of
+cuDNN's fastest strict-FP32 plan on the same inputs (an FP32 dot product's error grows with
+its length, so the yardstick is the strict engine, not a constant) and at least FP32_GAIN
+times closer than one TF32 MMA, so FP32 mode is not TF32 in disguise; TF32 within
+TF32_BOUND. The table printed is (shape, math, tile, epilogue, max |error| / max
+|reference|), cuDNN strict FP32's conv first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ SHAPES = [
     (64, 128, 40, 499, 1, 2, 3),
     (256, 256, 10, 125, 3, 1, 5),
 ]
-FP32_BOUND = 5e-6
+#: 3xTF32 drops the lo*lo term and the tensor cores accumulate with their own rounding, so
+#: ours may sit a few times above a strict FMA engine and still be FP32-accurate (TF32 is
+#: ~500x above it).
+FP32_VS_CUDNN = 4.0
 TF32_BOUND = 5e-3
 FP32_GAIN = 20.0
 
@@ -50,6 +55,27 @@ def _reference(x, w, bias, residual, kernel: int, stride: int, relu: bool):
     return cupy.maximum(out, 0.0) if relu else out
 
 
+def _cudnn_strict(spec: ConvSpec, batch: int, x, weight):
+    """The conv by cuDNN's fastest strict-FP32 plan (what the engine's FP32 mode would use)."""
+    import cudnn
+    import cupy
+
+    from server.engine.gpu.convs import ConvKey, time_plans
+
+    handle = cudnn.create_handle()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cudnn.set_stream(handle=handle, stream=stream.ptr)
+    y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float32)
+    buffers = {"X": x.data.ptr, "W": weight.data.ptr, "Y": y.data.ptr}
+    graph = time_plans(ConvKey.of(spec, batch, Math.FP32, None), handle, stream, buffers)
+    workspace = cupy.empty((max(1, graph.workspace_bytes),), dtype=cupy.uint8)
+    with stream:
+        graph.execute(graph.pack(buffers), workspace.data.ptr, handle)
+    stream.synchronize()
+    cudnn.destroy_handle(handle)
+    return y, graph.plan_name
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_k{s[4]}s{s[5]}")
@@ -72,9 +98,18 @@ def test_kernel_matches_float64(shape, capsys) -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if stride == 1 and cin == cout else [])
     errors: dict[tuple[str, int, str], float] = {}
+    strict, plan = _cudnn_strict(spec, batch, x, weight)
     for epilogue in epilogues:
         add = residual if epilogue == "bias_add_relu" else None
-        reference = _reference(x, weight, bias, add, kernel, stride, epilogue != "bias_only")
+        relu = epilogue != "bias_only"
+        reference = _reference(x, weight, bias, add, kernel, stride, relu)
+        cudnn_out = strict.astype(cupy.float64) + bias.astype(cupy.float64) + (0.0 if add is None else add)
+        errors[("cudnn", 0, epilogue)] = igemm.relative_difference(
+            cupy.maximum(cudnn_out, 0.0) if relu else cudnn_out, reference
+        )
+        with capsys.disabled():
+            print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  cudnn {plan[:12]:<12} "
+                  f"{epilogue:<14} {errors[('cudnn', 0, epilogue)]:.3e}", end="")  # fmt: skip
         for math in (Math.FP32, Math.TF32):
             tiles = igemm.tiles_for(spec, math)
             assert tiles, f"{spec.cin}->{spec.cout}: no tile for {math}"
@@ -91,12 +126,14 @@ def test_kernel_matches_float64(shape, capsys) -> None:
                           f"{epilogue:<14} {error:.3e}", end="")  # fmt: skip
     for (math, tile, epilogue), error in errors.items():
         if math == "fp32":
-            tf32 = errors[("tf32", tile, epilogue)]
-            assert error <= FP32_BOUND, f"3xTF32 n{tile} {epilogue}: {error:.3e} > {FP32_BOUND:g}"
+            tf32, cudnn_error = errors[("tf32", tile, epilogue)], errors[("cudnn", 0, epilogue)]
+            assert error <= FP32_VS_CUDNN * cudnn_error, (
+                f"3xTF32 n{tile} {epilogue}: {error:.3e} > {FP32_VS_CUDNN:g} x cuDNN strict {cudnn_error:.3e}"
+            )
             assert error * FP32_GAIN <= tf32, (
                 f"3xTF32 n{tile} {epilogue}: {error:.3e} is not {FP32_GAIN:g}x below TF32's {tf32:.3e}"
             )
-        else:
+        elif math == "tf32":
             assert error <= TF32_BOUND, f"TF32 n{tile} {epilogue}: {error:.3e} > {TF32_BOUND:g}"
 
 
