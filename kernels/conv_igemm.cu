@@ -173,11 +173,21 @@ __device__ __forceinline__ void conv_igemm(const float* __restrict__ x, const fl
                 }
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    if (PRECISE) {  // small terms first, so they are not lost against the big one
-                        mma_tf32(acc[i][j], a_lo[i], b_hi);
-                        mma_tf32(acc[i][j], a_hi[i], b_lo);
+                    if (PRECISE) {
+                        // The tensor cores' FP32 accumulation rounds toward zero: chained over
+                        // K = 2304 (layer4) that biased the sum by 1.5e-5 of the output scale,
+                        // 10x a strict FMA engine (H200, 2026-12-03). So each 8-wide k slice is
+                        // summed from zero (small terms first) and added with a round-to-nearest
+                        // FADD, leaving only three chained MMAs to truncate.
+                        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_tf32(part, a_lo[i], b_hi);
+                        mma_tf32(part, a_hi[i], b_lo);
+                        mma_tf32(part, a_hi[i], b_hi);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[e];
+                    } else {
+                        mma_tf32(acc[i][j], a_hi[i], b_hi);
                     }
-                    mma_tf32(acc[i][j], a_hi[i], b_hi);
                 }
             }
         }
