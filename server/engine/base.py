@@ -20,7 +20,9 @@ from server.inputs import check_fbank, check_masks
 class Math(enum.StrEnum):
     """What arithmetic the trunk's convolutions use; pooling and linear stay FP32 where noted."""
 
-    FP32 = "fp32"  # strict IEEE FP32 everywhere: tensor cores excluded
+    # FP32-accurate everywhere: IEEE FP32 FMA (cuDNN without tensor-core engines) or our
+    # 3xTF32 tensor-core kernel (FP32-level error, checked against cuDNN and float64)
+    FP32 = "fp32"
     TF32 = "tf32"  # FP32 storage, TF32 tensor-core convolutions, FP32 accumulate
     FP16 = "fp16"  # FP16 storage/tensor cores, FP32 accumulate, FP32 pooling and linear
 

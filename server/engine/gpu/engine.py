@@ -46,7 +46,8 @@ TIMING_SEED = 0
 
 
 class GpuEngine(Engine):
-    """CuPy + cuDNN engine; FP32 (strict) or TF32. See the module docstring."""
+    """CuPy + cuDNN engine (and our convolution kernel, gpu/igemm.py); FP32 or TF32. See
+    the module docstring."""
 
     name = "gpu-cupy"
 
