@@ -54,7 +54,7 @@ def main() -> int:
     import cupy
 
     from server.engine.base import Math
-    from server.engine.gpu.convs import excluded_notes
+    from server.engine.gpu.convs import excluded_notes, fp32_graph
 
     handle = cudnn.create_handle()
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -71,13 +71,7 @@ def main() -> int:
         ref = reference(x[:1], wt, k, stride)
         scale = float(cupy.abs(ref).max())
         for modes, strict_filter in ((("A", "B", "FALLBACK"), False), (("A", "B", "FALLBACK"), True)):
-            g = cudnn.pygraph(
-                io_data_type=fp32,
-                intermediate_data_type=fp32,
-                compute_data_type=fp32,
-                handle=handle,
-                is_cuda_graph_replay_expected=True,
-            )
+            g = fp32_graph(handle)
             X = g.tensor(
                 name="X", dim=[BATCH, cin, h, w], stride=[cin * h * w, 1, w * cin, cin], data_type=fp32
             )

@@ -173,18 +173,39 @@ def instantiate(prototype: ConvGraph, handle) -> ConvGraph:
     )  # fmt: skip
 
 
-def build_graph(key: ConvKey, handle):
-    """cuDNN graph for `key` with its execution plans created and filtered (not built)."""
+def fp32_graph(handle):
+    """An empty cuDNN graph with FP32 io, intermediates and compute, to be replayed from CUDA
+    graphs (the frontend then only offers plans that can be)."""
     import cudnn
 
     fp32 = cudnn.data_type.FLOAT
-    graph = cudnn.pygraph(
+    return cudnn.pygraph(
         io_data_type=fp32,
         intermediate_data_type=fp32,
         compute_data_type=fp32,
         handle=handle,
         is_cuda_graph_replay_expected=True,
     )
+
+
+def replay_ms(graph, stream) -> float:
+    """GPU ms of one launch of the captured CUDA `graph` on `stream` (waits for it)."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end)
+
+
+def build_graph(key: ConvKey, handle):
+    """cuDNN graph for `key` with its execution plans created and filtered (not built)."""
+    import cudnn
+
+    fp32 = cudnn.data_type.FLOAT
+    graph = fp32_graph(handle)
     pad = key.kernel // 2
     x = _nhwc(graph, "X", key.batch, key.cin, key.h_in, key.w_in, fp32)
     w = _nhwc(graph, "W", key.cout, key.cin, key.kernel, key.kernel, fp32)
@@ -296,12 +317,7 @@ def _time_candidate(
             raise RuntimeError("its captured replay differs from its eager execution")
         times = []
         for run in range(TIMED_RUNS):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            replay.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end))
+            times.append(replay_ms(replay, stream))
             if run == 0 and best is not None and times[0] > HOPELESS * best:
                 break
     return statistics.median(times), strict

@@ -16,6 +16,7 @@ import numpy as np
 from server.architecture import ConvSpec
 from server.engine.base import Math
 from server.engine.gpu import kernels
+from server.engine.gpu.convs import replay_ms
 
 SOURCE = "conv_igemm.cu"
 #: kernels/conv_igemm.cu's tiling: output pixels per block, threads, pipeline stages and the
@@ -96,8 +97,6 @@ class IgemmConv:
 
     def time(self, stream) -> float:
         """Median GPU ms of one launch, from replays of a graph of LAUNCHES_PER_REPLAY."""
-        import cupy
-
         self.launch(stream)
         stream.begin_capture()
         try:
@@ -106,15 +105,8 @@ class IgemmConv:
         finally:
             graph = stream.end_capture()
         graph.launch(stream)
-        times = []
-        for _ in range(TIMED_REPLAYS):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / LAUNCHES_PER_REPLAY)
-        self.ms = statistics.median(times)
+        per_launch = [replay_ms(graph, stream) / LAUNCHES_PER_REPLAY for _ in range(TIMED_REPLAYS)]
+        self.ms = statistics.median(per_launch)
         return self.ms
 
 
