@@ -1,7 +1,4 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-export PYTHONPATH=$PWD:$PWD/proto:/tmp/site
-export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
-export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
+source scripts/device_env.sh
 timeout 200 python3 scripts/probe_graph.py --math tf32 --batch 1 2>$OUT/probe_graph.err | tee $OUT/probe_graph.jsonl | cut -c1-1500
 tail -3 $OUT/probe_graph.err; echo "graph probe at $SECONDS s"
 timeout 150 python3 scripts/probe_fp32_plans.py 2>&1 > $OUT/fp32.jsonl; echo "fp32 probe at $SECONDS s"

@@ -4,10 +4,7 @@
 # py-spy GIL profile. Run from the repo root on the device with the wheels of
 # ../shared/device/prepare-wheels.sh (plus grpcio>=1.85, py-spy) in .whl/ carried along.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-export PYTHONPATH=$PWD:$PWD/proto:/tmp/site
-export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
-export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
+source scripts/device_env.sh
 # our conv kernel first, in a process of its own: if it fails, everything after runs cuDNN only
 REQUIRE_GPU=1 timeout 90 python3 -m pytest -q -s tests/test_gpu_igemm.py 2>&1 | tee $OUT/igemm-tests.log | grep -E "^[0-9]+->|passed|failed|Error" | head -40
 # a crash (no pytest summary line, or a CUDA error) turns our kernels off; a failed bound does

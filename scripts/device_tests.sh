@@ -2,10 +2,7 @@
 # The short H200 check (when device time is short): our conv kernel's test, the GPU engine
 # tests with REQUIRE_GPU=1, and the FP32 b32 benchmark with its per-conv table and PyTorch.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-export PYTHONPATH=$PWD:$PWD/proto:/tmp/site
-export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
-export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
+source scripts/device_env.sh
 REQUIRE_GPU=1 timeout 60 python3 -m pytest -q -s tests/test_gpu_igemm.py 2>&1 | tee $OUT/igemm-tests.log | grep -E "^[0-9]+->|passed|failed|Error" | cut -c1-120 | tail -60
 REQUIRE_GPU=1 timeout 150 python3 -m pytest -q tests/test_gpu_engine.py tests/test_kernels_compile.py 2>&1 | tee $OUT/gpu-tests.log | grep -E "^(first|last|short|empty|one|soft|b32|fp32|tf32|  *(stem|pooled|output|layer4.2.out)|[0-9]+ (passed|failed)|FAILED|ERROR|E  )" | cut -c1-400 | head -60
 echo "tests at $SECONDS s"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from server.architecture import MAX_SPEAKERS, TRUNK_FLOPS_PER_CHUNK
-from server.config import CONV_KERNELS
+from server.config import CONV_KERNELS, env_default
 from server.engine.base import Math, pad_speakers
 from server.self_check import compare
 
@@ -52,7 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the per-tap b32 profile")
     parser.add_argument("--convs", action="store_true", help="also print the per-convolution choice table")
     parser.add_argument(
-        "--conv-kernels", default=os.environ.get("SPEAKERD_CONV_KERNELS", "auto"), choices=CONV_KERNELS,
+        "--conv-kernels", default=env_default("conv-kernels", "auto"), choices=CONV_KERNELS,
         help="auto: our conv kernel where faster; cudnn: cuDNN only [SPEAKERD_CONV_KERNELS]",
     )  # fmt: skip
     parser.add_argument(

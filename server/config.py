@@ -94,7 +94,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _env(name: str, default: object) -> object:
+def env_default(name: str, default: object) -> object:
     """The default of flag --name: SPEAKERD_NAME when set (argparse applies `type` to strings)."""
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
@@ -104,7 +104,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     def add(name: str, default: object, help_text: str, **kwargs: object) -> None:
         env = ENV_PREFIX + name.upper().replace("-", "_")
-        value = _env(name, default)
+        value = env_default(name, default)
         choices = kwargs.get("choices")
         if choices is not None and env in os.environ:
             # argparse checks the choices of a flag given on the command line, never of a

@@ -13,13 +13,13 @@ failure); the layout helpers at the bottom need no GPU and run everywhere.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 import pytest
 
 from server.architecture import BLOCKS, CONVS, EMBEDDING_DIM, MAX_SPEAKERS, STEM, TAP_NAMES, tap_shape
+from server.config import env_default
 from server.engine.base import Math, active_frames
 from server.inputs import InputError, InputLengthError
 from server.self_check import BOUNDS, compare
@@ -52,7 +52,7 @@ def engines(folded_model):
     times every cuDNN plan)."""
     from server.engine.gpu.engine import GpuEngine
 
-    own = os.environ.get("SPEAKERD_CONV_KERNELS", "auto") == "auto"  # cudnn: cuDNN runs every conv
+    own = env_default("conv-kernels", "auto") == "auto"  # SPEAKERD_CONV_KERNELS=cudnn: cuDNN only
     built = {math: GpuEngine(folded_model, math, (1, 32), own_kernels=own) for math in MATHS}
     yield built
     for engine in built.values():

@@ -162,6 +162,16 @@ def bad_requests(mixed) -> dict[str, tuple[pb.EmbedRequest, str]]:
     }
 
 
+def _assert_invalid_argument(name: str, call, payload, field: str) -> None:
+    """`call(payload)` fails with INVALID_ARGUMENT whose message names `field` (printed)."""
+    with pytest.raises(grpc.RpcError) as raised:
+        call(payload, timeout=30)
+    code, details = raised.value.code(), raised.value.details()
+    print(f"{name:<16} {code.name:<18} {details}")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {code} {details}"
+    assert details.startswith(f"{field}:") or f" {field}:" in details, f"{name}: {details!r} names no {field}"
+
+
 def test_bad_inputs_are_invalid_argument_and_harm_no_one(server: ServerProcess, mixed, direct) -> None:
     good: list[np.ndarray] = []
 
@@ -176,14 +186,7 @@ def test_bad_inputs_are_invalid_argument_and_harm_no_one(server: ServerProcess, 
     stub = pb_grpc.SpeakerEmbeddingStub(channel)
     print(f"\n{'bad input':<16} {'code':<18} message")
     for name, (request, field) in bad_requests(mixed).items():
-        with pytest.raises(grpc.RpcError) as raised:
-            stub.EmbedChunks(request, timeout=30)
-        code, details = raised.value.code(), raised.value.details()
-        print(f"{name:<16} {code.name:<18} {details}")
-        assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {code} {details}"
-        assert details.startswith(f"{field}:") or f" {field}:" in details, (
-            f"{name}: {details!r} names no {field}"
-        )
+        _assert_invalid_argument(name, stub.EmbedChunks, request, field)
     # bytes no protobuf encoder would write: the server parses them itself (request_wire.py)
     raw_call = channel.unary_unary(
         f"/{SERVICE}/EmbedChunks", response_deserializer=pb.EmbedResponse.FromString
@@ -194,14 +197,7 @@ def test_bad_inputs_are_invalid_argument_and_harm_no_one(server: ServerProcess, 
         ("group wire type", b"\x0b", "request"),
         ("bad UTF-8 id", whole + b"\x22\x02\xff\xfe", "request_id"),
     ):
-        with pytest.raises(grpc.RpcError) as raised:
-            raw_call(raw, timeout=30)
-        code, details = raised.value.code(), raised.value.details()
-        print(f"{name:<16} {code.name:<18} {details}")
-        assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {code} {details}"
-        assert details.startswith(f"{field}:") or f" {field}:" in details, (
-            f"{name}: {details!r} names no {field}"
-        )
+        _assert_invalid_argument(name, raw_call, raw, field)
     channel.close()
     neighbour.join()
     assert len(good) == 3 and all(np.array_equal(g, direct[:4]) for g in good)

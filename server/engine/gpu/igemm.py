@@ -8,6 +8,7 @@ tensor cores (see the .cu file); in TF32 mode one TF32 MMA per product.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ class IgemmConv:
         return kernel_name(self.math, self.tile)
 
     def launch(self, stream) -> None:
-        function = _function(self.name)
+        function = _function(self.name, self.tile)
         function(self.grid, (THREADS,), self.args, stream=stream, shared_mem=shared_bytes(self.tile))
 
     def time(self, stream) -> float:
@@ -110,15 +111,12 @@ class IgemmConv:
         return self.ms
 
 
-_configured: set[str] = set()
-
-
-def _function(name: str):  # -> cupy.RawKernel
-    """The entry point, its dynamic shared memory limit raised once (above 48 KB needs it)."""
+@functools.cache
+def _function(name: str, tile: int):  # -> cupy.RawKernel
+    """The entry point, fetched once per process (launches sit on the eager forward path)
+    with its dynamic shared memory limit raised (above 48 KB needs it)."""
     function = kernels.module(SOURCE).get_function(name)
-    if name not in _configured:
-        function.max_dynamic_shared_size_bytes = shared_bytes(int(name.rsplit("_n", 1)[1]))
-        _configured.add(name)
+    function.max_dynamic_shared_size_bytes = shared_bytes(tile)
     return function
 
 

@@ -204,15 +204,15 @@ class Plan:
         off for the shape, with a warning: that is a bug of ours)."""
         import cupy
 
-        spec, key = choice.spec, ConvKey.of(choice.spec, self.batch, self.math, None)
+        c = choice
+        spec, key = c.spec, ConvKey.of(c.spec, self.batch, self.math, None)
         tiles = igemm.tiles_for(spec, self.math)
         if not tiles or not self.engine.own_allowed(key):
             return None
         workspace = cupy.empty((max(1, bare.workspace_bytes),), dtype=cupy.uint8)
-        y = choice.y[: choice.elements]
+        y = c.y[: c.elements]
         with self.stream:
             bare.execute(bare.pack(buffers), workspace.data.ptr, self.engine.handle)
-            c = choice
             self._epilogue(c.epilogue, c.y, c.bias, c.residual, spec.cout, c.elements)
             reference = y.copy()
         fastest = None

@@ -1,0 +1,6 @@
+# Sourced by the device scripts: installs the carried wheels (.whl/, see
+# ../shared/device/README.md) into /tmp/site and sets the paths the project needs there.
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+export PYTHONPATH=$PWD:$PWD/proto:/tmp/site
+export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
+export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
