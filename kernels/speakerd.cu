@@ -1,7 +1,8 @@
 // speakerd CUDA kernels (compiled at run time by CuPy/NVRTC for the device's architecture).
 //
-// Layouts: trunk activations are NHWC float32 (H = mel rows, W = frames, C fastest), the
-// layout cuDNN's fastest convolution engines read. Masks are [n, 3, F] float32 with F, the
+// Layouts: trunk activations are NHWC (H = mel rows, W = frames, C fastest), the layout
+// cuDNN's fastest convolution engines read: float32, or float16 in FP16 mode (whose kernels
+// end in _f16, compute in FP32 and flag any value outside FP16's range). Masks are [n, 3, F] float32 with F, the
 // mask frame count, read from device memory so one captured CUDA graph serves any F.
 
 #define FRAMES 998
@@ -12,6 +13,38 @@
 #define TRUNK_FRAMES 125
 #define POOL_FEATURES (TRUNK_CHANNELS * TRUNK_MELS)
 #define TILE 32
+#define STEM_CHANNELS 32
+#define STEM_TAPS 9
+#define HALF_MAX_FINITE 65504.0f
+
+// FP16 without cuda_fp16.h (NVRTC's built-in headers only): halves are 16-bit words,
+// converted by PTX.
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Two floats as one f16x2 word, lo in the low half (round to nearest).
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    unsigned packed;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+__device__ __forceinline__ float2 unpack_half2(unsigned packed) {
+    return make_float2(half_to_float(static_cast<unsigned short>(packed & 0xffffu)),
+                       half_to_float(static_cast<unsigned short>(packed >> 16)));
+}
+
+// Whether v is outside FP16's finite range (NaN included: it compares false).
+__device__ __forceinline__ bool out_of_half_range(float v) { return !(fabsf(v) <= HALF_MAX_FINITE); }
+
+// One flag write per block whose threads saw a value out of range (the host reads the flag
+// with the outputs and recomputes the batch without FP16).
+__device__ __forceinline__ void raise_flag(bool bad, int* flag) {
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flag, 1);
+}
 
 // fbank [n, 998 frames, 80 mels] -> stem input NHWC [n, 80, 998, 1]: a tiled transpose
 // through shared memory so both the read and the write are coalesced.
@@ -68,6 +101,140 @@ extern "C" __global__ void bias_add_relu(float4* y, const float4* bias, const fl
     epilogue<true, true>(y, bias, residual, vectors, channel_vectors);
 }
 
+// The FP16 epilogue after a bare cuDNN conv with half output, in place on NHWC y, 8 halves
+// (16 bytes) a step: y = half(act(y + bias[c] (+ residual))) computed in FP32. The conv's
+// own output is checked too: cuDNN converted it to half, so an overflow there reads as inf
+// (or 65504 where a plan saturates, flagged conservatively).
+template <bool RESIDUAL, bool RELU>
+__device__ __forceinline__ void epilogue_f16(uint4* __restrict__ y, const float4* __restrict__ bias,
+                                             const uint4* __restrict__ residual, long long vectors,
+                                             int channel_vectors, int* __restrict__ flag) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    bool bad = false;
+    const long long rounds = (vectors + stride - 1) / stride;  // every thread reaches raise_flag's barrier
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long round = 0; round < rounds; ++round, i += stride) {
+        if (i >= vectors) continue;
+        const uint4 packed = y[i];
+        const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+        const int channel = static_cast<int>(i % channel_vectors) * 2;  // in float4s of bias
+        const float4 b0 = bias[channel], b1 = bias[channel + 1];
+        const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 pair = unpack_half2(words[e]);
+            v[2 * e] = pair.x;
+            v[2 * e + 1] = pair.y;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            bad |= !(fabsf(v[e]) < HALF_MAX_FINITE);
+            v[e] += b[e];
+        }
+        if (RESIDUAL) {
+            const uint4 add = residual[i];
+            const unsigned adds[4] = {add.x, add.y, add.z, add.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 pair = unpack_half2(adds[e]);
+                v[2 * e] += pair.x;
+                v[2 * e + 1] += pair.y;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            if (RELU) v[e] = fmaxf(v[e], 0.0f);
+            bad |= out_of_half_range(v[e]);
+        }
+        y[i] = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+    }
+    raise_flag(bad, flag);
+}
+
+// vectors: 8-half groups of y; channel_vectors: 8-half groups per pixel.
+extern "C" __global__ void bias_only_f16(uint4* y, const float4* bias, long long vectors, int channel_vectors,
+                                         int* flag) {
+    epilogue_f16<false, false>(y, bias, nullptr, vectors, channel_vectors, flag);
+}
+
+extern "C" __global__ void bias_relu_f16(uint4* y, const float4* bias, long long vectors, int channel_vectors,
+                                         int* flag) {
+    epilogue_f16<false, true>(y, bias, nullptr, vectors, channel_vectors, flag);
+}
+
+extern "C" __global__ void bias_add_relu_f16(uint4* y, const float4* bias, const uint4* residual, long long vectors,
+                                             int channel_vectors, int* flag) {
+    epilogue_f16<true, true>(y, bias, residual, vectors, channel_vectors, flag);
+}
+
+// The stem, 1 -> 32 channels 3x3 stride 1 pad 1, + bias + ReLU, by direct FP32 arithmetic:
+// one input channel leaves a GEMM nothing to tile (cuDNN ran it at 2.7 TFLOP/s, 0.46 ms of
+// a 6.9 ms TF32 b32 forward), while this kernel is bound by writing its output once.
+// x: [n, 80, 998] (the stem input, C = 1); w: KRSC [32, 3, 3, 1]; one thread per output
+// pixel writes its 32 channels (128 bytes FP32, 64 bytes FP16) contiguously.
+// grid ceil(n * 80 * 998 / 128), block 128.
+template <bool HALF>
+__device__ __forceinline__ void stem(const float* __restrict__ x, const float* __restrict__ w,
+                                     const float* __restrict__ bias, void* __restrict__ y, int n,
+                                     int* __restrict__ flag) {
+    __shared__ float weights[STEM_TAPS][STEM_CHANNELS];
+    __shared__ float shift[STEM_CHANNELS];
+    for (int i = threadIdx.x; i < STEM_TAPS * STEM_CHANNELS; i += blockDim.x)
+        weights[i % STEM_TAPS][i / STEM_TAPS] = w[i];
+    if (threadIdx.x < STEM_CHANNELS) shift[threadIdx.x] = bias[threadIdx.x];
+    __syncthreads();
+    const long long pixel = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool inside = pixel < (long long)n * MELS * FRAMES;
+    bool bad = false;
+    if (inside) {
+        const int image = static_cast<int>(pixel / (MELS * FRAMES));
+        const int rest = static_cast<int>(pixel - (long long)image * MELS * FRAMES);
+        const int mel = rest / FRAMES, frame = rest - (rest / FRAMES) * FRAMES;
+        const float* plane = x + (long long)image * MELS * FRAMES;
+        float v[STEM_TAPS];
+#pragma unroll
+        for (int tap = 0; tap < STEM_TAPS; ++tap) {
+            const int ih = mel + tap / 3 - 1, iw = frame + tap % 3 - 1;
+            v[tap] = (ih >= 0 && ih < MELS && iw >= 0 && iw < FRAMES) ? plane[ih * FRAMES + iw] : 0.0f;
+        }
+        float out[STEM_CHANNELS];
+#pragma unroll
+        for (int k = 0; k < STEM_CHANNELS; ++k) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int tap = 0; tap < STEM_TAPS; ++tap) acc = fmaf(v[tap], weights[tap][k], acc);
+            out[k] = fmaxf(acc + shift[k], 0.0f);
+        }
+        if (HALF) {
+            uint4* row = reinterpret_cast<uint4*>(y) + pixel * (STEM_CHANNELS / 8);
+#pragma unroll
+            for (int q = 0; q < STEM_CHANNELS / 8; ++q) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) bad |= out_of_half_range(out[q * 8 + e]);
+                row[q] = make_uint4(pack_half2(out[q * 8], out[q * 8 + 1]), pack_half2(out[q * 8 + 2], out[q * 8 + 3]),
+                                    pack_half2(out[q * 8 + 4], out[q * 8 + 5]),
+                                    pack_half2(out[q * 8 + 6], out[q * 8 + 7]));
+            }
+        } else {
+            float4* row = reinterpret_cast<float4*>(y) + pixel * (STEM_CHANNELS / 4);
+#pragma unroll
+            for (int q = 0; q < STEM_CHANNELS / 4; ++q)
+                row[q] = make_float4(out[4 * q], out[4 * q + 1], out[4 * q + 2], out[4 * q + 3]);
+        }
+    }
+    if (HALF) raise_flag(bad, flag);
+}
+
+extern "C" __global__ void stem_f32(const float* x, const float* w, const float* bias, float* y, int n) {
+    stem<false>(x, w, bias, y, n, nullptr);
+}
+
+extern "C" __global__ void stem_f16(const float* x, const float* w, const float* bias, unsigned short* y, int n,
+                                    int* flag) {
+    stem<true>(x, w, bias, y, n, flag);
+}
+
 // pyannote StatsPool (weighted) of the trunk output under each speaker's mask, one kernel.
 //
 // x: NHWC [n, 10, 125, 256]; feature f = channel * 10 + mel (pyannote flattens NCHW
@@ -75,9 +242,13 @@ extern "C" __global__ void bias_add_relu(float4* y, const float4* bias, const fl
 // mask frame floor(t * F / 125) (nearest resize). pooled: [n * 3, 5120], means then stds.
 // active: [n * 3] trunk frames with non-zero weight (0 = empty mask: output is seg_1.bias).
 // grid (n, 10 mel rows), block 256 (one thread per channel: reads coalesced along C).
-extern "C" __global__ void stats_pool(const float* __restrict__ x, const float* __restrict__ masks,
-                                      const int* __restrict__ mask_frames, float* __restrict__ pooled,
-                                      int* __restrict__ active) {
+__device__ __forceinline__ float load_activation(const float* p) { return *p; }
+__device__ __forceinline__ float load_activation(const unsigned short* p) { return half_to_float(*p); }
+
+template <typename T>
+__device__ __forceinline__ void stats_pool(const T* __restrict__ x, const float* __restrict__ masks,
+                                           const int* __restrict__ mask_frames, float* __restrict__ pooled,
+                                           int* __restrict__ active) {
     __shared__ float w[SPEAKERS][TRUNK_FRAMES];
     __shared__ float v1[SPEAKERS], v2[SPEAKERS];
     const int chunk = blockIdx.x, mel = blockIdx.y, channel = threadIdx.x;
@@ -102,10 +273,10 @@ extern "C" __global__ void stats_pool(const float* __restrict__ x, const float* 
         if (mel == 0) active[chunk * SPEAKERS + s] = count;
     }
     __syncthreads();
-    const float* column = x + ((long long)chunk * TRUNK_MELS + mel) * TRUNK_FRAMES * TRUNK_CHANNELS + channel;
+    const T* column = x + ((long long)chunk * TRUNK_MELS + mel) * TRUNK_FRAMES * TRUNK_CHANNELS + channel;
     float mean[SPEAKERS] = {0.0f, 0.0f, 0.0f};
     for (int t = 0; t < TRUNK_FRAMES; ++t) {
-        const float value = column[t * TRUNK_CHANNELS];
+        const float value = load_activation(column + t * TRUNK_CHANNELS);
 #pragma unroll
         for (int s = 0; s < SPEAKERS; ++s) mean[s] += w[s][t] * value;
     }
@@ -113,7 +284,7 @@ extern "C" __global__ void stats_pool(const float* __restrict__ x, const float* 
 #pragma unroll
     for (int s = 0; s < SPEAKERS; ++s) mean[s] /= v1[s];
     for (int t = 0; t < TRUNK_FRAMES; ++t) {
-        const float value = column[t * TRUNK_CHANNELS];
+        const float value = load_activation(column + t * TRUNK_CHANNELS);
 #pragma unroll
         for (int s = 0; s < SPEAKERS; ++s) {
             const float d = value - mean[s];
@@ -129,4 +300,15 @@ extern "C" __global__ void stats_pool(const float* __restrict__ x, const float* 
         row[feature] = mean[s];
         row[POOL_FEATURES + feature] = sqrtf(var[s] / denominator);
     }
+}
+
+extern "C" __global__ void stats_pool_f32(const float* x, const float* masks, const int* mask_frames, float* pooled,
+                                          int* active) {
+    stats_pool(x, masks, mask_frames, pooled, active);
+}
+
+// The FP16 trunk's output (halves), pooled in FP32.
+extern "C" __global__ void stats_pool_f16(const unsigned short* x, const float* masks, const int* mask_frames,
+                                          float* pooled, int* active) {
+    stats_pool(x, masks, mask_frames, pooled, active);
 }

@@ -1,6 +1,6 @@
 """`python -m server bench`: time the GPU engine's plans and print JSON lines.
 
-For each math (FP32 strict, TF32) and plan (b1, b32) in eager and graph mode: GPU compute
+For each math (FP32 strict, TF32, FP16 mixed) and plan (b1, b32) in eager and graph mode: GPU compute
 ms per batch from CUDA events (median and min over `--runs` after `--warmup`), chunks/s,
 host-to-device and device-to-host ms, device memory, and the min per-row cosine / max abs
 against the reference case (first_b1 for b1, mixed_b32 for b32). Then, when torch is
@@ -43,7 +43,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--references", default=None, help="make-references output dir (default: compute with ORT CPU now)"
     )
-    parser.add_argument("--math", default="fp32,tf32", help="comma-separated maths to run (fp32,tf32)")
+    parser.add_argument(
+        "--math", default="fp32,tf32,fp16", help="comma-separated maths to run (fp32,tf32,fp16)"
+    )
     parser.add_argument("--batches", default="1,32", help="comma-separated plan sizes to time (1,32)")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed runs per configuration")
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs per configuration")
@@ -116,9 +118,10 @@ def bench_ours(math: Math, model, cases, args) -> dict[tuple[int, str], float]:
     try:
         for batch, (fbank, masks, expected) in sorted(cases.items()):
             for mode in ("eager", "graph"):
-                compute, h2d, d2h, output = [], [], [], None
+                compute, h2d, d2h, output, fallbacks = [], [], [], None, 0
                 for run in range(args.warmup + args.runs):
                     result = engine.run_batch(fbank, masks, use_graph=mode == "graph")
+                    fallbacks += result.fp16_fallbacks
                     used = result.plans[0]  # "b1/eager" where a graph was dropped at start-up
                     if run >= args.warmup:
                         compute.append(result.compute_s * 1e3)
@@ -137,7 +140,7 @@ def bench_ours(math: Math, model, cases, args) -> dict[tuple[int, str], float]:
                     device_memory_mib=round((free_before - free_after) / MIB, 1),
                     engine_memory_mib={kind: round(size / MIB, 1) for kind, size in memory.items()},
                     device_total_mib=round(total / MIB), min_cosine=parity.min_cosine, max_abs=parity.max_abs,
-                    max_relative_abs=parity.max_relative_abs,
+                    max_relative_abs=parity.max_relative_abs, fp16_fallbacks=fallbacks,
                 )  # fmt: skip
         if args.convs:
             for batch in sorted(cases):
@@ -157,7 +160,9 @@ def bench_ours(math: Math, model, cases, args) -> dict[tuple[int, str], float]:
 
 # ----- the PyTorch comparison ------------------------------------------------------------
 def torch_forward_factory(model, math: Math):
-    """The same folded network in PyTorch, channels_last, `math`; returns (step, inputs)."""
+    """The same folded network in PyTorch, channels_last, `math`; returns (step, inputs).
+    FP16: the trunk in half (weights, activations; cuDNN accumulates in FP32), the pooling
+    and the linear in FP32, as ours."""
     import torch
     import torch.nn.functional as F
 
@@ -165,9 +170,13 @@ def torch_forward_factory(model, math: Math):
     torch.backends.cudnn.allow_tf32 = math == Math.TF32
     torch.backends.cuda.matmul.allow_tf32 = False  # the linear is FP32 in both maths, as ours
 
+    dtype = torch.float16 if math == Math.FP16 else torch.float32
+
     def conv(folded):
-        weight = torch.from_numpy(folded.weight).cuda().contiguous(memory_format=torch.channels_last)
-        return weight, torch.from_numpy(folded.bias).cuda(), folded.spec.stride, folded.spec.pad
+        weight = (
+            torch.from_numpy(folded.weight).cuda().to(dtype).contiguous(memory_format=torch.channels_last)
+        )
+        return weight, torch.from_numpy(folded.bias).cuda().to(dtype), folded.spec.stride, folded.spec.pad
 
     stem = conv(model.stem)
     blocks = [
@@ -182,13 +191,13 @@ def torch_forward_factory(model, math: Math):
         return F.conv2d(x, weight, bias, stride, pad)
 
     def forward(fbank, masks):
-        x = fbank.permute(0, 2, 1).unsqueeze(1).contiguous(memory_format=torch.channels_last)
+        x = fbank.permute(0, 2, 1).unsqueeze(1).to(dtype).contiguous(memory_format=torch.channels_last)
         x = F.relu(apply(x, stem))
         for conv1, conv2, shortcut in blocks:
             hidden = F.relu(apply(x, conv1))
             x = F.relu(apply(hidden, conv2) + (apply(x, shortcut) if shortcut is not None else x))
         b, c, f, t = x.shape
-        x = x.reshape(b, c * f, t)
+        x = x.float().reshape(b, c * f, t)
         index = (torch.arange(t, device=x.device) * masks.shape[-1]) // t  # pyannote nearest resize
         w = masks[..., index]  # [b, s, t]
         v1 = w.sum(-1, keepdim=True) + 1e-8

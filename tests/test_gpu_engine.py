@@ -1,9 +1,11 @@
 """GPU engine (CuPy + cuDNN frontend) against the ONNX Runtime CPU references.
 
 Mirrors the speakrs GPU parity suite (shared/seed/000_f095c1edfeb63311.txt): the b1 cases
-and the b32 case at FP32 (strict) and TF32 within SPEC 3's bounds, a per-layer table
-against the reference taps (every tap fires once), FP32 strict (it differs from TF32),
-two eager passes and a graph replay bit-identical, wrong input lengths rejected. Each
+and the b32 case at FP32 (strict), TF32 and FP16 mixed within SPEC 3's bounds, a per-layer
+table against the reference taps (every tap fires once), FP32 strict (it differs from
+TF32), two eager passes and a graph replay bit-identical, the FP16 residual stream (every
+block passes halves) against FP32 activations, wrong input lengths rejected. FP16's range
+fallback and our kernels against float64: tests/test_gpu_fp16.py, test_gpu_igemm.py. Each
 test prints its table straight to the terminal (`capsys.disabled`), so a passing run on
 the device still shows the numbers.
 
@@ -33,7 +35,7 @@ def _gpu() -> tuple[bool, str]:
 
 GPU_USABLE, GPU_DETAIL = _gpu()
 needs_gpu = pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU for the CuPy engine: {GPU_DETAIL}")
-MATHS = (Math.FP32, Math.TF32)
+MATHS = (Math.FP32, Math.TF32, Math.FP16)
 #: A relative jump of one tap's error over the previous tap's by this factor is marked in
 #: the per-layer table, as in the seed suite (it points at the layer that went wrong).
 JUMP_FACTOR = 10.0
@@ -173,6 +175,41 @@ def test_fp32_is_strict_and_differs_from_tf32(engines, reference_cases, capsys) 
             row["conv"] for row in engines[Math.FP32].conv_report(batch) if row["epilogue"] == "cudnn-fused"
         ]
         assert not fused, f"FP32 b{batch} uses cuDNN fused graphs (not strict, and slow): {fused}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp16_passes_half_activations_and_meets_the_bound_against_fp32_activations(
+    engines, reference_cases, capsys
+) -> None:
+    """The seed's half_hidden_blocks / half_output_blocks checks: FP16 mode passes every
+    block's hidden and output activations (the residual stream) as halves, FP32 and TF32
+    never; the half stream and the FP32-activation forward (TF32 mode: same weights, float32
+    activations between blocks) both meet the bound, and their difference is printed."""
+    case = _by_name(reference_cases)["mixed_b32"]
+    for math, engine in engines.items():
+        for batch, plan in engine.plans.items():
+            half = [c.name for c in plan.convs if c.y.dtype.itemsize == 2]
+            expected = [c.name for c in plan.convs] if math == Math.FP16 else []
+            hidden = sum(c.name.endswith("conv1") for c in plan.convs if c.name in half)
+            outputs = sum(c.name.endswith("conv2") for c in plan.convs if c.name in half)
+            line = f"b{batch} {math}: {hidden} half hidden blocks, {outputs} half block outputs"
+            _row(capsys, f"\n{line} of {len(BLOCKS)}")
+            assert half == expected, f"b{batch} {math}: half outputs {half}, expected {expected}"
+    reference = case.output.reshape(32, MAX_SPEAKERS, EMBEDDING_DIM)
+    half_run = engines[Math.FP16].run_batch(case.fbank, case.masks)
+    full_run = engines[Math.TF32].run_batch(case.fbank, case.masks)
+    assert half_run.fp16_fallbacks == 0, half_run
+    half, full = compare(half_run.embeddings, reference), compare(full_run.embeddings, reference)
+    shift = compare(half_run.embeddings, full_run.embeddings)
+    _row(
+        capsys,
+        f"b32 mixed_b32 FP32 activations (tf32): min cosine {full.min_cosine:.12f}; half stream (fp16): "
+        f"{half.min_cosine:.12f}; half vs FP32 activations: min cosine {shift.min_cosine:.12f}, "
+        f"max abs {shift.max_abs:.3e}",
+    )
+    bound = BOUNDS[Math.FP16].min_cosine
+    assert half.min_cosine >= bound and full.min_cosine >= bound, (half.min_cosine, full.min_cosine)
 
 
 @pytest.mark.gpu

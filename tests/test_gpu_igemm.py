@@ -152,7 +152,21 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     expected = {"BM": igemm.BLOCK_PIXELS, "THREADS": igemm.THREADS, "STAGES": igemm.STAGES,
                 "LDS": igemm.SHARED_ROW, "BK": igemm.CHANNEL_STEP}  # fmt: skip
     assert {k: defines[k] for k in expected} == expected, defines
+    f16 = kernels.kernel_sources()[igemm.F16_SOURCE]
+    f16_defined = set(re.findall(r'extern "C" __global__ __launch_bounds__\([^)]*\) void (\w+)', f16))
+    assert set(igemm.F16_KERNEL_NAMES) == f16_defined, (igemm.F16_KERNEL_NAMES, f16_defined)
+    f16_defines = {name: int(value) for name, value in re.findall(r"#define F16_(\w+) (\d+)", f16)}
+    f16_expected = {"THREADS": igemm.F16_THREADS, "COLS": igemm.F16_COLS, "ROWS": igemm.F16_ROWS,
+                    "CHUNK": igemm.F16_CHUNK, "LDB": igemm.F16_LDB, "OUT_PAD": igemm.F16_OUT_PAD}  # fmt: skip
+    assert {k: f16_defines[k] for k in f16_expected} == f16_expected, f16_defines
+    # two blocks of the largest stride-1 tile share an SM (227 KB a block at most on Hopper)
+    assert 2 * (igemm.f16_shared_bytes(3, 1, 64) + 1024) <= 228 * 1024, igemm.f16_shared_bytes(3, 1, 64)
+    assert igemm.f16_shared_bytes(3, 2, 64) <= 227 * 1024, igemm.f16_shared_bytes(3, 2, 64)
     stem = ConvSpec("stem", "bn", 1, 32, 3, 1, 80, 998)
-    assert igemm.tiles_for(stem, Math.FP32) == (), "the stem (1 input channel) is cuDNN's"
+    assert igemm.tiles_for(stem, Math.FP32) == (), "the stem (1 input channel) is not an implicit GEMM's"
+    assert igemm.tiles_for(stem, Math.FP16) == ()
+    assert igemm.tiles_for(ConvSpec("l2", "bn", 32, 64, 3, 2, 80, 998), Math.FP16) == (64, 32)
+    assert igemm.tiles_for(ConvSpec("sc", "bn", 64, 128, 1, 2, 40, 499), Math.FP16) == (64, 32)
+    assert igemm.tiles_for(ConvSpec("sc1", "bn", 64, 128, 1, 1, 40, 499), Math.FP16) == (), "no 1x1 stride-1"
     assert igemm.tiles_for(ConvSpec("l1", "bn", 32, 32, 3, 1, 80, 998), Math.TF32) == (32,)
     assert igemm.tiles_for(ConvSpec("l4", "bn", 256, 256, 3, 1, 10, 125), Math.FP32) == (64, 32)

@@ -1,4 +1,4 @@
-"""Trunk convolutions through cuDNN frontend graphs (NHWC, float32 storage).
+"""Trunk convolutions through cuDNN frontend graphs (NHWC; float32 storage, float16 in FP16 mode).
 
 Each distinct (shape, batch, math, fusion) gets one cuDNN graph whose execution plans
 are built one by one and timed once on real buffers, replayed from CUDA graphs; the
@@ -15,6 +15,10 @@ Math:
 - TF32: tensor-core engines allowed (but never FP16 down-conversion); per shape the
   faster of the cuDNN fused graph (conv + bias [+ residual] [+ ReLU]) and the bare conv
   + our epilogue kernel is used.
+- FP16 mixed: half X, W and Y, FP32 compute (REDUCED_PRECISION_REDUCTION, i.e. FP16
+  accumulation, deselected). Only bare convolutions: a cuDNN fused graph converts its
+  result to half inside cuDNN, where an overflow cannot be flagged; our FP16 epilogue
+  kernel checks both the conv's output and its own (SPEC 3: never a silent overflow).
 Non-deterministic engines are always excluded, so two eager passes agree bit for bit.
 Plans are timed as they serve: one execution captured into a CUDA graph and replayed.
 A plan whose replay does not write the same bits as its eager execution is no candidate,
@@ -173,19 +177,53 @@ def instantiate(prototype: ConvGraph, handle) -> ConvGraph:
     )  # fmt: skip
 
 
-def fp32_graph(handle):
-    """An empty cuDNN graph with FP32 io, intermediates and compute, to be replayed from CUDA
-    graphs (the frontend then only offers plans that can be)."""
+def io_type(math: Math):
+    """cuDNN's data type for a conv's X, W and Y (and Z) under `math`: FP16 mode stores
+    activations and weights as halves; the others float32. Compute is FP32 always."""
+    import cudnn
+
+    return cudnn.data_type.HALF if math == Math.FP16 else cudnn.data_type.FLOAT
+
+
+def element_bytes(math: Math) -> int:
+    """Bytes of one activation element under `math`."""
+    return 2 if math == Math.FP16 else 4
+
+
+def fp32_graph(handle, io=None):
+    """An empty cuDNN graph with FP32 intermediates and compute (io FP32 unless `io` says),
+    to be replayed from CUDA graphs (the frontend then only offers plans that can be)."""
     import cudnn
 
     fp32 = cudnn.data_type.FLOAT
     return cudnn.pygraph(
-        io_data_type=fp32,
+        io_data_type=fp32 if io is None else io,
         intermediate_data_type=fp32,
         compute_data_type=fp32,
         handle=handle,
         is_cuda_graph_replay_expected=True,
     )
+
+
+#: Replays timed per candidate of our own kernels (after one warm-up), and launches captured
+#: per replay, so a b1 conv of ~15 us is timed as GPU work, not launch overhead.
+OWN_TIMED_REPLAYS = 5
+OWN_LAUNCHES_PER_REPLAY = 5
+
+
+def time_launches(launch, stream) -> float:
+    """Median GPU ms of one `launch(stream)`, from replays of a CUDA graph holding
+    OWN_LAUNCHES_PER_REPLAY of them (after one eager launch)."""
+    launch(stream)
+    stream.begin_capture()
+    try:
+        for _ in range(OWN_LAUNCHES_PER_REPLAY):
+            launch(stream)
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream)
+    per_launch = [replay_ms(graph, stream) / OWN_LAUNCHES_PER_REPLAY for _ in range(OWN_TIMED_REPLAYS)]
+    return statistics.median(per_launch)
 
 
 def replay_ms(graph, stream) -> float:
@@ -204,11 +242,11 @@ def build_graph(key: ConvKey, handle):
     """cuDNN graph for `key` with its execution plans created and filtered (not built)."""
     import cudnn
 
-    fp32 = cudnn.data_type.FLOAT
-    graph = fp32_graph(handle)
+    fp32, io = cudnn.data_type.FLOAT, io_type(key.math)
+    graph = fp32_graph(handle, io)
     pad = key.kernel // 2
-    x = _nhwc(graph, "X", key.batch, key.cin, key.h_in, key.w_in, fp32)
-    w = _nhwc(graph, "W", key.cout, key.cin, key.kernel, key.kernel, fp32)
+    x = _nhwc(graph, "X", key.batch, key.cin, key.h_in, key.w_in, io)
+    w = _nhwc(graph, "W", key.cout, key.cin, key.kernel, key.kernel, io)
     y = graph.conv_fprop(
         image=x,
         weight=w,
@@ -226,12 +264,12 @@ def build_graph(key: ConvKey, handle):
         y = graph.bias(input=y, bias=bias)
         tensors["B"] = bias
         if key.epilogue == "bias_add_relu":
-            z = _nhwc(graph, "Z", key.batch, key.cout, key.h_out, key.w_out, fp32)
+            z = _nhwc(graph, "Z", key.batch, key.cout, key.h_out, key.w_out, io)
             y = graph.add(a=y, b=z)
             tensors["Z"] = z
         if key.epilogue != "bias_only":
             y = graph.relu(input=y)
-    y.set_output(True).set_data_type(fp32)
+    y.set_output(True).set_data_type(io)
     tensors["Y"] = y
     graph.validate()
     graph.build_operation_graph()
@@ -240,12 +278,13 @@ def build_graph(key: ConvKey, handle):
     return graph, tensors
 
 
-def _y_view(y_ptr: int, elements: int):
+def _y_view(y_ptr: int, elements: int, math: Math):
     """A CuPy view of a convolution's output buffer (owned by the plan)."""
     import cupy
 
-    memory = cupy.cuda.UnownedMemory(y_ptr, elements * 4, owner=None)
-    return cupy.ndarray((elements,), dtype=cupy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    dtype = cupy.float16 if math == Math.FP16 else cupy.float32
+    memory = cupy.cuda.UnownedMemory(y_ptr, elements * element_bytes(math), owner=None)
+    return cupy.ndarray((elements,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def _capture_one(graph, index: int, pack: dict, workspace, handle, stream, mode: int | None):
@@ -332,7 +371,7 @@ def time_plans(
     started = time.perf_counter()
     graph, tensors = build_graph(key, handle)
     pack = {tensors[name]: pointer for name, pointer in buffers.items()}
-    y = _y_view(buffers["Y"], key.output_elements)
+    y = _y_view(buffers["Y"], key.output_elements, key.math)
     results: list[float | None] = []
     failures: list[str] = []
     best: tuple[bool, float, int] | None = None  # (not strict, median ms, index) of the best so far

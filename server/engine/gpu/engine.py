@@ -7,6 +7,13 @@ chosen by timing), one cuDNN workspace of the largest need, the activation arena
 compiled kernels, and the cuBLAS handle of the final linear (strict FP32: default math,
 never TF32, whatever the trunk's math).
 
+FP16 mode (SPEC 3's range rule): every FP16 kernel raises the plan's range flag where a
+value leaves FP16's range, and the flag is read with the outputs. A flagged batch is
+recomputed on a TF32 plan of the same size that shares the arena (fallback plans, run
+eagerly: they are for the rare batch, not for speed), counted in `BatchRun.fp16_fallbacks`
+(the speakerd_fp16_fallbacks_total metric) and logged once per engine: an embedding is
+never silently wrong.
+
 Plans never run at once: every entry point holds one lock while it computes, and all
 compute is ordered on one stream, so the arena and the workspace can be shared safely and
 several threads may call `run_batch` at once. Only the input upload happens outside the lock,
@@ -43,11 +50,15 @@ TIMING_RUNS = 10
 #: Seed of the random activations the cuDNN plans are timed on (never zeros: zeros can
 #: run faster than real data).
 TIMING_SEED = 0
+#: The math a flagged FP16 batch is recomputed in (SPEC 3: "without FP16").
+FALLBACK_MATH = Math.TF32
+#: Largest finite FP16 value: weights beyond it cannot be stored for FP16 mode.
+HALF_MAX = 65504.0
 
 
 class GpuEngine(Engine):
-    """CuPy + cuDNN engine (and our convolution kernel, gpu/igemm.py); FP32 or TF32. See
-    the module docstring."""
+    """CuPy + cuDNN engine (and our convolution kernels, gpu/igemm.py and gpu/stem.py);
+    FP32, TF32 or FP16 mixed. See the module docstring."""
 
     name = "gpu-cupy"
 
@@ -62,7 +73,7 @@ class GpuEngine(Engine):
         import cudnn
         import cupy
 
-        math, sizes = check_engine_config(self.name, math, (Math.FP32, Math.TF32), plan_sizes)
+        math, sizes = check_engine_config(self.name, math, (Math.FP32, Math.TF32, Math.FP16), plan_sizes)
         started = time.perf_counter()
         self.model = model
         self.model_id = model.model_id
@@ -86,15 +97,21 @@ class GpuEngine(Engine):
         self._instances: list[ConvGraph] = []
         self.seg_weight = cupy.asarray(model.seg_weight)  # [256, 5120] row-major
         self.seg_bias = cupy.asarray(model.seg_bias)
+        self._fallbacks_logged = False
         with self.stream:
-            random = cupy.random.RandomState(TIMING_SEED)
             self.arena = {
-                name: random.standard_normal((count,), dtype=cupy.float32)
+                name: cupy.empty((count,), dtype=cupy.float32)
                 for name, count in activation_elements(sizes[-1]).items()
             }
+            self._randomize_arena(math)
             self.workspace = cupy.zeros((1,), dtype=cupy.uint8)  # the real one comes below
             self.plans: dict[int, Plan] = {size: Plan(self, size, self.arena) for size in sizes}
-            need = max([1, *(c.graph.workspace_bytes for p in self.plans.values() for c in p.convs)])
+            self.fallback_plans: dict[int, Plan] = {}
+            if math == Math.FP16:
+                self._randomize_arena(FALLBACK_MATH)  # the fallback plans time on float32 values
+                self.fallback_plans = {size: Plan(self, size, self.arena, FALLBACK_MATH) for size in sizes}
+            every = [*self.plans.values(), *self.fallback_plans.values()]
+            need = max([1, *(c.workspace_bytes for p in every for c in p.convs)])
             self.workspace = cupy.zeros((need,), dtype=cupy.uint8)
             self.slots = [InputSlot(sizes[-1]) for _ in range(INPUT_SLOTS)]
         self._free_slots: queue.SimpleQueue[InputSlot] = queue.SimpleQueue()
@@ -118,14 +135,37 @@ class GpuEngine(Engine):
     def kernel(self, name: str):  # -> cupy.RawKernel
         return self._kernels[name]
 
-    def device_weights(self, folded: FoldedConv):
-        """(weight KRSC [cout, k, k, cin], bias [cout]) on the device, uploaded once."""
+    def _randomize_arena(self, math: Math) -> None:
+        """Random activations in the arena as `math`'s plans read them (FP16: halves, else
+        floats), for timing and checking convolutions on real-looking data."""
         import cupy
 
-        key = id(folded)
+        random = cupy.random.RandomState(TIMING_SEED)
+        for values in self.arena.values():
+            if math == Math.FP16:
+                halves = values.view(cupy.float16)
+                halves[...] = random.standard_normal(halves.shape, dtype=cupy.float32).astype(cupy.float16)
+            else:
+                values[...] = random.standard_normal(values.shape, dtype=cupy.float32)
+
+    def device_weights(self, folded: FoldedConv, half: bool = False):
+        """(weight KRSC [cout, k, k, cin], bias [cout]) on the device, uploaded once per
+        dtype: float32, or float16 weights for FP16 mode (the bias stays float32: the
+        epilogues add it in FP32). ValueError when a weight does not fit FP16's range."""
+        import cupy
+
+        key = (id(folded), half)
         if key not in self._weights:
-            weight = cupy.asarray(np.ascontiguousarray(folded.weight.transpose(0, 2, 3, 1)))
-            self._weights[key] = (weight, cupy.asarray(folded.bias), folded)
+            weight = np.ascontiguousarray(folded.weight.transpose(0, 2, 3, 1))
+            if half:
+                largest = float(np.abs(weight).max())
+                if not largest <= HALF_MAX:
+                    raise ValueError(
+                        f"math fp16: {folded.spec.name} has a weight of magnitude {largest:.4g}, "
+                        f"beyond FP16's {HALF_MAX:g}; serve this model with tf32 or fp32"
+                    )
+                weight = weight.astype(np.float16)
+            self._weights[key] = (cupy.asarray(weight), cupy.asarray(folded.bias), folded)
         weight, bias, _ = self._weights[key]
         return weight, bias
 
@@ -163,6 +203,10 @@ class GpuEngine(Engine):
     def own_allowed(self, key: ConvKey) -> bool:
         """Whether our convolution kernel may be a candidate for `key` (a bare key)."""
         return self.own_kernels and key not in self._own_refused
+
+    def own_refusal(self, key: ConvKey) -> str:
+        """Why our kernel may not run `key` ("" when it may)."""
+        return self._own_refused.get(key, "" if self.own_kernels else "--conv-kernels cudnn")
 
     def refuse_own(self, key: ConvKey, reason: str) -> None:
         """Never run our kernel for `key` again (it disagreed with cuDNN or replayed wrongly)."""
@@ -225,18 +269,46 @@ class GpuEngine(Engine):
                 end.record(self.stream)
                 end.synchronize()
                 computed = time.perf_counter()
-                output, _active = plan.download(chunks)
+                output, _active, flagged = plan.download(chunks)
                 done = time.perf_counter()
                 compute_s = cupy.cuda.get_elapsed_time(begin, end) / 1e3
+                plans = [f"b{plan.batch}/{mode}"]
+                if flagged:  # out of FP16's range: this batch again, without FP16
+                    output, again_s = self._recompute(plan, slot, chunks)
+                    compute_s += again_s
+                    plans.append(f"b{plan.batch}/{FALLBACK_MATH}-fallback")
         return BatchRun(
             embeddings=output.reshape(chunks, MAX_SPEAKERS, EMBEDDING_DIM),
-            plans=[f"b{plan.batch}/{mode}"],
+            plans=plans,
             compute_s=compute_s,
             h2d_s=copied - start,
             d2h_s=done - computed,
             graph_replays=int(mode == "graph"),
-            eager_runs=int(mode == "eager"),
+            eager_runs=int(mode == "eager") + int(flagged),
+            fp16_fallbacks=int(flagged),
         )
+
+    def _recompute(self, plan: Plan, slot: InputSlot, chunks: int) -> tuple[np.ndarray, float]:
+        """(output, GPU seconds) of a flagged FP16 batch run again on its fallback plan
+        (caller holds the lock; `slot` still holds the batch). Logged once per engine."""
+        import cupy
+
+        if not self._fallbacks_logged:
+            self._fallbacks_logged = True
+            log.warning(
+                "b%d: an FP16 value left FP16's range; the batch is recomputed in %s (logged once; "
+                "the speakerd_fp16_fallbacks_total metric counts every one)",
+                plan.batch,
+                FALLBACK_MATH,
+            )
+        fallback = self.fallback_plans[plan.batch]
+        fallback.load(slot)
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record(self.stream)
+        fallback.run(use_graph=False)
+        end.record(self.stream)
+        output, _active, _ = fallback.download(chunks)
+        return output, cupy.cuda.get_elapsed_time(begin, end) / 1e3
 
     @contextlib.contextmanager
     def _staged(self, plan: Plan, fbank: np.ndarray, masks: np.ndarray) -> Iterator[tuple[InputSlot, int]]:
@@ -350,7 +422,8 @@ class GpuEngine(Engine):
     def memory_report(self) -> dict[str, int]:
         """Device bytes by kind: buffers (plans' own + the shared activation arena),
         weights, cuDNN workspace, and their total; plus pinned host staging bytes."""
-        own = sum(plan.own_bytes() for plan in self.plans.values())
+        every = [*self.plans.values(), *self.fallback_plans.values()]
+        own = sum(plan.own_bytes() for plan in every)
         own += sum(slot.device_bytes() for slot in self.slots)
         arena = sum(int(a.nbytes) for a in self.arena.values())
         weights = sum(int(w.nbytes) + int(b.nbytes) for w, b, _ in self._weights.values())
@@ -361,28 +434,32 @@ class GpuEngine(Engine):
             "weights": weights,
             "workspace": workspace,
             "total": own + arena + weights + workspace,
-            "pinned_host": sum(plan.pinned_bytes() for plan in self.plans.values())
+            "pinned_host": sum(plan.pinned_bytes() for plan in every)
             + sum(slot.pinned_bytes() for slot in self.slots),
         }
 
     def conv_report(self, batch: int) -> list[dict]:
         """Per convolution of plan `batch`: the chosen cuDNN plan, fused or ours, ms, TFLOP/s."""
         rows = []
-        for choice in self.plans[batch].convs:
-            key = choice.graph.key
+        plan = self.plans[batch]
+
+        def ms(value: float | None) -> float | None:
+            return None if value is None else round(value, 4)
+
+        for choice in plan.convs:
+            key, graph = ConvKey.of(choice.spec, batch, plan.math, None), choice.graph
             if choice.own is not None:
                 epilogue = "in-our-kernel"
             else:
                 epilogue = "cudnn-fused" if choice.fused else f"ours:{choice.epilogue_kernel}"
             rows.append({
                 "conv": choice.name, "shape": key.label(), "runs": choice.runner, "ms": round(choice.ms, 4),
-                "cudnn_plan": choice.graph.plan_name, "epilogue": epilogue,
-                "conv_ms": round(choice.graph.ms, 4), "epilogue_ms": round(choice.epilogue_ms, 4),
-                "bare_plus_ours_ms": round(choice.bare_ms, 4),
-                "fused_ms": None if choice.fused_ms is None else round(choice.fused_ms, 4),
-                "own_kernel_ms": None if choice.own_ms is None else round(choice.own_ms, 4),
-                "tflops": round(key.flops / (choice.ms * 1e9), 1),
-                "plans_ms": choice.graph.plan_ms, "graph_build_s": round(choice.graph.build_s, 2),
+                "cudnn_plan": None if graph is None else graph.plan_name, "epilogue": epilogue,
+                "conv_ms": None if graph is None else ms(graph.ms), "epilogue_ms": ms(choice.epilogue_ms),
+                "bare_plus_ours_ms": ms(choice.bare_ms), "fused_ms": ms(choice.fused_ms),
+                "own_kernel_ms": ms(choice.own_ms), "tflops": round(key.flops / (choice.ms * 1e9), 1),
+                "plans_ms": None if graph is None else graph.plan_ms,
+                "graph_build_s": None if graph is None else round(graph.build_s, 2),
             })  # fmt: skip
         return rows
 
@@ -396,6 +473,7 @@ class GpuEngine(Engine):
             "instance_build_s": round(sum(g.build_s for g in self._instances), 2),
             "fusions_unsupported": sorted(key.label() for key in self._failed),  # or turned off
             "own_kernel_refused": {key.label(): why for key, why in self._own_refused.items()},
+            "fp16_fallback_plans": [f"b{size}/{FALLBACK_MATH}/eager" for size in self.fallback_plans],
         }
 
     def _check_open(self) -> None:
@@ -409,6 +487,7 @@ class GpuEngine(Engine):
             for plan in self.plans.values():
                 plan.graph = None
             self.plans = {}
+            self.fallback_plans = {}
             self._graphs.clear()
             self._instances.clear()
             self.cublas.close()

@@ -15,7 +15,10 @@ KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels"
 #: The file holding every entry point the engine launches.
 ENGINE_SOURCE = "speakerd.cu"
 #: every extern "C" entry point of kernels/speakerd.cu that the engine launches.
-KERNEL_NAMES = ("fbank_to_stem", "bias_only", "bias_relu", "bias_add_relu", "stats_pool")
+KERNEL_NAMES = (
+    "fbank_to_stem", "bias_only", "bias_relu", "bias_add_relu", "stats_pool_f32", "stem_f32",
+    "bias_only_f16", "bias_relu_f16", "bias_add_relu_f16", "stats_pool_f16", "stem_f16",
+)  # fmt: skip
 #: The compute capability CI compiles for without a device: the H200 (Hopper, sm_90),
 #: in the digits-only form CuPy's compiler takes.
 CI_ARCH = "90"
@@ -64,6 +67,8 @@ def module(source: str = ENGINE_SOURCE):  # -> cupy.RawModule
     return raw
 
 
+@functools.cache
 def function(name: str):  # -> cupy.RawKernel
+    """Entry point `name` of kernels/speakerd.cu, fetched once per process."""
     assert name in KERNEL_NAMES, f"unknown kernel {name!r}; kernels are {KERNEL_NAMES}"
     return module().get_function(name)

@@ -7,8 +7,11 @@ allocates nothing and can be captured once into a CUDA graph and replayed:
   and the mask frame count F as a device int32 (read by the pooling kernel, so one graph
   serves any F);
 - four activation buffers (block input, hidden, shortcut, block output) that ping-pong
-  through the trunk. They are views of an arena the engine shares between its plans: plans
-  never run at once (the engine serialises them on one stream under a lock);
+  through the trunk, float32 or (FP16 mode) float16. They are views of an arena the engine
+  shares between its plans: plans never run at once (the engine serialises them on one
+  stream under a lock);
+- in FP16 mode a device int32 range flag, cleared at the start of the forward and raised
+  by any kernel that produced a value outside FP16's range; read back with the outputs;
 - pooled [3b, 5120], output [3b, 256], active frames [3b];
 - pinned host buffers for the outputs (asynchronous copies). Inputs arrive through the
   engine's staging slots (staging.py), copied in while the previous batch computes.
@@ -38,10 +41,11 @@ from server.architecture import (
     tap_shape,
 )
 from server.engine.base import Math
-from server.engine.gpu import igemm
+from server.engine.gpu import igemm, stem
 from server.engine.gpu.convs import ConvGraph, ConvKey, replay_matches
 from server.engine.gpu.igemm import IgemmConv
 from server.engine.gpu.staging import InputSlot, pinned
+from server.engine.gpu.stem import StemConv
 from server.inputs import MAX_MASK_FRAMES, InputLengthError
 from server.weights import FoldedConv, FoldedModel
 
@@ -66,8 +70,14 @@ TRANSPOSE_ROWS = 8
 TapHook = Callable[[str, object, tuple[int, ...]], None]
 
 
+#: Activation elements our FP16 epilogue handles per thread step (16 bytes of halves);
+#: every trunk channel count (32..256) is a multiple.
+HALF_VECTOR = 8
+
+
 def activation_elements(batch: int) -> dict[str, int]:
-    """Float32 elements of each activation buffer for `batch` chunks (the trunk's largest)."""
+    """Float32 elements of each activation buffer for `batch` chunks (the trunk's largest;
+    an FP16 plan views the same bytes as twice as many halves and uses half of them)."""
     widest = max(c.cout * c.h_out * c.w_out for c in (STEM, *(b.conv1 for b in BLOCKS)))
     shortcut = max(b.shortcut.cout * b.shortcut.h_out * b.shortcut.w_out for b in BLOCKS if b.shortcut)
     return {
@@ -85,25 +95,33 @@ class ConvChoice:
 
     name: str  # e.g. "layer2.0.conv1"
     spec: ConvSpec
-    graph: ConvGraph
+    graph: ConvGraph | None  # None: cuDNN has no way to run it here (the FP16 stem)
     epilogue_kernel: str | None  # our kernel after a bare conv; None when cuDNN fused it
     epilogue_ms: float
     pack: dict  # the variant pack: cuDNN tensor -> device pointer
     y: object  # output buffer (our epilogue works on it in place)
     bias: object
     residual: object | None
-    bare_ms: float  # bare conv + our epilogue, as measured (what a fused graph had to beat)
+    bare_ms: float | None  # bare conv + our epilogue, as measured (what a fused graph had to beat)
     fused_ms: float | None  # cuDNN's fused graph, when it was a candidate and ran
     elements: int  # floats of this conv's output (its buffer is a view of the widest size)
     folded: FoldedConv  # what it was chosen from, to choose again (see Plan.capture_graph)
     x: object
     epilogue: str  # the epilogue asked for, whoever runs it
-    own: IgemmConv | None = None  # our kernel, when it won (then `graph` is cuDNN's bare prototype)
+    own: IgemmConv | StemConv | None = None  # our kernel, when it won (`graph`: cuDNN's bare prototype)
     own_ms: float | None = None  # our kernel as measured, when it was a candidate
 
     @property
     def ms(self) -> float:
-        return self.own.ms if self.own is not None else self.graph.ms + self.epilogue_ms
+        if self.own is not None:
+            return self.own.ms
+        assert self.graph is not None, self.name
+        return self.graph.ms + self.epilogue_ms
+
+    @property
+    def workspace_bytes(self) -> int:
+        """cuDNN workspace this conv needs as it runs (none when our kernel runs it)."""
+        return 0 if self.own is not None or self.graph is None else self.graph.workspace_bytes
 
     @property
     def fused(self) -> bool:
@@ -115,22 +133,27 @@ class ConvChoice:
         """What runs it, for reports and logs."""
         if self.own is not None:
             return f"ours:{self.own.name}"
+        assert self.graph is not None, self.name
         return f"cudnn:{self.graph.plan_name}" + ("" if self.epilogue_kernel else " fused")
 
 
 class Plan:
     """Preallocated buffers and the ordered steps of one forward pass for `batch` chunks."""
 
-    def __init__(self, engine, batch: int, arena: dict[str, object]) -> None:
+    def __init__(self, engine, batch: int, arena: dict[str, object], math: Math | None = None) -> None:
         import cupy
 
         self.engine = engine
         self.batch = batch
-        self.math: Math = engine.math
+        self.math: Math = engine.math if math is None else math  # the FP16 engine's fallback plans: TF32
+        self.half = self.math == Math.FP16
         self.stream = engine.stream
         rows = batch * MAX_SPEAKERS
         sizes = activation_elements(batch)
-        self.act = {name: arena[name][: sizes[name]] for name in sizes}
+        dtype = cupy.float16 if self.half else cupy.float32
+        self.act = {name: arena[name].view(dtype)[: sizes[name]] for name in sizes}
+        self.flag = cupy.zeros((1,), dtype=cupy.int32)  # FP16 range flag (see the module docstring)
+        self.host_flag = pinned((1,), np.int32)
         self.fbank = cupy.zeros((batch, FRAMES, MEL_BINS), dtype=cupy.float32)
         # random, not zeros, while the stem's plans are timed (zeros can run faster)
         self.stem_in = cupy.random.RandomState(batch).standard_normal(
@@ -152,10 +175,12 @@ class Plan:
     def _choose(self, name: str, folded: FoldedConv, x, y, epilogue: str, residual=None) -> ConvChoice:
         """Time the candidates for this convolution and keep the fastest (see convs.py)."""
         spec = folded.spec
-        weight, bias = self.engine.device_weights(folded)
+        elements = self.batch * spec.cout * spec.h_out * spec.w_out
+        if self.half and stem.applies(spec, epilogue):
+            return self._fp16_stem(name, folded, x, y, elements)
+        weight, bias = self.engine.device_weights(folded, half=self.half)
         buffers = {"X": x.data.ptr, "W": weight.data.ptr, "Y": y.data.ptr}
         bare = self.engine.conv_graph(ConvKey.of(spec, self.batch, self.math, None), buffers)
-        elements = self.batch * spec.cout * spec.h_out * spec.w_out
         epilogue_ms = self._time_epilogue(epilogue, y, bias, residual, spec.cout, elements)
         bare_ms = bare.ms + epilogue_ms
         best = ConvChoice(
@@ -176,7 +201,8 @@ class Plan:
             epilogue,
         )
         fused, fused_buffers = None, dict(buffers, B=bias.data.ptr)
-        if self.math != Math.FP32:  # strict FP32 fused graphs run 26-76 ms: never candidates
+        # strict FP32 fused graphs run 26-76 ms, FP16 ones cannot flag an overflow: only TF32's
+        if self.math == Math.TF32:
             if residual is not None:
                 fused_buffers["Z"] = residual.data.ptr
             key = ConvKey.of(spec, self.batch, self.math, epilogue)
@@ -185,6 +211,9 @@ class Plan:
         ours = self._fastest_own(best, weight, buffers, bare)
         best.own_ms = None if ours is None else ours.ms
         cudnn_ms = min(bare_ms, fused.ms if fused is not None else bare_ms)
+        if ours is not None:
+            log.info("b%d %s %s: ours %s %.4f ms, cuDNN %.4f ms", self.batch, self.math, name, ours.name,
+                     ours.ms, cudnn_ms)  # fmt: skip
         if ours is not None and ours.ms < cudnn_ms:
             return dataclasses.replace(best, own=ours, epilogue_kernel=None, epilogue_ms=0.0, pack={})
         if fused is not None and fused.ms < bare_ms:
@@ -195,19 +224,49 @@ class Plan:
         instance = self.engine.conv_instance(bare)
         return dataclasses.replace(best, graph=instance, pack=instance.pack(buffers))
 
+    def _fp16_stem(self, name: str, folded: FoldedConv, x, y, elements: int) -> ConvChoice:
+        """The FP16 plan's stem: our direct kernel, FP32 in and arithmetic, FP16 out (cuDNN's
+        FP16 convs would need a half input; see stem.py). Checked against float64 by the GPU
+        tests and, with the whole network, by the start-up self-check."""
+        key = ConvKey.of(folded.spec, self.batch, self.math, None)
+        if not self.engine.own_allowed(key):
+            raise RuntimeError(
+                f"b{self.batch} {self.math} stem: our kernel was turned off "
+                f"({self.engine.own_refusal(key)}) and nothing else runs an FP16 stem"
+            )
+        weight, bias = self.engine.device_weights(folded, half=False)
+        own = StemConv.bind(self.batch, self.math, x, weight, bias, y, self.flag)
+        own.time(self.stream)
+        return ConvChoice(
+            name, folded.spec, None, None, 0.0, {}, y, bias, None, None, None, elements, folded, x,
+            stem.EPILOGUE, own=own, own_ms=own.ms,
+        )  # fmt: skip
+
+    def _own_candidates(self, choice: ConvChoice, weight) -> list[IgemmConv | StemConv]:
+        """Our kernels that can run `choice`'s convolution, bound to its buffers."""
+        c, flag = choice, (self.flag if self.half else None)
+        found: list[IgemmConv | StemConv] = []
+        if stem.applies(c.spec, c.epilogue):
+            found.append(StemConv.bind(self.batch, self.math, c.x, weight, c.bias, c.y, flag))
+        for tile in igemm.tiles_for(c.spec, self.math):
+            found.append(IgemmConv.bind(
+                c.spec, self.batch, self.math, tile, c.epilogue, c.x, weight, c.bias, c.residual, c.y, flag
+            ))  # fmt: skip
+        return found
+
     def _fastest_own(
         self, choice: ConvChoice, weight, buffers: dict[str, int], bare: ConvGraph
-    ) -> IgemmConv | None:
-        """Our kernel for `choice`'s convolution at its fastest channel tile, or None when
-        it cannot run the shape, was turned off for it, or disagrees with cuDNN's bare conv
-        + our epilogue on the same buffers by more than igemm.AGREEMENT (then it is turned
-        off for the shape, with a warning: that is a bug of ours)."""
+    ) -> IgemmConv | StemConv | None:
+        """Our fastest kernel for `choice`'s convolution, or None when none can run the
+        shape, ours was turned off for it, or one disagrees with cuDNN's bare conv + our
+        epilogue on the same buffers by more than igemm.AGREEMENT (then ours is turned off
+        for the shape, with a warning: that is a bug of ours)."""
         import cupy
 
         c = choice
         spec, key = c.spec, ConvKey.of(c.spec, self.batch, self.math, None)
-        tiles = igemm.tiles_for(spec, self.math)
-        if not tiles or not self.engine.own_allowed(key):
+        candidates = self._own_candidates(c, weight)
+        if not candidates or not self.engine.own_allowed(key):
             return None
         workspace = cupy.empty((max(1, bare.workspace_bytes),), dtype=cupy.uint8)
         y = c.y[: c.elements]
@@ -216,10 +275,7 @@ class Plan:
             self._epilogue(c.epilogue, c.y, c.bias, c.residual, spec.cout, c.elements)
             reference = y.copy()
         fastest = None
-        for tile in tiles:
-            conv = IgemmConv.bind(
-                spec, self.batch, self.math, tile, c.epilogue, c.x, weight, c.bias, c.residual, c.y
-            )  # fmt: skip
+        for conv in candidates:
             with self.stream:
                 y.fill(float("nan"))
                 conv.launch(self.stream)
@@ -236,6 +292,7 @@ class Plan:
         return fastest
 
     def _time_epilogue(self, kernel: str, y, bias, residual, channels: int, elements: int) -> float:
+        """GPU ms of our epilogue kernel on these buffers (the mean of EPILOGUE_TIMED_RUNS)."""
         import cupy
 
         self._epilogue(kernel, y, bias, residual, channels, elements)
@@ -251,6 +308,8 @@ class Plan:
         model: FoldedModel = self.engine.model
         a, b, c, d = (self.act[k] for k in ("x", "hidden", "out", "shortcut"))
         self.steps: list[tuple[str, object]] = []  # (kind, payload) in forward order
+        if self.half:
+            self.steps.append(("clear_flag", None))
         self.steps.append(("transpose", None))
         stem = self._choose("stem", model.stem, self.stem_in, a, "bias_relu")
         self.steps += [("conv", stem), ("tap", ("stem", a))]
@@ -275,13 +334,17 @@ class Plan:
     # ----- the forward path (allocation-free, graph-capturable) ---------------------
     def _epilogue(self, kernel: str, y, bias, residual, channels: int, elements: int) -> None:
         """y[:elements] = act(y + bias[c] (+ residual)) in place, NHWC with `channels` fastest.
-        `elements` is the conv's own output size: buffers are views of the widest size."""
+        `elements` is the conv's own output size: buffers are views of the widest size.
+        Half `y` (FP16 mode) takes the _f16 kernel, which raises the plan's range flag."""
         assert elements <= y.size and (residual is None or elements <= residual.size), (elements, y.size)
-        vectors = elements // 4
+        half = y.dtype.itemsize == 2
+        width = HALF_VECTOR if half else 4  # elements per vector: 16 bytes either way
+        vectors = elements // width
         blocks = min(-(-vectors // EPILOGUE_THREADS), self.engine.sm_count * EPILOGUE_BLOCKS_PER_SM)
         args = [y, bias] + ([residual] if kernel == "bias_add_relu" else [])
-        args += [np.int64(vectors), np.int32(channels // 4)]
-        self.engine.kernel(kernel)((blocks,), (EPILOGUE_THREADS,), tuple(args), stream=self.stream)
+        args += [np.int64(vectors), np.int32(channels // width)] + ([self.flag] if half else [])
+        name = f"{kernel}_f16" if half else kernel
+        self.engine.kernel(name)((blocks,), (EPILOGUE_THREADS,), tuple(args), stream=self.stream)
 
     def forward(self, hook: TapHook | None = None, stop: int | None = None) -> None:
         """Enqueue the forward (its first `stop` steps, when given) on the plan's stream;
@@ -298,6 +361,7 @@ class Plan:
                 if choice.own is not None:
                     choice.own.launch(self.stream)
                     continue
+                assert choice.graph is not None, choice.name
                 choice.graph.execute(choice.pack, workspace, handle)
                 if choice.epilogue_kernel is not None:
                     self._epilogue(
@@ -308,13 +372,15 @@ class Plan:
                         choice.spec.cout,
                         choice.elements,
                     )
+            elif kind == "clear_flag":
+                self.flag.fill(0)
             elif kind == "transpose":
                 grid = (-(-FRAMES // TRANSPOSE_TILE), -(-MEL_BINS // TRANSPOSE_TILE), self.batch)
                 self.engine.kernel("fbank_to_stem")(
                     grid, (TRANSPOSE_TILE, TRANSPOSE_ROWS), (self.fbank, self.stem_in), stream=self.stream
                 )
             elif kind == "pool":
-                self.engine.kernel("stats_pool")(
+                self.engine.kernel("stats_pool_f16" if self.half else "stats_pool_f32")(
                     (self.batch, TRUNK_MELS),
                     (TRUNK_CHANNELS,),
                     (self.trunk_out, self.masks, self.mask_frames, self.pooled, self.active),
@@ -350,8 +416,10 @@ class Plan:
         their outputs are not read."""
         slot.move_to(self.fbank, self.masks, self.mask_frames, self.stream)
 
-    def download(self, chunks: int) -> tuple[np.ndarray, np.ndarray]:
-        """(output [chunks*3, 256], active frames [chunks*3]) copied back (synchronises)."""
+    def download(self, chunks: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(output [chunks*3, 256], active frames [chunks*3], range flag raised) copied back
+        (synchronises). The flag is read in the same synchronisation: an FP16 batch's output
+        is never used without it."""
         import cupy
 
         rows = chunks * MAX_SPEAKERS
@@ -361,8 +429,11 @@ class Plan:
             self.host_output.ctypes.data, self.output.data.ptr, rows * EMBEDDING_DIM * 4, d2h, self.stream.ptr
         )
         copy(self.host_active.ctypes.data, self.active.data.ptr, rows * 4, d2h, self.stream.ptr)
+        if self.half:
+            copy(self.host_flag.ctypes.data, self.flag.data.ptr, 4, d2h, self.stream.ptr)
         self.stream.synchronize()
-        return self.host_output[:rows].copy(), self.host_active[:rows].copy()
+        flagged = self.half and bool(self.host_flag[0])
+        return self.host_output[:rows].copy(), self.host_active[:rows].copy(), flagged
 
     def run(self, use_graph: bool = True) -> str:
         """Replay the captured graph when there is one (and `use_graph`), else enqueue the
@@ -540,6 +611,7 @@ class Plan:
             if bad.own is not None:
                 self.engine.refuse_own(ConvKey.of(bad.spec, self.batch, self.math, None), "replayed wrongly")
             else:
+                assert bad.graph is not None, bad.name
                 self.engine.ban(bad.graph.key, bad.graph.plan_index)
             banned.add(self._runs(bad))
         for i, (kind, payload) in enumerate(self.steps):
@@ -547,26 +619,30 @@ class Plan:
                 c: ConvChoice = payload  # type: ignore[assignment]
                 self.steps[i] = ("conv", self._choose(c.name, c.folded, c.x, c.y, c.epilogue, c.residual))
         self.convs = [payload for kind, payload in self.steps if kind == "conv"]  # type: ignore[misc]
-        need = max(choice.graph.workspace_bytes for choice in self.convs)
+        need = max(choice.workspace_bytes for choice in self.convs)
         return self.engine.ensure_workspace(need)
 
     def _runs(self, choice: ConvChoice) -> tuple:
         """What runs `choice`, as an identity shared by every conv running the same thing."""
         if choice.own is not None:
             return ("ours", ConvKey.of(choice.spec, self.batch, self.math, None), choice.own.tile)
+        assert choice.graph is not None, choice.name
         return ("cudnn", choice.graph.key, choice.graph.plan_index)
 
     # ----- reports ----------------------------------------------------------------------
     def own_bytes(self) -> int:
         """Device bytes of the buffers this plan owns (not its arena views)."""
-        own = (self.fbank, self.stem_in, self.masks, self.mask_frames, self.pooled, self.output, self.active)
+        own = (self.fbank, self.stem_in, self.masks, self.mask_frames, self.pooled, self.output, self.active,
+               self.flag)  # fmt: skip
         return sum(int(a.nbytes) for a in own)
 
     def pinned_bytes(self) -> int:
-        return int(self.host_output.nbytes + self.host_active.nbytes)
+        return int(self.host_output.nbytes + self.host_active.nbytes + self.host_flag.nbytes)
 
 
 def nhwc_to_nchw(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A trunk tap copied from its NHWC buffer, as the NCHW array the references hold."""
+    """A trunk tap copied from its NHWC buffer, as the NCHW float32 array the references hold
+    (FP16 taps are upcast exactly)."""
     n, c, h, w = shape
-    return np.ascontiguousarray(values[: n * h * w * c].reshape(n, h, w, c).transpose(0, 3, 1, 2))
+    nchw = values[: n * h * w * c].reshape(n, h, w, c).transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(nchw, dtype=np.float32)

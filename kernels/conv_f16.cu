@@ -1,0 +1,250 @@
+// FP16 convolution on tensor cores (mma.sync m16n8k16, FP32 accumulation), NHWC half in and
+// out, with the block's epilogue fused and range-checked:
+//   y = half(act(conv(x, w) + bias (+ residual))), flag |= 1 where |y| > 65504 or NaN.
+//
+// Why our own: in FP16 the thin wide layers are memory-bound (layer1 at b32 moves 163 MB
+// in and 163 MB out per conv for 47 GFLOP, 0.06 ms of tensor-core work), and cuDNN's bare
+// conv (0.26 ms) plus an epilogue pass (another read and write of the activation) costs
+// about three of those floors; cuDNN's fused graphs cannot flag an FP16 overflow at all.
+//
+// Halo tiling: a block computes 2 output rows x 128 output columns of one image for BN
+// output channels. Per 32-channel K chunk it copies the input rows and columns those
+// outputs read (the halo: 4 x 130 pixels for a 3x3 stride-1 conv) into shared memory once,
+// and every one of the r x r taps reads its A fragments from there: the input crosses
+// L2 ~2x per conv instead of 9x for a per-tap implicit GEMM. The weights of the chunk (all
+// taps) sit beside it. One stage: two blocks per SM overlap one's copy with the other's
+// MMAs.
+//
+// Fragments: within each 16-wide k slice, thread t's k pairs (2t, 2t+1) and (2t+8, 2t+9)
+// are read from the adjacent shared columns 4t..4t+3, for A and B alike (a dot product does
+// not care which k pairs with which, only that A and B agree): one 8-byte load per
+// fragment row. Rows are padded (48 halves; 40 where consecutive output columns are two
+// pixels apart) so those loads hit 32 different banks per half warp.
+//
+// Epilogue: accumulators go through shared memory (FP32, rows padded by 8 floats) so that
+// bias, residual and the stores are 16-byte accesses along the channels.
+//
+// Requirements (checked on the host): cin % 32 == 0, cout % BN == 0, r in {1, 3}, pad = r / 2
+// (r = 1: pad 0), 16-byte aligned x, w, residual and y.
+//
+// No cuda_fp16.h: conversions are PTX (cvt), so the file compiles with NVRTC's built-in
+// headers only (CI compiles every kernel without a CUDA toolkit).
+
+#define F16_THREADS 256
+#define F16_BLOCKS_PER_SM 2  // caps registers at 128 a thread: two blocks share an SM
+#define F16_COLS 128   // output columns per block
+#define F16_ROWS 2     // output rows per block
+#define F16_CHUNK 32   // input channels per K chunk
+#define F16_LDB 48     // halves per shared weight row (32 + 16 padding)
+#define F16_OUT_PAD 8  // floats of padding per staged output row
+#define F16_MAX_FINITE 65504.0f
+
+namespace {
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void mma_f16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two floats as one f16x2 word, lo in the low half (round to nearest; beyond 65504 the
+// conversion gives inf, which the range check has flagged before).
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    unsigned packed;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+__device__ __forceinline__ float2 unpack_half2(unsigned packed) {
+    unsigned short lo, hi;
+    asm("mov.b32 {%0, %1}, %2;\n" : "=h"(lo), "=h"(hi) : "r"(packed));
+    float2 out;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(out.x) : "h"(lo));
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(out.y) : "h"(hi));
+    return out;
+}
+
+template <int R, int STRIDE, int BN>
+struct HaloTile {
+    // Shared pixels between consecutive output columns (and rows) of one tap: a 1x1 conv
+    // copies only the pixels it reads, so its halo is dense whatever the stride.
+    static constexpr int STEP = R == 1 ? 1 : STRIDE;
+    static constexpr int PAD = R / 2;
+    static constexpr int LDA = STEP == 1 ? 48 : 40;
+    static constexpr int ROWS = (F16_ROWS - 1) * STEP + R;
+    static constexpr int COLS = (F16_COLS - 1) * STEP + R;
+    static constexpr int A_HALVES = ROWS * COLS * LDA;
+    static constexpr int B_HALVES = R * R * BN * F16_LDB;
+    static constexpr int LDO = BN + F16_OUT_PAD;
+    static constexpr int OUT_FLOATS = F16_ROWS * F16_COLS * LDO;
+    static constexpr int LOAD_BYTES = (A_HALVES + B_HALVES) * 2;
+    static constexpr int SHARED_BYTES = LOAD_BYTES > OUT_FLOATS * 4 ? LOAD_BYTES : OUT_FLOATS * 4;
+};
+
+template <int R, int STRIDE, int BN>
+__device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
+                                         const float* __restrict__ bias,
+                                         const unsigned short* __restrict__ residual,
+                                         unsigned short* __restrict__ y, int* __restrict__ flag, int h, int wd,
+                                         int c, int ho, int wo, int k, int relu) {
+    using T = HaloTile<R, STRIDE, BN>;
+    extern __shared__ float4 shared4[];
+    unsigned short* a_s = reinterpret_cast<unsigned short*>(shared4);  // ROWS x COLS x LDA
+    unsigned short* b_s = a_s + T::A_HALVES;                           // taps x BN x LDB
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int group = lane >> 2, quad = lane & 3;  // mma fragment coordinates
+    const int n0 = blockIdx.x * BN, ow0 = blockIdx.y * F16_COLS;
+    const int row_blocks = (ho + F16_ROWS - 1) / F16_ROWS;
+    const int image = blockIdx.z / row_blocks, oh0 = (blockIdx.z - image * row_blocks) * F16_ROWS;
+    const int ih0 = oh0 * STRIDE - T::PAD, iw0 = ow0 * STRIDE - T::PAD;
+    const int hstep = R == 1 ? STRIDE : 1;  // input pixels between consecutive halo pixels
+    const long long image_base = static_cast<long long>(image) * h * wd * c;
+    const int filter = R * R * c;
+
+    // Warp tile: 32 output pixels (one quarter of an output row) x BN channels.
+    const int warp_row = warp >> 2, warp_col = (warp & 3) * 32;
+    float acc[2][BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    for (int c0 = 0; c0 < c; c0 += F16_CHUNK) {
+        // the halo of this chunk: 4 x 16-byte pieces per pixel, zeros in the padding
+        for (int index = tid; index < T::ROWS * T::COLS * 4; index += F16_THREADS) {
+            const int pixel = index >> 2, piece = index & 3;
+            const int row = pixel / T::COLS, col = pixel - row * T::COLS;
+            const int ih = ih0 + row * hstep, iw = iw0 + col * hstep;
+            const bool inside =
+                static_cast<unsigned>(ih) < static_cast<unsigned>(h) && static_cast<unsigned>(iw) < static_cast<unsigned>(wd);
+            const unsigned short* source = inside ? x + image_base + (static_cast<long long>(ih) * wd + iw) * c + c0 + piece * 8 : x;
+            cp_async16(a_s + pixel * T::LDA + piece * 8, source, inside);
+        }
+        // the chunk's weights, every tap: row (tap, n) of 32 channels
+        for (int index = tid; index < R * R * BN * 4; index += F16_THREADS) {
+            const int row = index >> 2, piece = index & 3;
+            const int tap = row / BN, n = row - tap * BN;
+            cp_async16(b_s + row * F16_LDB + piece * 8, w + static_cast<long long>(n0 + n) * filter + tap * c + c0 + piece * 8,
+                       true);
+        }
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
+        __syncthreads();
+#pragma unroll
+        for (int tap = 0; tap < R * R; ++tap) {
+            const int dh = tap / R, dw = tap - (tap / R) * R;
+            const unsigned short* a_tap = a_s + ((warp_row * T::STEP + dh) * T::COLS + warp_col * T::STEP + dw) * T::LDA;
+            const unsigned short* b_tap = b_s + tap * BN * F16_LDB;
+#pragma unroll
+            for (int kk = 0; kk < F16_CHUNK; kk += 16) {
+                unsigned a[2][4];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const unsigned short* rows = a_tap + (i * 16 + group) * T::STEP * T::LDA + kk + 4 * quad;
+                    const uint2 top = *reinterpret_cast<const uint2*>(rows);                               // pixel g
+                    const uint2 bottom = *reinterpret_cast<const uint2*>(rows + 8 * T::STEP * T::LDA);  // g + 8
+                    a[i][0] = top.x;
+                    a[i][1] = bottom.x;
+                    a[i][2] = top.y;
+                    a[i][3] = bottom.y;
+                }
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    const uint2 column = *reinterpret_cast<const uint2*>(b_tap + (j * 8 + group) * F16_LDB + kk + 4 * quad);
+                    const unsigned b[2] = {column.x, column.y};
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) mma_f16(acc[i][j], a[i], b);
+                }
+            }
+        }
+        __syncthreads();  // everyone is done with this chunk's tiles before they are refilled
+    }
+
+    // Stage the accumulators (FP32) in shared memory: pixel p = row * 128 + column.
+    float* out_s = reinterpret_cast<float*>(shared4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int pixel = warp_row * F16_COLS + warp_col + i * 16 + group + half * 8;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+                *reinterpret_cast<float2*>(out_s + pixel * T::LDO + j * 8 + 2 * quad) =
+                    make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+        }
+    __syncthreads();
+
+    // Bias, residual, ReLU, range check and the store, 8 channels (16 bytes) per step.
+    bool bad = false;
+    for (int index = tid; index < F16_ROWS * F16_COLS * (BN / 8); index += F16_THREADS) {
+        const int pixel = index / (BN / 8), part = index - pixel * (BN / 8);
+        const int oh = oh0 + pixel / F16_COLS, ow = ow0 + pixel % F16_COLS;
+        if (oh >= ho || ow >= wo) continue;
+        const float* staged = out_s + pixel * T::LDO + part * 8;
+        const int channel = n0 + part * 8;
+        const float4 b0 = *reinterpret_cast<const float4*>(bias + channel);
+        const float4 b1 = *reinterpret_cast<const float4*>(bias + channel + 4);
+        const float4 s0 = *reinterpret_cast<const float4*>(staged);
+        const float4 s1 = *reinterpret_cast<const float4*>(staged + 4);
+        float v[8] = {s0.x + b0.x, s0.y + b0.y, s0.z + b0.z, s0.w + b0.w,
+                      s1.x + b1.x, s1.y + b1.y, s1.z + b1.z, s1.w + b1.w};
+        const long long at = ((static_cast<long long>(image) * ho + oh) * wo + ow) * k + channel;
+        if (residual != nullptr) {
+            const uint4 add = *reinterpret_cast<const uint4*>(residual + at);
+            const unsigned words[4] = {add.x, add.y, add.z, add.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 pair = unpack_half2(words[e]);
+                v[2 * e] += pair.x;
+                v[2 * e + 1] += pair.y;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            if (relu) v[e] = fmaxf(v[e], 0.0f);
+            bad |= !(fabsf(v[e]) <= F16_MAX_FINITE);  // NaN compares false: flagged too
+        }
+        *reinterpret_cast<uint4*>(y + at) =
+            make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+    }
+    if (__syncthreads_or(bad) && tid == 0) atomicOr(flag, 1);
+}
+
+}  // namespace
+
+#define F16_PARAMS                                                                                               \
+    const unsigned short *__restrict__ x, const unsigned short *__restrict__ w, const float *__restrict__ bias,   \
+        const unsigned short *__restrict__ residual, unsigned short *__restrict__ y, int *__restrict__ flag, int h, \
+        int wd, int c, int ho, int wo, int k, int relu
+#define F16_ARGS x, w, bias, residual, y, flag, h, wd, c, ho, wo, k, relu
+
+// Entry points: conv_f16_r<R>s<STRIDE>_n<BN>. grid (cout / BN, ceil(wo / 128), n * ceil(ho / 2)),
+// block 256, dynamic shared memory HaloTile<R, STRIDE, BN>::SHARED_BYTES (the host computes
+// the same numbers, igemm.f16_shared_bytes); residual may be null.
+extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r3s1_n32(F16_PARAMS) {
+    conv_f16<3, 1, 32>(F16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r3s1_n64(F16_PARAMS) {
+    conv_f16<3, 1, 64>(F16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r3s2_n32(F16_PARAMS) {
+    conv_f16<3, 2, 32>(F16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r3s2_n64(F16_PARAMS) {
+    conv_f16<3, 2, 64>(F16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r1s2_n32(F16_PARAMS) {
+    conv_f16<1, 2, 32>(F16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r1s2_n64(F16_PARAMS) {
+    conv_f16<1, 2, 64>(F16_ARGS);
+}

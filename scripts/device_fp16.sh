@@ -1,0 +1,20 @@
+#!/bin/bash
+# The FP16 check on the H200: our FP16 kernels and the range fallback (tests with
+# REQUIRE_GPU=1), then the FP16 benchmark with its per-conv table and PyTorch FP16 in the
+# same run. Set TESTS=0 to skip the tests, MATHS to bench other maths too.
+set -o pipefail
+source scripts/device_env.sh
+if [ "${TESTS:-1}" = 1 ]; then
+  REQUIRE_GPU=1 timeout ${TEST_S:-150} python3 -m pytest -q -s tests/test_gpu_fp16.py 2>&1 | tee $OUT/fp16-tests.log | grep -E "^[0-9]+->|^stem|^forced|passed|failed|Error|error" | cut -c1-240 | head -60
+  echo "fp16 tests at $SECONDS s"
+fi
+timeout ${BENCH_S:-240} python3 -m server bench --math ${MATHS:-fp16} --convs --log-level INFO 2> $OUT/bench.err | tee $OUT/bench.jsonl | grep -v '"kind": "conv"' | cut -c1-700
+echo "bench rc $? at $SECONDS s"; grep -v " INFO " $OUT/bench.err | tail -6
+python3 - $OUT/bench.jsonl <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    if row.get("kind") == "conv" and row["batch"] == 32:
+        print(f'{row["math"]} {row["conv"]:<18} {row["runs"][:34]:<34} {row["ms"]:>7} ms {row["tflops"]:>6} TF  '
+              f'bare+ep {row["bare_plus_ours_ms"]} fused {row["fused_ms"]} own {row["own_kernel_ms"]}')
+PY

@@ -1,0 +1,204 @@
+"""FP16 mixed mode: our FP16 kernels against float64, and SPEC 3's range rule.
+
+- conv_f16.cu (halo implicit GEMM, FP16 MMAs accumulating in FP32) on every trunk shape
+  class, both channel tiles, every epilogue, against a float64 conv of the same half
+  inputs: the only FP16 error left is the output's rounding to half (2^-11 relative), so
+  F16_BOUND is a few of those, far below anything a wrong tap or channel would give.
+- The stem kernels (FP32 arithmetic; FP32 or FP16 out) against float64.
+- The range flag: raised by an FP16 kernel whose output leaves FP16's range (weights scaled
+  up) or meets a NaN, never on normal data.
+- The engine's fallback (SPEC 3: a batch with an out-of-range value is recomputed without
+  FP16): a model whose layer1.0.bn1 is scaled by OVERFLOW_SCALE overflows FP16 in the
+  trunk; the FP16 engine must flag the batch, recompute it in TF32, count it, and still
+  meet the FP16 bound against the float64 forward of the same scaled model.
+The tables printed: (shape, kernel, epilogue, max |error| / max |reference|).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STEM, ConvSpec
+from server.engine.base import Math
+from server.self_check import BOUNDS, compare
+from tests.test_gpu_engine import needs_gpu
+from tests.test_gpu_igemm import SHAPES, _reference
+
+#: Max |ours - float64| / max |float64| for our FP16 kernels: the half output is within
+#: 2^-12 of the value (4.9e-4 of the scale at most after rounding to nearest, ~2.4e-4
+#: typical), plus FP32 accumulation error (~1e-6).
+F16_BOUND = 1e-3
+#: The FP32 stem: nine FMAs per output, FP32 rounding only.
+STEM_F32_BOUND = 1e-6
+#: Scale of layer1.0.bn1's affine (weight and bias) in the forced-overflow model: the
+#: synthetic model's activations are O(10), so its hidden activations reach ~1e5 > 65504
+#: while every weight stays inside FP16's range (the FP16 engine can load it).
+OVERFLOW_SCALE = 1e4
+
+
+def _f16_inputs(spec: ConvSpec, batch: int, seed: int = 11):
+    """(x, w, bias, residual) as the FP16 kernels take them: half NHWC x, half KRSC w with
+    He scaling, float32 bias, half residual."""
+    import cupy
+
+    random = cupy.random.RandomState(seed)
+    x = random.standard_normal((batch, spec.h_in, spec.w_in, spec.cin), dtype=cupy.float32).astype(
+        cupy.float16
+    )
+    scale = np.float32((2.0 / (spec.kernel**2 * spec.cin)) ** 0.5)
+    w = (
+        random.standard_normal((spec.cout, spec.kernel, spec.kernel, spec.cin), dtype=cupy.float32) * scale
+    ).astype(cupy.float16)
+    bias = random.standard_normal((spec.cout,), dtype=cupy.float32)
+    pixels = batch * spec.h_out * spec.w_out
+    residual = random.standard_normal((pixels, spec.cout), dtype=cupy.float32).astype(cupy.float16)
+    return x, w, bias, residual
+
+
+def _run(conv, y, flag, stream) -> int:
+    """Launch over a NaN-poisoned output with the flag cleared; the flag afterwards."""
+    with stream:
+        y.fill(float("nan"))
+        flag.fill(0)
+        conv.launch(stream)
+    stream.synchronize()
+    return int(flag.get()[0])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_k{s[4]}s{s[5]}")
+def test_f16_kernel_matches_float64(shape, capsys) -> None:
+    import cupy
+
+    from server.engine.gpu import igemm
+
+    cin, cout, h, w, kernel, stride, batch = shape
+    spec = ConvSpec("test", "test", cin, cout, kernel, stride, h, w)
+    x, weight, bias, residual = _f16_inputs(spec, batch)
+    y = cupy.empty((batch * spec.h_out * spec.w_out, cout), dtype=cupy.float16)
+    flag = cupy.zeros((1,), dtype=cupy.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    tiles = igemm.tiles_for(spec, Math.FP16)
+    assert tiles, f"{cin}->{cout} k{kernel}s{stride}: no FP16 tile"
+    epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if stride == 1 and cin == cout else [])
+    failures = []
+    for epilogue in epilogues:
+        add = residual if epilogue == "bias_add_relu" else None
+        reference = _reference(
+            x.astype(cupy.float32), weight.astype(cupy.float32), bias,
+            None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
+        )  # fmt: skip
+        for tile in tiles:
+            conv = igemm.IgemmConv.bind(spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag)
+            raised = _run(conv, y, flag, stream)
+            error = igemm.relative_difference(y.astype(cupy.float64), reference)
+            function = igemm._function(
+                igemm.F16_SOURCE, conv.name, igemm.f16_shared_bytes(kernel, stride, tile)
+            )
+            with capsys.disabled():
+                print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  {conv.name:<18} {epilogue:<14} "
+                      f"{error:.3e}  flag {raised}  regs {function.num_regs} "
+                      f"local {function.local_size_bytes}", end="")  # fmt: skip
+            if not error <= F16_BOUND or raised:
+                failures.append(
+                    f"{conv.name} {epilogue}: error {error:.3e} (bound {F16_BOUND:g}), flag {raised}"
+                )
+            if function.local_size_bytes:
+                failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_f16_kernel_flags_values_out_of_half_range() -> None:
+    import cupy
+
+    from server.engine.gpu import igemm
+
+    spec = ConvSpec("test", "test", 64, 64, 3, 1, 12, 140)
+    x, weight, bias, _ = _f16_inputs(spec, 2)
+    y = cupy.empty((2 * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
+    flag = cupy.zeros((1,), dtype=cupy.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    normal = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_relu", x, weight, bias, None, y, flag)
+    assert _run(normal, y, flag, stream) == 0, "flag raised on normal data"
+    # outputs ~ 1e5: every weight still a finite half (max ~ 4e3), the sums beyond 65504
+    huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
+    assert bool(cupy.isfinite(huge).all())
+    overflow = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_only", x, huge, bias, None, y, flag)
+    assert _run(overflow, y, flag, stream) == 1, "no flag for outputs beyond 65504"
+    poisoned = x.copy()
+    poisoned[1, 5, 70, 3] = float("nan")
+    nan = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_only", poisoned, weight, bias, None, y, flag)
+    assert _run(nan, y, flag, stream) == 1, "no flag for a NaN input"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_stem_kernels_match_float64(capsys) -> None:
+    import cupy
+
+    from server.engine.gpu.igemm import relative_difference
+    from server.engine.gpu.stem import StemConv
+
+    batch = 3
+    random = cupy.random.RandomState(5)
+    x = random.standard_normal((batch, STEM.h_in, STEM.w_in), dtype=cupy.float32) * 4
+    w = random.standard_normal((STEM.cout, 3, 3, 1), dtype=cupy.float32) * np.float32(0.4)
+    bias = random.standard_normal((STEM.cout,), dtype=cupy.float32)
+    reference = _reference(x[..., None], w, bias, None, 3, 1, True)
+    flag = cupy.zeros((1,), dtype=cupy.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for math, dtype, bound in (
+        (Math.TF32, cupy.float32, STEM_F32_BOUND),
+        (Math.FP16, cupy.float16, F16_BOUND),
+    ):
+        y = cupy.empty((batch * STEM.h_out * STEM.w_out, STEM.cout), dtype=dtype)
+        stem = StemConv.bind(batch, math, x, w, bias, y, flag if math == Math.FP16 else None)
+        raised = _run(stem, y, flag, stream)
+        error = relative_difference(y.astype(cupy.float64), reference)
+        with capsys.disabled():
+            print(f"\nstem b{batch} {stem.name}: {error:.3e} (bound {bound:g}), flag {raised}", end="")
+        assert error <= bound and raised == 0, (stem.name, error, raised)
+    y = cupy.empty((batch * STEM.h_out * STEM.w_out, STEM.cout), dtype=cupy.float16)
+    loud = StemConv.bind(batch, Math.FP16, x * 1e5, w, bias, y, flag)
+    assert _run(loud, y, flag, stream) == 1, "the FP16 stem did not flag outputs beyond 65504"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp16_overflow_is_recomputed_in_tf32_and_meets_the_bound(
+    weights_path, reference_cases, capsys
+) -> None:
+    from server.engine.gpu.engine import GpuEngine
+    from server.reference_forward import forward_float64
+    from server.weights import fold_state_dict, load_state_dict
+
+    state = load_state_dict(weights_path)
+    for field in ("weight", "bias"):
+        key = f"resnet.layer1.0.bn1.{field}"
+        state[key] = (state[key] * OVERFLOW_SCALE).astype(np.float32)
+    model = fold_state_dict(state, "overflow-test")
+    case = next(c for c in reference_cases if c.name == "first_b1")
+    expected = forward_float64(state, case.fbank, case.masks)["output"]
+    engine = GpuEngine(model, Math.FP16, (1,))
+    try:
+        taps = engine.forward_with_taps(case.fbank, case.masks)
+        hidden = float(np.max(np.abs(taps["layer1.0.hidden"])))
+        run = engine.run_batch(case.fbank, case.masks)
+        again = engine.run_batch(case.fbank, case.masks)
+    finally:
+        engine.close()
+    parity = compare(run.embeddings, expected.reshape(1, MAX_SPEAKERS, EMBEDDING_DIM))
+    with capsys.disabled():
+        print(f"\nforced overflow (layer1.0.bn1 x {OVERFLOW_SCALE:g}): FP16 layer1.0.hidden "
+              f"max |x| {hidden:.4g}; "
+              f"plans {run.plans}, fallbacks {run.fp16_fallbacks}; vs float64: min cosine "
+              f"{parity.min_cosine:.9f}, max abs {parity.max_abs:.3e}")  # fmt: skip
+    assert not np.isfinite(hidden) or hidden > 65504, f"the scaled model did not overflow FP16 ({hidden})"
+    assert run.fp16_fallbacks == 1 and again.fp16_fallbacks == 1, (run, again)
+    assert run.plans == ["b1/graph", "b1/tf32-fallback"], run.plans
+    assert parity.min_cosine >= BOUNDS[Math.FP16].min_cosine, f"fallback min cosine {parity.min_cosine:.9f}"
+    assert np.array_equal(run.embeddings, again.embeddings), "two fallback runs differ"
