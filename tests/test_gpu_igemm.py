@@ -159,7 +159,7 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     f16_expected = {"THREADS": igemm.F16_THREADS, "COLS": igemm.F16_COLS, "ROWS": igemm.F16_ROWS,
                     "CHUNK": igemm.F16_CHUNK, "LDB": igemm.F16_LDB, "OUT_PAD": igemm.F16_OUT_PAD}  # fmt: skip
     assert {k: f16_defines[k] for k in f16_expected} == f16_expected, f16_defines
-    # every tile fits one block's 227 KB; stride-1 tiles double-buffered (two stages)
+    # every tile fits one block's 227 KB, and two blocks of each stride-1 tile share an SM
     for kernel, stride in igemm.F16_SHAPES:
         for tile in igemm.TILE_CHANNELS:
             assert igemm.f16_shared_bytes(kernel, stride, tile) <= igemm.BLOCK_SHARED_MAX, (
@@ -167,7 +167,8 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
                 stride,
                 tile,
             )
-    assert igemm.f16_shared_bytes(3, 1, 64) == 2 * (4 * 130 * 48 + 9 * 64 * 48) * 2
+    assert 2 * (igemm.f16_shared_bytes(3, 1, 64) + 1024) <= 228 * 1024, igemm.f16_shared_bytes(3, 1, 64)
+    assert igemm.f16_shared_bytes(3, 1, 64) == (4 * 130 * 48 + 9 * 64 * 48) * 2
     stem = ConvSpec("stem", "bn", 1, 32, 3, 1, 80, 998)
     assert igemm.tiles_for(stem, Math.FP32) == (), "the stem (1 input channel) is not an implicit GEMM's"
     assert igemm.tiles_for(stem, Math.FP16) == ()

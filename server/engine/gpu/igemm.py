@@ -77,41 +77,24 @@ def tiles_for(spec: ConvSpec, math: Math) -> tuple[int, ...]:
     return tuple(tile for tile in TILE_CHANNELS if spec.cout % tile == 0)
 
 
-#: Shared memory one block may have on Hopper, and what an SM holds (each block also
-#: reserves 1 KB).
+#: Shared memory one block may have on Hopper.
 BLOCK_SHARED_MAX = 227 * 1024
-SM_SHARED = 228 * 1024
-#: Resident blocks per SM the persistent FP16 grid is sized for, at most (256 threads each).
-F16_MAX_BLOCKS_PER_SM = 2
 
 
 def f16_shared_bytes(kernel: int, stride: int, tile: int) -> int:
-    """conv_f16.cu's HaloTile<kernel, stride, tile>::SHARED_BYTES: per stage the halo and the
-    weights of one K chunk, or the staged FP32 outputs, whichever is larger; two stages
-    where they fit."""
+    """conv_f16.cu's HaloTile<kernel, stride, tile>::SHARED_BYTES: the halo and the weights
+    of one K chunk, or the staged FP32 outputs, whichever is larger."""
     step = 1 if kernel == 1 else stride
     lda = 48 if step == 1 else 40
     rows, cols = (F16_ROWS - 1) * step + kernel, (F16_COLS - 1) * step + kernel
     loads = (rows * cols * lda + kernel * kernel * tile * F16_LDB) * 2
-    stage = max(loads, F16_ROWS * F16_COLS * (tile + F16_OUT_PAD) * 4)
-    return 2 * stage if 2 * stage <= BLOCK_SHARED_MAX else stage
+    return max(loads, F16_ROWS * F16_COLS * (tile + F16_OUT_PAD) * 4)
 
 
 def f16_grid(spec: ConvSpec, batch: int, tile: int) -> tuple[int, int, int]:
-    """The persistent grid of conv_f16.cu: one block per tile, at most as many as fit the
-    device's SMs at once (each block then loops over its share of the tiles)."""
-    tiles = spec.cout // tile * -(-spec.w_out // F16_COLS) * -(-spec.h_out // F16_ROWS) * batch
-    per_sm = max(
-        1, min(F16_MAX_BLOCKS_PER_SM, SM_SHARED // (f16_shared_bytes(spec.kernel, spec.stride, tile) + 1024))
-    )
-    return (min(tiles, _sm_count() * per_sm), 1, 1)
-
-
-@functools.cache
-def _sm_count() -> int:
-    import cupy
-
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    """conv_f16.cu's grid: channel tiles fastest (they read the same halo, so it is in L2),
+    then 128-column tiles, then pairs of output rows of every image."""
+    return (spec.cout // tile, -(-spec.w_out // F16_COLS), batch * -(-spec.h_out // F16_ROWS))
 
 
 def shared_bytes(tile: int) -> int:
@@ -143,7 +126,7 @@ class IgemmConv:
         relu = np.int32(epilogue != "bias_only")
         residual = null if residual is None else residual
         if math == Math.FP16:
-            sizes = (batch, spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
+            sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
             return cls(spec, batch, math, tile, epilogue, args, f16_grid(spec, batch, tile))
         pixels = batch * spec.h_out * spec.w_out
