@@ -22,12 +22,13 @@ DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
 #: The plans every engine preallocates: single-chunk latency and the b32 throughput plan (SPEC 5).
 DEFAULT_PLANS = "1,32"
-#: How long the batcher holds a partial batch for more chunks: a b32 FP16 batch costs ~2 ms
-#: of GPU time (SPEC 4 goals), so waiting about that long costs a lone request at most one
-#: batch of latency and lets concurrent requests share a batch.
+#: How long the batcher holds a partial batch for more chunks: a b32 FP16 batch costs 4.8 ms
+#: of GPU time on an H200 (measured 2026-12-03), so waiting under half that costs a lone
+#: request less than one batch of latency and lets concurrent requests share a batch.
 DEFAULT_MAX_DELAY_MS = 2.0
-#: Queued chunks before RESOURCE_EXHAUSTED: 16 full b32 batches, about 40 ms of FP16 work on
-#: an H200, so a rejected client retries long before a queued request would time out.
+#: Queued chunks before RESOURCE_EXHAUSTED: 16 full b32 batches, about 80 ms of FP16 work on
+#: an H200 (4.8 ms a batch), so a rejected client retries long before a queued request would
+#: time out.
 DEFAULT_QUEUE_CHUNKS = 512
 #: Time to finish in-flight requests after SIGTERM; below Kubernetes' default 30 s grace period.
 DEFAULT_DRAIN_SECONDS = 25.0
