@@ -42,40 +42,10 @@
 #define F16_CHUNK 32   // input channels per K chunk
 #define F16_LDB 48     // halves per shared weight row (32 + 16 padding)
 #define F16_OUT_PAD 8  // floats of padding per staged output row
-#define F16_MAX_FINITE 65504.0f
+
+#include "common.cuh"
 
 namespace {
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(bytes));
-}
-
-__device__ __forceinline__ void mma_f16(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Two floats as one f16x2 word, lo in the low half (round to nearest; beyond 65504 the
-// conversion gives inf, which the range check has flagged before).
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-    unsigned packed;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-    return packed;
-}
-
-__device__ __forceinline__ float2 unpack_half2(unsigned packed) {
-    unsigned short lo, hi;
-    asm("mov.b32 {%0, %1}, %2;\n" : "=h"(lo), "=h"(hi) : "r"(packed));
-    float2 out;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(out.x) : "h"(lo));
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(out.y) : "h"(hi));
-    return out;
-}
 
 template <int R, int STRIDE, int BN>
 struct HaloTile {
@@ -117,12 +87,7 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
     // Warp tile: 32 output pixels (one quarter of an output row) x BN channels.
     const int warp_row = warp >> 2, warp_col = (warp & 3) * 32;
     float acc[2][BN / 8][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    zero_fragments(acc);
 
     for (int c0 = 0; c0 < c; c0 += F16_CHUNK) {
         // the halo of this chunk: 4 x 16-byte pieces per pixel, zeros in the padding
@@ -203,25 +168,10 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
         float v[8] = {s0.x + b0.x, s0.y + b0.y, s0.z + b0.z, s0.w + b0.w,
                       s1.x + b1.x, s1.y + b1.y, s1.z + b1.z, s1.w + b1.w};
         const long long at = ((static_cast<long long>(image) * ho + oh) * wo + ow) * k + channel;
-        if (residual != nullptr) {
-            const uint4 add = *reinterpret_cast<const uint4*>(residual + at);
-            const unsigned words[4] = {add.x, add.y, add.z, add.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 pair = unpack_half2(words[e]);
-                v[2 * e] += pair.x;
-                v[2 * e + 1] += pair.y;
-            }
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            if (relu) v[e] = fmaxf(v[e], 0.0f);
-            bad |= !(fabsf(v[e]) <= F16_MAX_FINITE);  // NaN compares false: flagged too
-        }
-        *reinterpret_cast<uint4*>(y + at) =
-            make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+        if (residual != nullptr) add_halves(v, *reinterpret_cast<const uint4*>(residual + at));
+        *reinterpret_cast<uint4*>(y + at) = relu_check_pack(v, relu, bad);
     }
-    if (__syncthreads_or(bad) && tid == 0) atomicOr(flag, 1);
+    raise_flag(bad, flag);
 }
 
 }  // namespace
@@ -235,21 +185,13 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
 // Entry points: conv_f16_r<R>s<STRIDE>_n<BN>. grid (cout / BN, ceil(wo / 128), n * ceil(ho / 2)),
 // block 256, dynamic shared memory HaloTile<R, STRIDE, BN>::SHARED_BYTES (the host computes
 // the same numbers, igemm.f16_shared_bytes); residual may be null.
-extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r3s1_n32(F16_PARAMS) {
-    conv_f16<3, 1, 32>(F16_ARGS);
-}
-extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r3s1_n64(F16_PARAMS) {
-    conv_f16<3, 1, 64>(F16_ARGS);
-}
-extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM_WIDE) void conv_f16_r3s2_n32(F16_PARAMS) {
-    conv_f16<3, 2, 32>(F16_ARGS);
-}
-extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM_WIDE) void conv_f16_r3s2_n64(F16_PARAMS) {
-    conv_f16<3, 2, 64>(F16_ARGS);
-}
-extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r1s2_n32(F16_PARAMS) {
-    conv_f16<1, 2, 32>(F16_ARGS);
-}
-extern "C" __global__ __launch_bounds__(F16_THREADS, F16_BLOCKS_PER_SM) void conv_f16_r1s2_n64(F16_PARAMS) {
-    conv_f16<1, 2, 64>(F16_ARGS);
-}
+#define F16_ENTRY(R, S, BN, BLOCKS)                                                                      \
+    extern "C" __global__ __launch_bounds__(F16_THREADS, BLOCKS) void conv_f16_r##R##s##S##_n##BN(F16_PARAMS) { \
+        conv_f16<R, S, BN>(F16_ARGS);                                                                        \
+    }
+F16_ENTRY(3, 1, 32, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 64, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 2, 32, F16_BLOCKS_PER_SM_WIDE)
+F16_ENTRY(3, 2, 64, F16_BLOCKS_PER_SM_WIDE)
+F16_ENTRY(1, 2, 32, F16_BLOCKS_PER_SM)
+F16_ENTRY(1, 2, 64, F16_BLOCKS_PER_SM)

@@ -30,27 +30,15 @@
 #define IGEMM_THREADS 128
 #define IGEMM_LDS 40  // IGEMM_BK + 8 floats of padding
 
-namespace {
+#include "common.cuh"
 
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
-    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(bytes));
-}
+namespace {
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
-}
-
-__device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // v rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, by integer
@@ -121,12 +109,7 @@ __device__ __forceinline__ void conv_igemm(const float* __restrict__ x, const fl
     };
 
     float acc[2][BN / 8][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    zero_fragments(acc);
 
 #pragma unroll
     for (int s = 0; s < IGEMM_STAGES - 1; ++s) {

@@ -15,36 +15,8 @@
 #define TILE 32
 #define STEM_CHANNELS 32
 #define STEM_TAPS 9
-#define HALF_MAX_FINITE 65504.0f
 
-// FP16 without cuda_fp16.h (NVRTC's built-in headers only): halves are 16-bit words,
-// converted by PTX.
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
-    return f;
-}
-
-// Two floats as one f16x2 word, lo in the low half (round to nearest).
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-    unsigned packed;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-    return packed;
-}
-
-__device__ __forceinline__ float2 unpack_half2(unsigned packed) {
-    return make_float2(half_to_float(static_cast<unsigned short>(packed & 0xffffu)),
-                       half_to_float(static_cast<unsigned short>(packed >> 16)));
-}
-
-// Whether v is outside FP16's finite range (NaN included: it compares false).
-__device__ __forceinline__ bool out_of_half_range(float v) { return !(fabsf(v) <= HALF_MAX_FINITE); }
-
-// One flag write per block whose threads saw a value out of range (the host reads the flag
-// with the outputs and recomputes the batch without FP16).
-__device__ __forceinline__ void raise_flag(bool bad, int* flag) {
-    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flag, 1);
-}
+#include "common.cuh"
 
 // fbank [n, 998 frames, 80 mels] -> stem input NHWC [n, 80, 998, 1]: a tiled transpose
 // through shared memory so both the read and the write are coalesced.
@@ -132,22 +104,8 @@ __device__ __forceinline__ void epilogue_f16(uint4* __restrict__ y, const float4
             bad |= !(fabsf(v[e]) < HALF_MAX_FINITE);
             v[e] += b[e];
         }
-        if (RESIDUAL) {
-            const uint4 add = residual[i];
-            const unsigned adds[4] = {add.x, add.y, add.z, add.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 pair = unpack_half2(adds[e]);
-                v[2 * e] += pair.x;
-                v[2 * e + 1] += pair.y;
-            }
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            if (RELU) v[e] = fmaxf(v[e], 0.0f);
-            bad |= out_of_half_range(v[e]);
-        }
-        y[i] = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+        if (RESIDUAL) add_halves(v, residual[i]);
+        y[i] = relu_check_pack(v, RELU, bad);
     }
     raise_flag(bad, flag);
 }

@@ -23,7 +23,7 @@ from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STEM, ConvSpec
 from server.engine.base import Math
 from server.self_check import BOUNDS, compare
 from tests.test_gpu_engine import needs_gpu
-from tests.test_gpu_igemm import SHAPES, _reference
+from tests.test_gpu_igemm import _reference, gpu_over_shapes, spec_of
 
 #: Max |ours - float64| / max |float64| for our FP16 kernels: the half output is within
 #: 2^-12 of the value (4.9e-4 of the scale at most after rounding to nearest, ~2.4e-4
@@ -66,16 +66,14 @@ def _run(conv, y, flag, stream) -> int:
     return int(flag.get()[0])
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_k{s[4]}s{s[5]}")
+@gpu_over_shapes
 def test_f16_kernel_matches_float64(shape, capsys) -> None:
     import cupy
 
     from server.engine.gpu import igemm
 
-    cin, cout, h, w, kernel, stride, batch = shape
-    spec = ConvSpec("test", "test", cin, cout, kernel, stride, h, w)
+    spec, batch = spec_of(shape), shape[-1]
+    cin, cout, h, w, kernel, stride = spec.cin, spec.cout, spec.h_in, spec.w_in, spec.kernel, spec.stride
     x, weight, bias, residual = _f16_inputs(spec, batch)
     y = cupy.empty((batch * spec.h_out * spec.w_out, cout), dtype=cupy.float16)
     flag = cupy.zeros((1,), dtype=cupy.int32)

@@ -76,16 +76,29 @@ def _cudnn_strict(spec: ConvSpec, batch: int, x, weight):
     return y, graph.plan_name
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_k{s[4]}s{s[5]}")
+def shape_id(shape: tuple[int, ...]) -> str:
+    cin, cout, h, w, kernel, stride, _ = shape
+    return f"{cin}->{cout}_{h}x{w}_k{kernel}s{stride}"
+
+
+def gpu_over_shapes(test):
+    """A GPU test run once per SHAPES entry, with readable ids."""
+    return pytest.mark.gpu(needs_gpu(pytest.mark.parametrize("shape", SHAPES, ids=shape_id)(test)))
+
+
+def spec_of(shape: tuple[int, ...]) -> ConvSpec:
+    cin, cout, h, w, kernel, stride, _ = shape
+    return ConvSpec("test", "test", cin, cout, kernel, stride, h, w)
+
+
+@gpu_over_shapes
 def test_kernel_matches_float64(shape, capsys) -> None:
     import cupy
 
     from server.engine.gpu import igemm
 
     cin, cout, h, w, kernel, stride, batch = shape
-    spec = ConvSpec("test", "test", cin, cout, kernel, stride, h, w)
+    spec = spec_of(shape)
     random = cupy.random.RandomState(7)
     x = random.standard_normal((batch, h, w, cin), dtype=cupy.float32)
     weight = random.standard_normal((cout, kernel, kernel, cin), dtype=cupy.float32) * np.float32(
@@ -153,7 +166,10 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
                 "LDS": igemm.SHARED_ROW, "BK": igemm.CHANNEL_STEP}  # fmt: skip
     assert {k: defines[k] for k in expected} == expected, defines
     f16 = kernels.kernel_sources()[igemm.F16_SOURCE]
-    f16_defined = set(re.findall(r'extern "C" __global__ __launch_bounds__\([^)]*\) void (\w+)', f16))
+    f16_defined = {
+        f"conv_f16_r{r}s{stride}_n{tile}"
+        for r, stride, tile in re.findall(r"^F16_ENTRY\((\d), (\d), (\d+), \w+\)$", f16, re.M)
+    }
     assert set(igemm.F16_KERNEL_NAMES) == f16_defined, (igemm.F16_KERNEL_NAMES, f16_defined)
     f16_defines = {name: int(value) for name, value in re.findall(r"#define F16_(\w+) (\d+)", f16)}
     f16_expected = {"THREADS": igemm.F16_THREADS, "COLS": igemm.F16_COLS, "ROWS": igemm.F16_ROWS,

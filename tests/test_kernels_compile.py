@@ -14,7 +14,7 @@ import re
 import pytest
 
 from server import architecture
-from server.engine.gpu import kernels
+from server.engine.gpu import igemm, kernels
 
 
 def _nvrtc_or_reason() -> str | None:
@@ -39,8 +39,19 @@ def test_kernel_file_compiles_for_sm90(name: str) -> None:
     source = kernels.kernel_sources()[name]
     cubin = kernels.compile_binary(source, kernels.CI_ARCH, name)
     assert cubin[:4] == b"\x7fELF", f"{name}: NVRTC output is not an ELF cubin ({cubin[:16]!r})"
-    for entry in re.findall(ENTRY, source):
+    launched = {
+        kernels.ENGINE_SOURCE: kernels.KERNEL_NAMES, igemm.SOURCE: igemm.KERNEL_NAMES,
+        igemm.F16_SOURCE: igemm.F16_KERNEL_NAMES,
+    }.get(name, ())  # fmt: skip
+    for entry in {*re.findall(ENTRY, source), *launched}:  # F16_ENTRY's names appear only in the cubin
         assert entry.encode() in cubin, f"{name}: entry point {entry} missing from the cubin"
+
+
+def test_headers_are_pasted_into_the_sources() -> None:
+    """`#include "x.cuh"` lines of kernels/ are replaced by the header's text (kernels.py)."""
+    for name, source in kernels.kernel_sources().items():
+        assert not kernels.INCLUDE.search(source), f"{name}: an include was left for NVRTC"
+    assert "zero_fragments" in kernels.kernel_sources()[igemm.F16_SOURCE]
 
 
 def test_compile_errors_carry_the_nvrtc_log() -> None:

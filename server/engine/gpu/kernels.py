@@ -8,6 +8,7 @@ tests/test_kernels_compile.py uses).
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 #: kernels/ at the repository root.
@@ -24,11 +25,24 @@ KERNEL_NAMES = (
 CI_ARCH = "90"
 
 
+#: `#include "name.cuh"`: a header of kernels/ that kernel_sources() pastes in place.
+INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.MULTILINE)
+
+
 def kernel_sources() -> dict[str, str]:
-    """file name -> CUDA C++ source of every kernels/*.cu."""
+    """file name -> CUDA C++ source of every kernels/*.cu, each `#include "x.cuh"` of
+    kernels/ replaced by that file's text. Why not NVRTC's include path: CuPy caches a
+    binary under its source text and options, so a header edit would not recompile a
+    source that merely names it."""
     files = sorted(KERNEL_DIR.glob("*.cu"))
     assert files, f"no kernels found under {KERNEL_DIR}"
-    return {path.name: path.read_text() for path in files}
+    return {path.name: INCLUDE.sub(_header, path.read_text()) for path in files}
+
+
+def _header(match: re.Match) -> str:
+    path = KERNEL_DIR / match.group(1)
+    assert path.is_file(), f"kernels/{match.group(1)} is included but missing"
+    return f"// ---- kernels/{path.name} ----\n{path.read_text()}// ---- end of kernels/{path.name} ----"
 
 
 def compile_options() -> tuple[str, ...]:
