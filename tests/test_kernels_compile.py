@@ -76,6 +76,7 @@ CONSTANTS = {
     "TRUNK_CHANNELS": architecture.TRUNK_CHANNELS,
     "TRUNK_MELS": architecture.TRUNK_MELS,
     "TRUNK_FRAMES": architecture.TRUNK_FRAMES,
+    "STEM_CHANNELS": architecture.STEM.cout,
 }
 
 
@@ -91,3 +92,6 @@ def test_kernel_constants_match_the_architecture() -> None:
     from server.engine.gpu.plan import TRANSPOSE_TILE
 
     assert defines.get("TILE") == str(TRANSPOSE_TILE), (defines.get("TILE"), TRANSPOSE_TILE)
+    from server.engine.gpu import stem
+
+    assert defines.get("STEM_THREADS") == str(stem.THREADS), (defines.get("STEM_THREADS"), stem.THREADS)

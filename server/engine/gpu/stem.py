@@ -2,7 +2,8 @@
 
 The stem is 1 -> 32 channels, 3x3: one input channel leaves an implicit GEMM nothing to
 tile (cuDNN ran it at 2.7 TFLOP/s, 0.46 ms of a 6.9 ms TF32 b32 forward on the H200),
-while a thread per output pixel doing nine FP32 FMAs per channel is bound by writing the
+while a thread per output pixel doing nine FP32 FMAs per channel, its block's outputs
+staged in shared memory and stored in coalesced 16-byte pieces, is bound by writing the
 output once. It computes in FP32 in every math: in FP32 and TF32 mode a candidate timed
 against cuDNN like any conv; in FP16 mode the only way the stem runs, because its input
 stays FP32 (the fbank) while its output is the FP16 trunk's first half activation (range
@@ -19,7 +20,7 @@ from server.architecture import STEM, ConvSpec
 from server.engine.base import Math
 from server.engine.gpu.convs import time_launches
 
-#: Threads per block (one output pixel each).
+#: Threads per block (one output pixel each): kernels/speakerd.cu's STEM_THREADS (tests check).
 THREADS = 128
 #: What the kernel computes: the stem's shape and epilogue, nothing else.
 EPILOGUE = "bias_relu"
