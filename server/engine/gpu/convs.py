@@ -226,16 +226,36 @@ def time_launches(launch, stream) -> float:
     return statistics.median(per_launch)
 
 
-def replay_ms(graph, stream) -> float:
-    """GPU ms of one launch of the captured CUDA `graph` on `stream` (waits for it)."""
+class OwnKernel:
+    """What our convolution kernels (igemm.IgemmConv, stem.StemConv) share: `launch(stream)`
+    enqueues the bound kernel, `time(stream)` measures it as it serves and keeps `ms`."""
+
+    ms: float
+
+    def launch(self, stream) -> None:
+        raise NotImplementedError
+
+    def time(self, stream) -> float:
+        """Median GPU ms of one launch (see time_launches)."""
+        self.ms = time_launches(self.launch, stream)
+        return self.ms
+
+
+def gpu_ms(stream, work):
+    """(GPU ms between events recorded on `stream` around `work()`, its result); waits."""
     import cupy
 
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     start.record(stream)
-    graph.launch(stream)
+    result = work()
     end.record(stream)
     end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end)
+    return cupy.cuda.get_elapsed_time(start, end), result
+
+
+def replay_ms(graph, stream) -> float:
+    """GPU ms of one launch of the captured CUDA `graph` on `stream` (waits for it)."""
+    return gpu_ms(stream, lambda: graph.launch(stream))[0]
 
 
 def build_graph(key: ConvKey, handle):

@@ -35,9 +35,9 @@ import numpy as np
 from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STATS_DIM, TAP_NAMES
 from server.engine.base import BatchRun, Engine, Math, check_engine_config
 from server.engine.gpu import kernels
-from server.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
+from server.engine.gpu.convs import ConvGraph, ConvKey, gpu_ms, instantiate, time_plans
 from server.engine.gpu.cublas import Cublas
-from server.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
+from server.engine.gpu.plan import Plan, activation_elements, fill_random, nhwc_to_nchw
 from server.engine.gpu.staging import INPUT_SLOTS, InputSlot
 from server.inputs import InputError
 from server.weights import FoldedConv, FoldedModel
@@ -87,7 +87,8 @@ class GpuEngine(Engine):
         self.handle = cudnn.create_handle()
         cudnn.set_stream(handle=self.handle, stream=self.stream.ptr)
         self.cublas = Cublas(self.stream.ptr)  # strict FP32 linear; see gpu/cublas.py
-        self._kernels = {name: kernels.function(name) for name in kernels.KERNEL_NAMES}
+        for name in kernels.KERNEL_NAMES:  # compiled and loaded now, not on the first batch
+            kernels.function(name)
         self._weights: dict[int, tuple] = {}
         self._graphs: dict[ConvKey, ConvGraph] = {}
         self._failed: dict[ConvKey, str] = {}
@@ -133,7 +134,7 @@ class GpuEngine(Engine):
 
     # ----- shared set-up pieces, used by Plan -----------------------------------------
     def kernel(self, name: str):  # -> cupy.RawKernel
-        return self._kernels[name]
+        return kernels.function(name)
 
     def _randomize_arena(self, math: Math) -> None:
         """Random activations in the arena as `math`'s plans read them (FP16: halves, else
@@ -142,11 +143,7 @@ class GpuEngine(Engine):
 
         random = cupy.random.RandomState(TIMING_SEED)
         for values in self.arena.values():
-            if math == Math.FP16:
-                halves = values.view(cupy.float16)
-                halves[...] = random.standard_normal(halves.shape, dtype=cupy.float32).astype(cupy.float16)
-            else:
-                values[...] = random.standard_normal(values.shape, dtype=cupy.float32)
+            fill_random(values.view(cupy.float16) if math == Math.FP16 else values, random)
 
     def device_weights(self, folded: FoldedConv, half: bool = False):
         """(weight KRSC [cout, k, k, cin], bias [cout]) on the device, uploaded once per
@@ -251,8 +248,6 @@ class GpuEngine(Engine):
 
         The batch is staged and uploaded on the copy stream before the compute lock is
         taken, so a second thread's upload overlaps this one's compute (staging.py)."""
-        import cupy
-
         chunks = int(masks.shape[0]) if masks.ndim == 3 else 1
         self._check_open()
         plan = self.plan_for(max(1, chunks))
@@ -263,15 +258,11 @@ class GpuEngine(Engine):
             with self._lock:
                 self._check_open()
                 plan.load(slot)
-                begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-                begin.record(self.stream)
-                mode = plan.run(use_graph)
-                end.record(self.stream)
-                end.synchronize()
+                compute_ms, mode = gpu_ms(self.stream, lambda: plan.run(use_graph))
                 computed = time.perf_counter()
                 output, _active, flagged = plan.download(chunks)
                 done = time.perf_counter()
-                compute_s = cupy.cuda.get_elapsed_time(begin, end) / 1e3
+                compute_s = compute_ms / 1e3
                 plans = [f"b{plan.batch}/{mode}"]
                 if flagged:  # out of FP16's range: this batch again, without FP16
                     output, again_s = self._recompute(plan, slot, chunks)
@@ -291,8 +282,6 @@ class GpuEngine(Engine):
     def _recompute(self, plan: Plan, slot: InputSlot, chunks: int) -> tuple[np.ndarray, float]:
         """(output, GPU seconds) of a flagged FP16 batch run again on its fallback plan
         (caller holds the lock; `slot` still holds the batch). Logged once per engine."""
-        import cupy
-
         if not self._fallbacks_logged:
             self._fallbacks_logged = True
             log.warning(
@@ -303,12 +292,9 @@ class GpuEngine(Engine):
             )
         fallback = self.fallback_plans[plan.batch]
         fallback.load(slot)
-        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-        begin.record(self.stream)
-        fallback.run(use_graph=False)
-        end.record(self.stream)
+        again_ms, _mode = gpu_ms(self.stream, lambda: fallback.run(use_graph=False))
         output, _active, _ = fallback.download(chunks)
-        return output, cupy.cuda.get_elapsed_time(begin, end) / 1e3
+        return output, again_ms / 1e3
 
     @contextlib.contextmanager
     def _staged(self, plan: Plan, fbank: np.ndarray, masks: np.ndarray) -> Iterator[tuple[InputSlot, int]]:
@@ -403,18 +389,8 @@ class GpuEngine(Engine):
         return self.plans[batch].graph is not None
 
     def _time_plan(self, plan: Plan) -> float:
-        import cupy
-
         plan.run()
-        times = []
-        for _ in range(TIMING_RUNS):
-            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-            begin.record(self.stream)
-            plan.run()
-            end.record(self.stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(begin, end))
-        return float(np.median(times))
+        return float(np.median([gpu_ms(self.stream, plan.run)[0] for _ in range(TIMING_RUNS)]))
 
     def plan_times_ms(self) -> dict[int, float]:
         return dict(self._times)

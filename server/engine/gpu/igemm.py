@@ -22,7 +22,7 @@ import numpy as np
 from server.architecture import ConvSpec
 from server.engine.base import Math
 from server.engine.gpu import kernels
-from server.engine.gpu.convs import time_launches
+from server.engine.gpu.convs import OwnKernel
 
 SOURCE = "conv_igemm.cu"
 #: kernels/conv_igemm.cu's tiling: output pixels per block, threads, pipeline stages and the
@@ -102,7 +102,7 @@ def shared_bytes(tile: int) -> int:
 
 
 @dataclass
-class IgemmConv:
+class IgemmConv(OwnKernel):
     """One convolution of a plan bound to its buffers: `launch` enqueues it, fused epilogue
     included (`epilogue`: bias_only, bias_relu or bias_add_relu). In FP16 mode `flag` is
     the plan's range flag."""
@@ -114,6 +114,9 @@ class IgemmConv:
     epilogue: str
     args: tuple
     grid: tuple[int, int, int]
+    threads: int
+    shared: int  # dynamic shared memory bytes
+    source: str  # the kernels/ file of the entry point
     ms: float = 0.0
 
     @classmethod
@@ -128,7 +131,9 @@ class IgemmConv:
         if math == Math.FP16:
             sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
-            return cls(spec, batch, math, tile, epilogue, args, f16_grid(spec, batch, tile))
+            shared = f16_shared_bytes(spec.kernel, spec.stride, tile)
+            grid = f16_grid(spec, batch, tile)
+            return cls(spec, batch, math, tile, epilogue, args, grid, F16_THREADS, shared, F16_SOURCE)
         pixels = batch * spec.h_out * spec.w_out
         grid = (-(-pixels // BLOCK_PIXELS), spec.cout // tile, 1)
         sizes = (
@@ -143,25 +148,15 @@ class IgemmConv:
             spec.stride,
         )
         args = (x, w, bias, residual, y, *(np.int32(v) for v in sizes), relu)
-        return cls(spec, batch, math, tile, epilogue, args, grid)
+        return cls(spec, batch, math, tile, epilogue, args, grid, THREADS, shared_bytes(tile), SOURCE)
 
     @property
     def name(self) -> str:
         return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride)
 
     def launch(self, stream) -> None:
-        if self.math == Math.FP16:
-            shared = f16_shared_bytes(self.spec.kernel, self.spec.stride, self.tile)
-            function = _function(F16_SOURCE, self.name, shared)
-            function(self.grid, (F16_THREADS,), self.args, stream=stream, shared_mem=shared)
-            return
-        function = _function(SOURCE, self.name, shared_bytes(self.tile))
-        function(self.grid, (THREADS,), self.args, stream=stream, shared_mem=shared_bytes(self.tile))
-
-    def time(self, stream) -> float:
-        """Median GPU ms of one launch (see convs.time_launches)."""
-        self.ms = time_launches(self.launch, stream)
-        return self.ms
+        function = _function(self.source, self.name, self.shared)
+        function(self.grid, (self.threads,), self.args, stream=stream, shared_mem=self.shared)
 
 
 @functools.cache

@@ -78,6 +78,14 @@ TapHook = Callable[[str, object, tuple[int, ...]], None]
 HALF_VECTOR = 8
 
 
+def fill_random(values, random) -> None:
+    """values[...] = standard normal draws of `random` (a cupy RandomState), in values' own
+    dtype (halves are drawn in float32 and rounded: CuPy draws no float16)."""
+    import cupy
+
+    values[...] = random.standard_normal(values.shape, dtype=cupy.float32).astype(values.dtype, copy=False)
+
+
 def activation_elements(batch: int) -> dict[str, int]:
     """Float32 elements of each activation buffer for `batch` chunks (the trunk's largest;
     an FP16 plan views the same bytes as twice as many halves and uses half of them)."""
@@ -258,8 +266,7 @@ class Plan:
         with self.stream:
             largest = float(cupy.abs(view.astype(cupy.float32)).max().get())
             if not largest <= HALF_TIMING_RANGE:
-                random = cupy.random.RandomState(count)
-                view[...] = random.standard_normal(view.shape, dtype=cupy.float32).astype(cupy.float16)
+                fill_random(view, cupy.random.RandomState(count))
 
     def _own_candidates(self, choice: ConvChoice, weight) -> list[IgemmConv | StemConv]:
         """Our kernels that can run `choice`'s convolution, bound to its buffers."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from server.architecture import STEM, ConvSpec
 from server.engine.base import Math
-from server.engine.gpu.convs import time_launches
+from server.engine.gpu.convs import OwnKernel
 
 #: Threads per block (one output pixel each): kernels/speakerd.cu's STEM_THREADS (tests check).
 THREADS = 128
@@ -34,7 +34,7 @@ def applies(spec: ConvSpec, epilogue: str) -> bool:
 
 
 @dataclass
-class StemConv:
+class StemConv(OwnKernel):
     """The stem of one plan bound to its buffers (x FP32 [b, 80, 998]; w FP32 KRSC; y FP32,
     or FP16 with the plan's range `flag`)."""
 
@@ -60,7 +60,3 @@ class StemConv:
         from server.engine.gpu import kernels
 
         kernels.function(self.name)(self.grid, (THREADS,), self.args, stream=stream)
-
-    def time(self, stream) -> float:
-        self.ms = time_launches(self.launch, stream)
-        return self.ms
