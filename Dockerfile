@@ -1,5 +1,6 @@
 # speakerd GPU image: CUDA 12 runtime + cuDNN 9, Python 3.12, `pip install .[gpu]`, the
-# project's CUDA kernels, and the synthetic default model made at build time.
+# project's CUDA kernels (package data of speakerd.engine.gpu), and the synthetic default
+# model made at build time.
 #
 #   docker build -t speakerd:0.1.0 .
 #   docker run --rm --gpus all -p 50051:50051 -p 9100:9100 speakerd:0.1.0
@@ -39,16 +40,12 @@ COPY . .
 # `.[gpu]` with its dependencies already in place: --no-deps installs only speakerd, and pip
 # check proves the gpu extra's requirements are all met.
 RUN pip install --no-deps . && pip check
-# 3. kernels/ is read by server/engine/gpu/kernels.py from KERNEL_DIR = parents[3] of that
-#    module, which for an installed package is site-packages itself; the package does not
-#    carry it, so it is put there (tests/test_deploy.py checks this path against KERNEL_DIR).
-COPY kernels/ /opt/speakerd/lib/python3.12/site-packages/kernels/
-# 4. The default model, made once here instead of at every pod start (the runtime root file
+# 3. The default model, made once here instead of at every pod start (the runtime root file
 #    system is read-only in deploy/k8s/deployment.yaml). Run from / so that the installed
 #    package, not /src, is what imports.
 WORKDIR /
-RUN SPEAKERD_CACHE=/opt/speakerd-cache python -c "from server.model_store import default_weights_path; \
-from server.engine.gpu.kernels import kernel_sources; print(default_weights_path(), sorted(kernel_sources()))"
+RUN SPEAKERD_CACHE=/opt/speakerd-cache python -c "from speakerd.model.store import default_weights_path; \
+from speakerd.engine.gpu.kernels import kernel_sources; print(default_weights_path(), sorted(kernel_sources()))"
 
 FROM base AS runtime
 # The uid/gid deploy/k8s/deployment.yaml's securityContext runs as.
@@ -74,6 +71,6 @@ EXPOSE 50051 9100
 # Exit 0 only when health is SERVING: warm, self-checked and not draining. The start period
 # covers plan timing, CUDA graph capture and the parity self-check.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-m", "client", "health", "--target", "127.0.0.1:50051", "--timeout", "3"]
+    CMD ["python", "-m", "speakerd.client", "health", "--target", "127.0.0.1:50051", "--timeout", "3"]
 ENTRYPOINT ["speakerd"]
 CMD ["serve"]

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # flags, so it takes them from the environment too (else the server's defaults).
 PORT ?= $(or $(SPEAKERD_PORT),50051)
 METRICS_PORT ?= $(or $(SPEAKERD_METRICS_PORT),9100)
-# Where the default (synthetic) model is made on first use; server/model_store.py reads it.
+# Where the default (synthetic) model is made on first use; speakerd/model/store.py reads it.
 SPEAKERD_CACHE ?= $(HOME)/.cache/speakerd
 # requires-python in pyproject.toml
 MIN_PYTHON := 3.11
@@ -31,15 +31,16 @@ serve: venv
 	@echo "  The first start makes the default model in $(SPEAKERD_CACHE) (about 15 s on 2 cores); every"
 	@echo "  start then builds the engine and runs the parity self-check. Health is NOT_SERVING until the"
 	@echo "  log says SERVING. From another shell in this directory:"
-	@echo "    $(BIN)/python -m client health --wait 600 --target 127.0.0.1:$(PORT)"
-	@echo "    $(BIN)/python -m client info --target 127.0.0.1:$(PORT)"
+	@echo "    $(BIN)/python -m speakerd.client health --wait 600 --target 127.0.0.1:$(PORT)"
+	@echo "    $(BIN)/python -m speakerd.client info --target 127.0.0.1:$(PORT)"
 	@echo "    curl -s http://127.0.0.1:$(METRICS_PORT)/metrics | grep '^speakerd_'"
 	@echo "  Ctrl-C (SIGINT) or SIGTERM drains the calls in progress, then stops."
-	SPEAKERD_CACHE="$(SPEAKERD_CACHE)" $(BIN)/python -m server serve --port $(PORT) --metrics-port $(METRICS_PORT)
+	SPEAKERD_CACHE="$(SPEAKERD_CACHE)" $(BIN)/python -m speakerd serve --port $(PORT) --metrics-port $(METRICS_PORT)
 
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports  # the package's layers (pyproject.toml [tool.importlinter])
 
 pytest: venv
 	$(BIN)/python -m pytest
@@ -47,8 +48,8 @@ pytest: venv
 test: lint pytest
 
 proto: venv
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=proto --grpc_python_out=proto \
-		--pyi_out=proto proto/speakerd/v1/speakerd.proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
+		--pyi_out=. speakerd/v1/speakerd.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

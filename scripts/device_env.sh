@@ -1,6 +1,7 @@
-# Sourced by the device scripts: installs the carried wheels (.whl/, see
-# ../shared/device/README.md) into /tmp/site and sets the paths the project needs there.
+# Sourced by the device scripts: installs the carried wheels (.whl/: the cuDNN frontend,
+# grpcio >= 1.85 with its health/reflection/status packages, kaldi-native-fbank, soundfile)
+# into /tmp/site and sets the paths the project needs there.
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-export PYTHONPATH=$PWD:$PWD/proto:/tmp/site
+export PYTHONPATH=$PWD:/tmp/site
 export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
 export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk

@@ -8,7 +8,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   REQUIRE_GPU=1 timeout ${TEST_S:-150} python3 -m pytest -q -s tests/test_gpu_fp16.py 2>&1 | tee $OUT/fp16-tests.log | grep -E "^[0-9]+->|^stem|^forced|passed|failed|Error|error" | cut -c1-240 | head -60
   echo "fp16 tests at $SECONDS s"
 fi
-timeout ${BENCH_S:-240} python3 -m server bench --math ${MATHS:-fp16} --convs --log-level INFO 2> $OUT/bench.err | tee $OUT/bench.jsonl | grep -v '"kind": "conv"' | cut -c1-700
+timeout ${BENCH_S:-240} python3 -m speakerd bench --math ${MATHS:-fp16} --convs --log-level INFO 2> $OUT/bench.err | tee $OUT/bench.jsonl | grep -v '"kind": "conv"' | cut -c1-700
 echo "bench rc $? at $SECONDS s"; grep -v " INFO " $OUT/bench.err | tail -6
 python3 - $OUT/bench.jsonl <<'PY'
 import json, sys

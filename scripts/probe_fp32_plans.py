@@ -53,8 +53,8 @@ def main() -> int:
     import cudnn
     import cupy
 
-    from server.engine.base import Math
-    from server.engine.gpu.convs import excluded_notes, fp32_graph
+    from speakerd.engine.gpu.convs import excluded_notes, fp32_graph
+    from speakerd.model.numerics import Math
 
     handle = cudnn.create_handle()
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -117,9 +117,9 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp"))
 
-    from server.engine.gpu.engine import GpuEngine
-    from server.model_store import resolve_weights
-    from server.weights import load_model
+    from speakerd.engine.gpu.engine import GpuEngine
+    from speakerd.model.store import resolve_weights
+    from speakerd.model.weights import load_model
 
     engine = GpuEngine(load_model(resolve_weights(None)), args.math, (args.batch,), graphs=False)
     plan = engine.plans[args.batch]

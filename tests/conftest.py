@@ -50,7 +50,7 @@ def speakerd_cache(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def weights_path(speakerd_cache):
     """The synthetic default model (seed 0), made on first use in the session cache."""
-    from server.model_store import default_weights_path
+    from speakerd.model.store import default_weights_path
 
     return default_weights_path()
 
@@ -58,7 +58,7 @@ def weights_path(speakerd_cache):
 @pytest.fixture(scope="session")
 def folded_model(weights_path):
     """The default model loaded and BatchNorm-folded."""
-    from server.weights import load_model
+    from speakerd.model.weights import load_model
 
     return load_model(weights_path)
 
@@ -66,7 +66,7 @@ def folded_model(weights_path):
 @pytest.fixture(scope="session")
 def references_dir(tmp_path_factory: pytest.TempPathFactory, weights_path):
     """Every reference case of SPEC 2 written by `make-references` for the default model."""
-    from server.references import make_references
+    from speakerd.reference.references import make_references
 
     directory = tmp_path_factory.mktemp("references")
     make_references(directory, weights_path)
@@ -76,6 +76,6 @@ def references_dir(tmp_path_factory: pytest.TempPathFactory, weights_path):
 @pytest.fixture(scope="session")
 def reference_cases(references_dir):
     """list[ReferenceCase] in CASE_NAMES order (b1 cases with all 38 taps, then mixed_b32)."""
-    from server.references import load_cases
+    from speakerd.model.cases import load_cases
 
     return load_cases(references_dir)

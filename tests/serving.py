@@ -1,4 +1,4 @@
-"""A real `python -m server serve` subprocess on loopback, for the service tests.
+"""A real `python -m speakerd serve` subprocess on loopback, for the service tests.
 
 Each test server is a separate process (the way it runs in production), on free ports it
 picks itself (`--port 0`); the harness reads the ports from the start-up log line, and
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.client import SpeakerClient
+from speakerd.client.client import SpeakerClient
 
 LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics on :(?P<metrics>\d+)\)")
 #: Start-up on 2 cores: ORT session build, plan timing and the self-check take ~10-20 s.
@@ -59,7 +59,7 @@ class ServerProcess:
 
 def start_server(weights: Path, *flags: str, wait_serving: bool = True) -> ServerProcess:
     """Start a CPU server with `flags`; return once it is SERVING (or, if not, listening)."""
-    command = [sys.executable, "-m", "server", "serve", "--engine", "cpu", "--port", "0",
+    command = [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu", "--port", "0",
                "--metrics-port", "0", "--weights", str(weights), *flags]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     server = ServerProcess(process)

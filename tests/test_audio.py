@@ -1,4 +1,4 @@
-"""server.audio: deterministic speech-like recordings and masks from their known turns."""
+"""speakerd.model.audio: deterministic speech-like recordings and masks from their known turns."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from server.architecture import MASK_FRAMES, SAMPLE_RATE
-from server.audio import (
+from speakerd.model.architecture import MASK_FRAMES, SAMPLE_RATE
+from speakerd.model.audio import (
     SEGMENTATION_CENTER_SAMPLES,
     SEGMENTATION_STEP_SAMPLES,
     Recording,
@@ -16,7 +16,7 @@ from server.audio import (
     speaker_masks,
     synthetic_recording,
 )
-from server.fbank import chunk_recording
+from speakerd.model.fbank import chunk_recording
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from server.batcher import cheapest_pieces, plan_for
+from speakerd.serving.batcher import cheapest_pieces, plan_for
 
 PLANS = (1, 8, 32)
 

@@ -1,4 +1,4 @@
-"""The client package as a user drives it: `python -m client` commands against a real server.
+"""The client package as a user drives it: `python -m speakerd.client` commands against a real server.
 
 Health is the container probe, so its exit code is the contract: 0 only when SERVING, 1
 when unreachable. `embed` round-trips an .npz; `info` prints GetModelInfo; `load` prints
@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.cli import main
-from client.client import RetryPolicy
-from server.architecture import EMBEDDING_DIM
-from server.engine.base import Math
-from server.engine.cpu import CpuEngine
+from speakerd.client.cli import main
+from speakerd.client.client import RetryPolicy
+from speakerd.engine.cpu import CpuEngine
+from speakerd.model.architecture import EMBEDDING_DIM
+from speakerd.model.numerics import Math
 from tests.serving import ServerProcess, start_server
 
 

@@ -10,8 +10,8 @@ import argparse
 
 import pytest
 
-from server import config
-from server.engine.base import Math
+from speakerd.model.numerics import Math
+from speakerd.serving import config
 
 
 def parse(argv: list[str]) -> config.ServeConfig:

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.architecture import state_dict_shapes
-from server.cli import main
-from server.weights import file_sha256, load_state_dict
+from speakerd.cli import main
+from speakerd.model.architecture import state_dict_shapes
+from speakerd.model.weights import file_sha256, load_state_dict
 
 torch = pytest.importorskip("torch", reason="torch is the `convert` extra; install it to test the converter")
 nn = torch.nn
@@ -142,10 +142,10 @@ def test_lightning_checkpoint_runs_no_pickled_code(tmp_path: Path) -> None:
             return (print, ("code from the checkpoint ran",))
 
     torch.save({"state_dict": {"x": torch.zeros(1)}, "evil": Boom()}, tmp_path / "evil.bin")
-    from server.convert import load_checkpoint
+    from speakerd.tools.convert import load_checkpoint
 
     loaded = load_checkpoint(tmp_path / "evil.bin")
-    assert type(loaded["evil"]).__module__.startswith("speakerd.inert"), type(loaded["evil"])
+    assert type(loaded["evil"]).__module__.startswith("server.inert"), type(loaded["evil"])
 
 
 def test_bad_checkpoints_name_the_problem(

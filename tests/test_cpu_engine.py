@@ -10,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS
-from server.engine.base import Math
-from server.engine.cpu import CpuEngine
-from server.engine.factory import EngineUnavailable, create_engine, resolve_kind
-from server.engine.gpu import gpu_available
-from server.inputs import InputError
-from server.self_check import BOUNDS, compare
+from speakerd.engine.cpu import CpuEngine
+from speakerd.engine.factory import EngineUnavailable, create_engine, resolve_kind
+from speakerd.engine.gpu import gpu_available
+from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
+from speakerd.model.inputs import InputError
+from speakerd.model.numerics import BOUNDS, Math, compare
 
 #: Small plans keep CPU tests fast; (1, 4) still exercises splitting and plan choice.
 PLANS = (1, 4)

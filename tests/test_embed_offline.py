@@ -1,4 +1,4 @@
-"""`python -m server embed`: the real CLI on the CPU engine, its outputs and its input errors."""
+"""`python -m speakerd embed`: the real CLI on the CPU engine, its outputs and its input errors."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.architecture import CHUNK_SAMPLES, EMBEDDING_DIM
-from server.audio import speaker_masks, synthetic_recording
-from server.cli import main
-from server.engine.base import active_frames
-from server.fbank import chunk_recording, fbank
-from server.weights import file_sha256, load_model
+from speakerd.cli import main
+from speakerd.model.architecture import CHUNK_SAMPLES, EMBEDDING_DIM
+from speakerd.model.audio import speaker_masks, synthetic_recording
+from speakerd.model.fbank import chunk_recording, fbank
+from speakerd.model.numerics import active_frames
+from speakerd.model.weights import file_sha256, load_model
 
 #: SPEC 3 FP32 bounds against the ONNX Runtime CPU references.
 FP32_MIN_COSINE = 0.99999

@@ -1,13 +1,13 @@
-"""server.fbank against kaldi-native-fbank (an independent C++ Kaldi), and pyannote's chunking."""
+"""speakerd.model.fbank against kaldi-native-fbank (an independent C++ Kaldi), and pyannote's chunking."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from server.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS, SAMPLE_RATE
-from server.audio import synthetic_recording
-from server.fbank import (
+from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS, SAMPLE_RATE
+from speakerd.model.audio import synthetic_recording
+from speakerd.model.fbank import (
     FRAME_LENGTH,
     INT16_SCALE,
     _log_mel,
@@ -18,7 +18,7 @@ from server.fbank import (
     mel_banks,
     num_frames,
 )
-from server.inputs import InputError
+from speakerd.model.inputs import InputError
 
 #: SPEC / issue bound on |numpy - kaldi-native-fbank| of the mean-normalised features.
 KNF_BOUND = 1e-3

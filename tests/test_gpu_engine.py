@@ -20,15 +20,14 @@ import threading
 import numpy as np
 import pytest
 
-from server.architecture import BLOCKS, CONVS, EMBEDDING_DIM, MAX_SPEAKERS, STEM, TAP_NAMES, tap_shape
-from server.config import env_default
-from server.engine.base import Math, active_frames
-from server.inputs import InputError, InputLengthError
-from server.self_check import BOUNDS, compare
+from speakerd.model.architecture import BLOCKS, CONVS, EMBEDDING_DIM, MAX_SPEAKERS, STEM, TAP_NAMES, tap_shape
+from speakerd.model.inputs import InputError, InputLengthError
+from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
+from speakerd.serving.config import env_default
 
 
 def _gpu() -> tuple[bool, str]:
-    from server.engine.gpu import gpu_available
+    from speakerd.engine.gpu import gpu_available
 
     return gpu_available()
 
@@ -52,7 +51,7 @@ def _by_name(reference_cases) -> dict:
 def engines(folded_model):
     """One engine per math with plans b1 and b32, graphs captured (built once: start-up
     times every cuDNN plan)."""
-    from server.engine.gpu.engine import GpuEngine
+    from speakerd.engine.gpu.engine import GpuEngine
 
     own = env_default("conv-kernels", "auto") == "auto"  # SPEAKERD_CONV_KERNELS=cudnn: cuDNN only
     built = {math: GpuEngine(folded_model, math, (1, 32), own_kernels=own) for math in MATHS}
@@ -291,7 +290,7 @@ def test_forward_allocates_nothing_and_reports(engines, reference_cases, capsys)
 
 # ----- layout helpers: no GPU needed -------------------------------------------------------
 def test_nhwc_to_nchw_is_the_inverse_of_the_nhwc_layout() -> None:
-    from server.engine.gpu.plan import nhwc_to_nchw
+    from speakerd.engine.gpu.plan import nhwc_to_nchw
 
     rng = np.random.default_rng(0)
     nchw = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
@@ -300,8 +299,8 @@ def test_nhwc_to_nchw_is_the_inverse_of_the_nhwc_layout() -> None:
 
 
 def test_activation_buffers_hold_every_conv_output() -> None:
-    from server.engine.gpu.convs import ConvKey
-    from server.engine.gpu.plan import activation_elements
+    from speakerd.engine.gpu.convs import ConvKey
+    from speakerd.engine.gpu.plan import activation_elements
 
     sizes = activation_elements(3)
     for spec in CONVS:

@@ -19,9 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STEM, ConvSpec
-from server.engine.base import Math
-from server.self_check import BOUNDS, compare
+from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STEM, ConvSpec
+from speakerd.model.numerics import BOUNDS, Math, compare
 from tests.test_gpu_engine import needs_gpu
 from tests.test_gpu_igemm import _reference, gpu_over_shapes, spec_of
 
@@ -70,7 +69,7 @@ def _run(conv, y, flag, stream) -> int:
 def test_f16_kernel_matches_float64(shape, capsys) -> None:
     import cupy
 
-    from server.engine.gpu import igemm
+    from speakerd.engine.gpu import igemm
 
     spec, batch = spec_of(shape), shape[-1]
     cin, cout, h, w, kernel, stride = spec.cin, spec.cout, spec.h_in, spec.w_in, spec.kernel, spec.stride
@@ -113,7 +112,7 @@ def test_f16_kernel_matches_float64(shape, capsys) -> None:
 def test_f16_kernel_flags_values_out_of_half_range() -> None:
     import cupy
 
-    from server.engine.gpu import igemm
+    from speakerd.engine.gpu import igemm
 
     spec = ConvSpec("test", "test", 64, 64, 3, 1, 12, 140)
     x, weight, bias, _ = _f16_inputs(spec, 2)
@@ -138,8 +137,8 @@ def test_f16_kernel_flags_values_out_of_half_range() -> None:
 def test_stem_kernels_match_float64(capsys) -> None:
     import cupy
 
-    from server.engine.gpu.igemm import relative_difference
-    from server.engine.gpu.stem import StemConv
+    from speakerd.engine.gpu.igemm import relative_difference
+    from speakerd.engine.gpu.stem import StemConv
 
     batch = 3
     random = cupy.random.RandomState(5)
@@ -170,9 +169,9 @@ def test_stem_kernels_match_float64(capsys) -> None:
 def test_fp16_overflow_is_recomputed_in_tf32_and_meets_the_bound(
     weights_path, reference_cases, capsys
 ) -> None:
-    from server.engine.gpu.engine import GpuEngine
-    from server.reference_forward import forward_float64
-    from server.weights import fold_state_dict, load_state_dict
+    from speakerd.engine.gpu.engine import GpuEngine
+    from speakerd.model.forward import forward_float64
+    from speakerd.model.weights import fold_state_dict, load_state_dict
 
     state = load_state_dict(weights_path)
     for field in ("weight", "bias"):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.architecture import ConvSpec
-from server.engine.base import Math
+from speakerd.model.architecture import ConvSpec
+from speakerd.model.numerics import Math
 from tests.test_gpu_engine import needs_gpu
 
 #: (cin, cout, h, w, kernel, stride, batch): layer1 and layer2.0.conv1 at 80x998, the
@@ -60,7 +60,7 @@ def _cudnn_strict(spec: ConvSpec, batch: int, x, weight):
     import cudnn
     import cupy
 
-    from server.engine.gpu.convs import ConvKey, time_plans
+    from speakerd.engine.gpu.convs import ConvKey, time_plans
 
     handle = cudnn.create_handle()
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -95,7 +95,7 @@ def spec_of(shape: tuple[int, ...]) -> ConvSpec:
 def test_kernel_matches_float64(shape, capsys) -> None:
     import cupy
 
-    from server.engine.gpu import igemm
+    from speakerd.engine.gpu import igemm
 
     cin, cout, h, w, kernel, stride, batch = shape
     spec = spec_of(shape)
@@ -154,7 +154,7 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     """The Python side's entry points and tiling constants are the .cu file's (no GPU)."""
     import re
 
-    from server.engine.gpu import igemm, kernels
+    from speakerd.engine.gpu import igemm, kernels
 
     source = kernels.kernel_sources()[igemm.SOURCE]
     defined = set(re.findall(r'extern "C" __global__ __launch_bounds__\([^)]*\) void (\w+)', source))

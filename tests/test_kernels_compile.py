@@ -3,7 +3,7 @@
 NVRTC comes with CuPy here (cupy_backends.cuda.libs.nvrtc, which loads libnvrtc); .ci/run
 installs cupy-cuda12x and nvidia-cuda-nvrtc-cu12, so CI compiles every kernel without a GPU.
 Where neither is installed the compile test skips and says so, while the source checks
-below (entry points present, constants equal to server.architecture) always run: they
+below (entry points present, constants equal to speakerd.model.architecture) always run: they
 catch a kernel drifting from the Python side without any CUDA at all.
 """
 
@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from server import architecture
-from server.engine.gpu import igemm, kernels
+from speakerd.engine.gpu import igemm, kernels
+from speakerd.model import architecture
 
 
 def _nvrtc_or_reason() -> str | None:
@@ -68,7 +68,7 @@ def test_engine_entry_points_are_defined() -> None:
     assert not missing, f"kernels the engine launches but {kernels.ENGINE_SOURCE} lacks: {missing}"
 
 
-#: kernels/speakerd.cu #define -> the server.architecture value it must equal.
+#: kernels/speakerd.cu #define -> the speakerd.model.architecture value it must equal.
 CONSTANTS = {
     "FRAMES": architecture.FRAMES,
     "MELS": architecture.MEL_BINS,
@@ -89,9 +89,9 @@ def test_kernel_constants_match_the_architecture() -> None:
         if defines.get(name) != str(value)
     }
     assert not wrong, f"(kernel #define, architecture) disagree: {wrong}"
-    from server.engine.gpu.plan import TRANSPOSE_TILE
+    from speakerd.engine.gpu.plan import TRANSPOSE_TILE
 
     assert defines.get("TILE") == str(TRANSPOSE_TILE), (defines.get("TILE"), TRANSPOSE_TILE)
-    from server.engine.gpu import stem
+    from speakerd.engine.gpu import stem
 
     assert defines.get("STEM_THREADS") == str(stem.THREADS), (defines.get("STEM_THREADS"), stem.THREADS)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import onnx
 
-from server.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TAP_NAMES
-from server.onnx_export import build_onnx
+from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TAP_NAMES
+from speakerd.onnx.export import build_onnx
 
 
 def _dims(value: onnx.ValueInfoProto) -> list[int | str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
 
@@ -19,15 +20,15 @@ GENERATED = ("speakerd_pb2.py", "speakerd_pb2.pyi", "speakerd_pb2_grpc.py")
 def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     """Regenerate exactly as `make proto` does; any difference means someone forgot `make proto`."""
     command = [
-        sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}",
+        sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}",
         f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}",
-        str(ROOT / "proto" / PROTO),
+        str(ROOT / PROTO),
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, text=True)
     for name in GENERATED:
         fresh = (tmp_path / PROTO.parent / name).read_text()
-        committed = (ROOT / "proto" / PROTO.parent / name).read_text()
-        assert fresh == committed, f"proto/{PROTO.parent / name} is stale: run `make proto` and commit it"
+        committed = (ROOT / PROTO.parent / name).read_text()
+        assert fresh == committed, f"{PROTO.parent / name} is stale: run `make proto` and commit it"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint8, ">f4"])

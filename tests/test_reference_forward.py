@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from server.architecture import TAP_NAMES
-from server.onnx_reference import OnnxReference
-from server.reference_forward import forward_float64
-from server.references import case_inputs
-from server.self_check import compare
-from server.weights import load_state_dict
+from speakerd.model.architecture import TAP_NAMES
+from speakerd.model.cases import case_inputs
+from speakerd.model.forward import forward_float64
+from speakerd.model.numerics import compare
+from speakerd.model.weights import load_state_dict
+from speakerd.onnx.runtime import OnnxReference
 
 TAP_RELATIVE_BOUND = 1e-5
 OUTPUT_MIN_COSINE = 0.9999999

@@ -13,10 +13,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from server.architecture import EMBEDDING_DIM, FRAMES, MASK_FRAMES, MAX_SPEAKERS, TAP_NAMES, tap_shape
-from server.cli import main
-from server.engine.base import active_frames
-from server.references import B1_CASES, BATCH_CASE, CASE_NAMES, case_inputs, load_case, load_cases, mixed_rows
+from speakerd.cli import main
+from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MASK_FRAMES, MAX_SPEAKERS, TAP_NAMES, tap_shape
+from speakerd.model.cases import (
+    B1_CASES,
+    BATCH_CASE,
+    CASE_NAMES,
+    case_inputs,
+    load_case,
+    load_cases,
+    mixed_rows,
+)
+from speakerd.model.numerics import active_frames
 
 
 def test_two_runs_are_byte_identical(tmp_path: Path, references_dir: Path, weights_path: Path) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
+
+from speakerd.serving.wire import WireError, WireRequest, parse_request
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor, to_tensor
-
-from server.request_wire import WireError, WireRequest, parse_request
 
 
 def _request(seed: int, chunks: int = 2, request_id: str = "") -> pb.EmbedRequest:

@@ -1,4 +1,4 @@
-"""The gRPC service end to end: a real `python -m server serve` on loopback, CPU engine.
+"""The gRPC service end to end: a real `python -m speakerd serve` on loopback, CPU engine.
 
 Read as the service contract (SPEC 5): rows come back equal to the engine's own output and
 in each request's order whatever its neighbours; concurrent requests share batches; every
@@ -23,18 +23,18 @@ import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from speakerd.client.client import NO_RETRY, RetryPolicy, SpeakerClient, build_request
+from speakerd.client.verify import main as verify_main
+from speakerd.engine.cpu import CpuEngine
+from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MEL_BINS
+from speakerd.model.numerics import Math
+from speakerd.serving.batcher import PIPELINE_DEPTH
+from speakerd.serving.metrics import METRIC_NAMES
+from speakerd.serving.service import SERVICE_NAME as SERVICE
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import to_tensor
-
-from client.client import NO_RETRY, RetryPolicy, SpeakerClient, build_request
-from client.verify import main as verify_main
-from server.architecture import EMBEDDING_DIM, FRAMES, MEL_BINS
-from server.batcher import PIPELINE_DEPTH
-from server.engine.base import Math
-from server.engine.cpu import CpuEngine
-from server.metrics import METRIC_NAMES
-from server.service import SERVICE_NAME as SERVICE
 from tests.serving import ServerProcess, start_server
 
 #: Plans of the test servers: b8 keeps CPU batches short (~1 s) yet spans several requests.
@@ -112,7 +112,11 @@ def test_concurrent_requests_share_batches_and_keep_their_rows(server: ServerPro
         if i % 4 == 3:  # some requests send masks at the trunk's 125 frames: any F is allowed
             masks = np.ascontiguousarray(masks[..., (np.arange(125) * masks.shape[-1]) // 125])
         with SpeakerClient(server.target, timeout_s=600) as client:
-            return i, index, client.embed(mixed.fbank[index], masks, request_id=f"concurrent-{i}").embeddings
+            return (
+                i,
+                index,
+                client.embed(mixed.fbank[index], masks, request_id=f"concurrent-{i}").embeddings,
+            )
 
     with ThreadPoolExecutor(CONCURRENT_REQUESTS) as pool:
         results = list(pool.map(call, range(CONCURRENT_REQUESTS)))
@@ -247,7 +251,7 @@ def test_verify_passes_against_the_server(server: ServerProcess, references_dir,
 def test_load_generator_reports_throughput_latency_and_batch_fill(server: ServerProcess) -> None:
     """`client load` over two processes: every call succeeds, and the JSON's numbers agree
     with each other and with the server's /metrics."""
-    command = [sys.executable, "-m", "client", "load", "--target", server.target, "--streams", "4",
+    command = [sys.executable, "-m", "speakerd.client", "load", "--target", server.target, "--streams", "4",
                "--processes", "2", "--seconds", "3", "--chunks", "2",
                "--metrics-url", server.metrics_url]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -363,7 +367,7 @@ def test_sigterm_drains_in_flight_requests(small_server: ServerProcess, mixed, d
 
 def test_failed_start_up_exits_non_zero(tmp_path) -> None:
     """A server that cannot build its engine must exit 1, so a supervisor sees the failure."""
-    command = [sys.executable, "-m", "server", "serve", "--engine", "cpu", "--port", "0",
+    command = [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu", "--port", "0",
                "--metrics-port", "0", "--weights", str(tmp_path / "absent.safetensors")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.architecture import TAP_NAMES
-from server.cli import main
-from server.synthetic_model import make_model, quantise
-from server.weights import file_sha256, load_state_dict, validate_state_dict
+from speakerd.cli import main
+from speakerd.model.architecture import TAP_NAMES
+from speakerd.model.synthetic import make_model, quantise
+from speakerd.model.weights import file_sha256, load_state_dict, validate_state_dict
 
 #: Post-ReLU taps must keep between these fractions of units active on speech.
 MIN_ACTIVE, MAX_ACTIVE = 0.2, 0.95

@@ -1,4 +1,4 @@
-"""server.weights (validate, fold, save/load) and server.inputs: every error names its key or field."""
+"""speakerd.model.weights (validate, fold, save/load) and .inputs: errors name their key or field."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.architecture import BLOCKS, BN_EPS, CONVS, STEM, ConvSpec, state_dict_shapes
-from server.inputs import InputError, check_fbank, check_masks, check_waveform
-from server.weights import (
+from speakerd.model.architecture import BLOCKS, BN_EPS, CONVS, STEM, ConvSpec, state_dict_shapes
+from speakerd.model.inputs import InputError, check_fbank, check_masks, check_waveform
+from speakerd.model.weights import (
     WeightsError,
     file_sha256,
     fold_conv,

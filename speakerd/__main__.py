@@ -1,0 +1,5 @@
+import sys
+
+from speakerd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,43 @@
+"""`python -m speakerd COMMAND`: one entry point, each command in the module that owns it.
+
+Commands are imported lazily so that `serve` on a CPU machine never imports CuPy and
+`convert` alone needs torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: command -> (module with `configure(parser)` and `run(args) -> int`, help line)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("speakerd.serving.serve", "run the gRPC server (GPU when present, else CPU)"),
+    "embed": ("speakerd.tools.embed", "embed an .npz of fbank or waveform chunks offline"),
+    "make-model": ("speakerd.model.synthetic", "write the deterministic synthetic default model"),
+    "make-references": ("speakerd.reference.references", "write ONNX Runtime CPU reference cases"),
+    "convert": ("speakerd.tools.convert", "convert pyannote's pytorch_model.bin to safetensors"),
+    "bench": ("speakerd.tools.bench", "benchmark the engine's plans, print JSON lines"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speakerd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_line) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_line, description=help_line)
+        command.set_defaults(_module=module)
+        # configure lazily only for the chosen command, see main()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0] in COMMANDS:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        command = argparse.ArgumentParser(prog=f"speakerd {argv[0]}", description=COMMANDS[argv[0]][1])
+        module.configure(command)
+        return int(module.run(command.parse_args(argv[1:])) or 0)
+    parser.parse_args(argv)  # prints usage / errors for unknown commands
+    return 2

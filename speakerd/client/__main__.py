@@ -1,0 +1,5 @@
+import sys
+
+from speakerd.client.cli import main
+
+sys.exit(main())

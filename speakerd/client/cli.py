@@ -1,0 +1,83 @@
+"""`python -m speakerd.client embed|info|health|load|verify`: the client's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+import numpy as np
+from google.protobuf.json_format import MessageToDict
+
+from speakerd.client import loadgen, verify
+from speakerd.client.client import SpeakerClient
+
+
+def _embed(args: argparse.Namespace) -> int:
+    with np.load(args.input) as data:
+        masks = data["masks"]
+        with SpeakerClient(args.target, timeout_s=args.timeout) as client:
+            if "fbank" in data:
+                result = client.embed(data["fbank"], masks)
+            else:
+                result = client.embed_waveform(data["waveform"], masks)
+    np.savez(
+        args.output, embeddings=result.embeddings, empty=result.empty, active_frames=result.active_frames
+    )
+    summary = {"output": args.output, "shape": list(result.embeddings.shape), "model_id": result.model_id,
+               "precision": result.precision, "empty_rows": int(result.empty.sum())}  # fmt: skip
+    print(json.dumps(summary))
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    with SpeakerClient(args.target, timeout_s=args.timeout) as client:
+        print(json.dumps(MessageToDict(client.model_info(), preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 only when SERVING (a probe command for containers)."""
+    with SpeakerClient(args.target) as client:
+        try:
+            if args.wait > 0:
+                client.wait_serving(args.wait, args.service)
+                status = "SERVING"
+            else:
+                status = client.health(args.service, timeout_s=args.timeout)
+        except (grpc.RpcError, TimeoutError) as error:
+            print(f"UNREACHABLE: {error}", file=sys.stderr)
+            return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m speakerd.client", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    embed = sub.add_parser("embed", help="embed an .npz holding fbank or waveform, and masks")
+    embed.add_argument("--input", required=True)
+    embed.add_argument("--output", required=True)
+    embed.set_defaults(func=_embed)
+    info = sub.add_parser("info", help="print GetModelInfo as JSON")
+    info.set_defaults(func=_info)
+    health = sub.add_parser("health", help="exit 0 when the server is SERVING")
+    health.add_argument("--service", default="")
+    health.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds")
+    health.set_defaults(func=_health)
+    for command in (embed, info, health):
+        command.add_argument("--target", required=True, help="HOST:PORT")
+        command.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    load = sub.add_parser("load", help="load generator: JSON with chunks/s, latency, errors, batch fill")
+    loadgen.configure(load)
+    load.set_defaults(func=loadgen.run)
+    check = sub.add_parser("verify", help="SPEC 3 parity of a server against reference cases")
+    verify.configure(check)
+    check.set_defaults(func=verify.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,168 @@
+"""`python -m speakerd.client load`: N concurrent streams of K-chunk requests for T seconds, JSON out.
+
+What is measured is the server, not this generator, so:
+- each request is serialized once and sent as those bytes on every call (a 32-chunk
+  request takes ~3 ms to serialize in Python: at 4,000 chunks/s that alone would fill a
+  core), and only the response is parsed;
+- the streams are spread over `--processes` worker processes (each its own channel and
+  event loop), because one Python process tops out below what a GPU server answers.
+Each stream keeps one call in flight. Batch fill and batch size come from the server's
+/metrics (deltas over the run) when --metrics-url is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import multiprocessing
+import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from speakerd.client.client import DEFAULT_MAX_MESSAGE_MB, build_request, channel_options
+from speakerd.model.architecture import FRAMES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS
+from speakerd.v1 import speakerd_pb2 as pb
+
+#: A stream's pause after a failed call before its next one.
+ERROR_PAUSE_S = 0.01
+#: Percentiles reported, as the SLOs are written.
+PERCENTILES = (50, 90, 99)
+EMBED_METHOD = "/speakerd.v1.SpeakerEmbedding/EmbedChunks"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="HOST:PORT (loopback)")
+    parser.add_argument("--streams", type=int, default=8, help="concurrent callers, over all processes")
+    parser.add_argument("--processes", type=int, default=1, help="processes the streams share")
+    parser.add_argument("--seconds", type=float, default=10.0, help="run time")
+    parser.add_argument("--chunks", type=int, default=4, help="chunks per request")
+    parser.add_argument("--metrics-url", default="", help="the server's /metrics URL, for batch fill")
+    parser.add_argument("--timeout", type=float, default=30.0, help="per-call deadline in seconds")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of each sample name over its labels, e.g. speakerd_batch_fill_ratio_sum."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] += sample.value
+    return dict(totals)
+
+
+def _mean_delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+    return total / count if count > 0 else None
+
+
+def request_bytes(chunks: int) -> bytes:
+    """One serialized EmbedChunks request of `chunks` random chunks (seeded: reproducible)."""
+    rng = np.random.default_rng(0)
+    fbank = rng.standard_normal((chunks, FRAMES, MEL_BINS)).astype(np.float32)
+    masks = (rng.random((chunks, MAX_SPEAKERS, MASK_FRAMES)) > 0.5).astype(np.float32)
+    return build_request(masks, fbank=fbank, request_id="loadgen").SerializeToString()
+
+
+@dataclass
+class WorkerResult:
+    """What one process saw: embedded chunks, per-call latencies (s), errors by code."""
+
+    chunks: int = 0
+    latencies: list[float] = field(default_factory=list)
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+async def _stream(call, payload: bytes, until: float, timeout: float, result: WorkerResult) -> None:
+    while time.monotonic() < until:
+        started = time.perf_counter()
+        try:
+            response = await call(payload, timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            result.errors[error.code().name] += 1
+            # a refused call comes back in microseconds: without a pause one stream would spin
+            # on RESOURCE_EXHAUSTED, counting thousands of errors and starving the server's CPU
+            await asyncio.sleep(ERROR_PAUSE_S)
+            continue
+        result.latencies.append(time.perf_counter() - started)
+        result.chunks += response.embeddings.shape[0]
+
+
+async def _worker_async(target: str, streams: int, chunks: int, until: float, timeout: float) -> WorkerResult:
+    payload = request_bytes(chunks)
+    result = WorkerResult()
+    options = channel_options(DEFAULT_MAX_MESSAGE_MB)
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        # bytes in (pre-serialized once), EmbedResponse out
+        parse = pb.EmbedResponse.FromString
+        call = channel.unary_unary(EMBED_METHOD, request_serializer=None, response_deserializer=parse)
+        await asyncio.gather(*(_stream(call, payload, until, timeout, result) for _ in range(streams)))
+    return result
+
+
+def _worker(target: str, streams: int, chunks: int, until_wall: float, timeout: float) -> WorkerResult:
+    """One process's share; `until_wall` is time.time() (monotonic clocks are per process)."""
+    until = time.monotonic() + (until_wall - time.time())
+    return asyncio.run(_worker_async(target, streams, chunks, until, timeout))
+
+
+def _shares(streams: int, processes: int) -> list[int]:
+    """Streams per process, as even as possible, no process without a stream."""
+    processes = max(1, min(processes, streams))
+    return [streams // processes + (i < streams % processes) for i in range(processes)]
+
+
+def generate(args: argparse.Namespace) -> dict[str, object]:
+    if args.streams < 1 or args.chunks < 1 or args.processes < 1:
+        raise SystemExit("--streams, --chunks and --processes must be >= 1")
+    before = scrape(args.metrics_url) if args.metrics_url else {}
+    shares = _shares(args.streams, args.processes)
+    started_wall, started = time.time(), time.monotonic()
+    until_wall = started_wall + args.seconds
+    if len(shares) == 1:
+        results = [_worker(args.target, shares[0], args.chunks, until_wall, args.timeout)]
+    else:
+        # spawn, not fork: gRPC's C core does not survive a fork of a process using it
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
+            work = (args.target, args.chunks, until_wall, args.timeout)
+            futures = [pool.submit(_worker, work[0], share, *work[1:]) for share in shares]
+            results = [future.result() for future in futures]
+    elapsed = time.monotonic() - started
+    after = scrape(args.metrics_url) if args.metrics_url else {}
+    latencies = np.array([latency for result in results for latency in result.latencies]) * 1e3
+    errors: collections.Counter[str] = collections.Counter()
+    for result in results:
+        errors.update(result.errors)
+    report: dict[str, object] = {
+        "streams": args.streams, "processes": len(shares), "chunks_per_request": args.chunks,
+        "seconds": round(elapsed, 3), "requests_ok": int(latencies.size),
+        "chunks_per_s": round(sum(result.chunks for result in results) / elapsed, 2), "errors": dict(errors),
+    }  # fmt: skip
+    for p in PERCENTILES:
+        report[f"latency_p{p}_ms"] = round(float(np.percentile(latencies, p)), 3) if latencies.size else None
+    if args.metrics_url:
+        report["batch_fill_mean"] = _mean_delta(before, after, "speakerd_batch_fill_ratio")
+        report["batch_size_mean_chunks"] = _mean_delta(before, after, "speakerd_batch_size_chunks")
+        report["batch_compute_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_batch_compute_seconds"))
+        report["host_to_device_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_host_to_device_seconds"))
+        report["queue_wait_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_queue_wait_seconds"))
+    return report
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = generate(args)
+    print(json.dumps(report))
+    return 0 if report["requests_ok"] else 1

@@ -1,0 +1,62 @@
+"""`python -m speakerd.client.verify --target HOST:PORT --references DIR`: SPEC 3 parity over gRPC.
+
+Sends every reference case to a running server, compares the embeddings with the ONNX
+Runtime CPU reference rows and the empty flags with the masks, prints a table and exits 1
+when any case misses the bound of the precision the server reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from speakerd.client.client import SpeakerClient
+from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
+from speakerd.model.cases import load_cases
+from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="HOST:PORT of the server")
+    parser.add_argument("--references", required=True, help="directory of reference .safetensors cases")
+    parser.add_argument("--timeout", type=float, default=300.0, help="per-case deadline in seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    cases = load_cases(args.references)
+    if not cases:
+        print(f"no reference cases in {args.references}", file=sys.stderr)
+        return 2
+    failed = 0
+    with SpeakerClient(args.target, timeout_s=args.timeout) as client:
+        precision = Math(client.model_info().precision)
+        bound = BOUNDS[precision]
+        print(f"{'case':<18} {'rows':>5} {'min cosine':>11} {'max abs':>10} {'bound':>22} flags  ok")
+        for case in cases:
+            result = client.embed(case.fbank, case.masks, request_id=f"verify-{case.name}")
+            expected = case.output.reshape(case.chunks, MAX_SPEAKERS, EMBEDDING_DIM)
+            parity = compare(result.embeddings, expected)
+            flags_ok = bool(np.array_equal(result.empty, active_frames(case.masks) == 0))
+            ok = parity.within(bound) and flags_ok and result.precision == precision
+            failed += not ok
+            print(
+                f"{case.name:<18} {parity.rows:>5} {parity.min_cosine:>11.7f} {parity.max_abs:>10.3g} "
+                f"{f'>={bound.min_cosine} <{bound.max_relative_abs}':>22} {'ok' if flags_ok else 'BAD':>5}  "
+                f"{'PASS' if ok else 'FAIL'}"
+            )
+    print(f"{precision}: {len(cases) - failed}/{len(cases)} cases within SPEC 3")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m speakerd.client.verify", description=__doc__.splitlines()[0]
+    )
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

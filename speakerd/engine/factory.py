@@ -1,0 +1,59 @@
+"""Choosing and building the engine: the GPU engine where a GPU is usable, else the CPU one.
+
+`kind="auto"` asks `speakerd.engine.gpu.gpu_available()`, which imports CuPy and the cuDNN
+frontend lazily and never raises, so a CPU-only machine never pays for (or fails on) CUDA
+imports. An explicit `kind="gpu"` that cannot be honoured is an error that says why, never
+a silent fallback to the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from speakerd.engine.base import Engine
+from speakerd.model.numerics import Math
+from speakerd.model.weights import FoldedModel
+
+log = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("auto", "cpu", "gpu")
+DEFAULT_PLAN_SIZES = (1, 32)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine asked for cannot run here (e.g. --engine gpu without a usable GPU)."""
+
+
+def resolve_kind(kind: str) -> str:
+    """'auto' -> 'gpu' when a GPU is usable, else 'cpu'; other kinds are checked and returned."""
+    from speakerd.engine.gpu import gpu_available
+
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"engine: {kind!r}, expected one of {', '.join(ENGINE_KINDS)}")
+    if kind == "cpu":
+        return kind
+    usable, detail = gpu_available()
+    if kind == "gpu" and not usable:
+        raise EngineUnavailable(f"engine: gpu requested but no GPU is usable: {detail}")
+    if kind == "auto":
+        log.info("engine auto: %s", f"GPU ({detail})" if usable else f"CPU, because {detail}")
+    return "gpu" if usable else "cpu"
+
+
+def create_engine(
+    kind: str,
+    model: FoldedModel,
+    math: Math | str = Math.FP32,
+    plan_sizes: tuple[int, ...] = DEFAULT_PLAN_SIZES,
+    conv_kernels: str = "auto",
+) -> Engine:
+    """Build, warm up and time an engine of `kind` (auto | cpu | gpu) for `model`;
+    `conv_kernels` ("auto" | "cudnn") says whether the GPU engine may run our kernels."""
+    resolved = resolve_kind(kind)
+    if resolved == "cpu":
+        from speakerd.engine.cpu import CpuEngine
+
+        return CpuEngine(model, Math(math), plan_sizes)
+    from speakerd.engine.gpu.engine import GpuEngine
+
+    return GpuEngine(model, Math(math), plan_sizes, own_kernels=conv_kernels == "auto")

@@ -1,0 +1,446 @@
+"""Trunk convolutions through cuDNN frontend graphs (NHWC; float32 storage, float16 in FP16 mode).
+
+Each distinct (shape, batch, math, fusion) gets one cuDNN graph whose execution plans
+are built one by one and timed once on real buffers, replayed from CUDA graphs; the
+fastest is kept (SPEC 4: the
+heuristic's first plan was up to 7x slower than the best). Buffers are bound at
+execution, so one graph serves every convolution of that shape in the trunk.
+
+Math:
+- FP32 strict: engines with the TENSOR_CORE, DOWN_CONVERT_INPUTS or
+  REDUCED_PRECISION_REDUCTION numerical notes are deselected, because an FP32-io cuDNN
+  convolution otherwise runs TF32 (measured on the H200). Only bare convolutions:
+  cuDNN's strict-FP32 fused graphs fell back to a 26-76 ms engine, so the epilogue is
+  our own kernel.
+- TF32: tensor-core engines allowed (but never FP16 down-conversion); per shape the
+  faster of the cuDNN fused graph (conv + bias [+ residual] [+ ReLU]) and the bare conv
+  + our epilogue kernel is used.
+- FP16 mixed: half X, W and Y, FP32 compute (REDUCED_PRECISION_REDUCTION, i.e. FP16
+  accumulation, deselected). Only bare convolutions: a cuDNN fused graph converts its
+  result to half inside cuDNN, where an overflow cannot be flagged; our FP16 epilogue
+  kernel checks both the conv's output and its own (SPEC 3: never a silent overflow).
+Non-deterministic engines are always excluded, so two eager passes agree bit for bit.
+Plans are timed as they serve: one execution captured into a CUDA graph and replayed.
+A plan whose replay does not write the same bits as its eager execution is no candidate,
+and plans that also capture in global mode and replay twice over a NaN-filled workspace
+are preferred to any that do not (on the H200 a TF32 b1 shortcut conv replayed alone
+fine yet differently inside the whole captured forward, with every plan tried).
+
+Why plans are built one index at a time rather than with `build_plans(ALL)`: the C++
+frontend refuses to build a deselected plan with an error that is not a "not
+supported" decline, and the Python layer of frontend 1.32 propagates such an error out
+of the ALL walk; building per index turns every refusal into "not a candidate".
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from speakerd.model.architecture import ConvSpec
+from speakerd.model.numerics import Math
+
+log = logging.getLogger(__name__)
+
+#: Epilogues a convolution of the trunk needs: stem and conv1 "bias_relu", conv2
+#: "bias_add_relu" (residual), shortcut "bias_only".
+EPILOGUES = ("bias_only", "bias_relu", "bias_add_relu")
+#: Timed repetitions per execution plan (after one warm-up run): enough to rank plans
+#: that differ by more than a few percent, cheap enough for ~25 graphs x ~10 plans.
+TIMED_RUNS = 5
+#: A plan slower than this multiple of the best so far on its warm-up run is not timed
+#: further (strict FP32 has 50-100 ms plans next to 1-2 ms ones).
+HOPELESS = 3.0
+#: Execution plans that build and are timed per graph, in heuristic order (deselected ones
+#: do not count: in strict FP32 the first dozen are all tensor-core plans). The best of every
+#: trunk shape (../shared/measurements/2026-12-02-h200-cudnn-*.jsonl) was within the first 12, and
+#: each runtime-compiled plan costs an NVRTC build at start-up.
+MAX_PLANS = 12
+#: Plans needing more workspace than this are not candidates. Strict FP32's fastest plans
+#: need a lot: eng70 ran layer1's b32 conv in 2.10 ms with 654 MB of workspace where the
+#: best plan without workspace took 4.79 ms, layer2's in 1.40 ms with 327 MB vs 4.68
+#: (H200 probe 2026-12-03, measurements/). One workspace of the largest need is shared by
+#: every convolution, so 1 GiB is the most it costs on a 141 GB device; larger is
+#: refused, so a pathological plan cannot take gigabytes.
+MAX_WORKSPACE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ConvKey:
+    """What makes two convolutions share a cuDNN graph."""
+
+    batch: int
+    cin: int
+    cout: int
+    kernel: int
+    stride: int
+    h_in: int
+    w_in: int
+    math: Math
+    epilogue: str | None  # None: bare conv (epilogue by our kernel); else fused in cuDNN
+
+    @classmethod
+    def of(cls, spec: ConvSpec, batch: int, math: Math, epilogue: str | None) -> ConvKey:
+        return cls(batch, spec.cin, spec.cout, spec.kernel, spec.stride, spec.h_in, spec.w_in, math, epilogue)
+
+    @property
+    def h_out(self) -> int:
+        return (self.h_in + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+
+    @property
+    def w_out(self) -> int:
+        return (self.w_in + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+
+    @property
+    def output_elements(self) -> int:
+        return self.batch * self.cout * self.h_out * self.w_out
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.h_out * self.w_out * self.cout * self.cin * self.kernel**2
+
+    def label(self) -> str:
+        fused = f" fused {self.epilogue}" if self.epilogue else ""
+        return (
+            f"b{self.batch} {self.cin}->{self.cout} {self.h_in}x{self.w_in} k{self.kernel} s{self.stride} "
+            f"{self.math}{fused}"
+        )
+
+
+@dataclass
+class ConvGraph:
+    """A built cuDNN graph with its timed choice of execution plan."""
+
+    key: ConvKey
+    graph: object  # cudnn.pygraph
+    tensors: dict[str, object]  # "X", "W", "Y" (+ "B", "Z" when fused) -> cudnn tensor
+    plan_index: int
+    plan_name: str
+    workspace_bytes: int
+    ms: float  # median time of the chosen plan
+    plan_ms: list[float | None] = field(default_factory=list)  # every candidate (None: failed)
+    build_s: float = 0.0  # host seconds spent building and timing this graph
+
+    def pack(self, pointers: dict[str, int]) -> dict[object, int]:
+        """The variant pack for fixed buffers, built once per convolution of a plan."""
+        return {self.tensors[name]: pointer for name, pointer in pointers.items()}
+
+    def execute(self, pack: dict[object, int], workspace_ptr: int, handle) -> None:
+        """Enqueue the chosen plan on the handle's stream (graph-capturable)."""
+        self.graph.execute_plan_at_index(pack, workspace_ptr, self.plan_index, handle=handle)
+
+
+def _nhwc(graph, name: str, n: int, c: int, h: int, w: int, data_type):
+    return graph.tensor(name=name, dim=[n, c, h, w], stride=[c * h * w, 1, w * c, c], data_type=data_type)
+
+
+def excluded_notes(math: Math) -> list:
+    """Numerical notes whose engines may not serve `math` (see the module docstring)."""
+    import cudnn
+
+    notes = [
+        cudnn.numerical_note.NONDETERMINISTIC,
+        cudnn.numerical_note.DOWN_CONVERT_INPUTS,
+        cudnn.numerical_note.REDUCED_PRECISION_REDUCTION,
+    ]
+    if math == Math.FP32:
+        notes.append(cudnn.numerical_note.TENSOR_CORE)
+    return notes
+
+
+def instantiate(prototype: ConvGraph, handle) -> ConvGraph:
+    """A private copy of a timed graph for one convolution of the trunk: the same key and
+    execution plan (only that plan is built), its own cuDNN graph and plan objects.
+
+    Why not share one graph between the convolutions of a shape: a captured CUDA graph
+    replays the host-to-device copies cuDNN records per execute from host staging that
+    belongs to the execution plan, so every capture of a shared plan would replay the last
+    convolution's operands (seen on the H200: eager right, graph replay wrong). One plan
+    object per convolution keeps each recorded copy's source its own."""
+    started = time.perf_counter()
+    graph, tensors = build_graph(prototype.key, handle)
+    graph.build_plan_at_index(prototype.plan_index)
+    try:
+        name = str(graph.get_plan_name_at_index(prototype.plan_index))
+    except Exception:  # names are a check here, not a requirement
+        name = prototype.plan_name
+    if name != prototype.plan_name:
+        raise RuntimeError(
+            f"{prototype.key.label()}: plan {prototype.plan_index} is {name!r} in a rebuilt graph, "
+            f"{prototype.plan_name!r} when timed; heuristics are not deterministic here"
+        )
+    return ConvGraph(
+        prototype.key, graph, tensors, prototype.plan_index, name, prototype.workspace_bytes, prototype.ms,
+        prototype.plan_ms, time.perf_counter() - started,
+    )  # fmt: skip
+
+
+def io_type(math: Math):
+    """cuDNN's data type for a conv's X, W and Y (and Z) under `math`: FP16 mode stores
+    activations and weights as halves; the others float32. Compute is FP32 always."""
+    import cudnn
+
+    return cudnn.data_type.HALF if math == Math.FP16 else cudnn.data_type.FLOAT
+
+
+def element_bytes(math: Math) -> int:
+    """Bytes of one activation element under `math`."""
+    return 2 if math == Math.FP16 else 4
+
+
+def fp32_graph(handle, io=None):
+    """An empty cuDNN graph with FP32 intermediates and compute (io FP32 unless `io` says),
+    to be replayed from CUDA graphs (the frontend then only offers plans that can be)."""
+    import cudnn
+
+    fp32 = cudnn.data_type.FLOAT
+    return cudnn.pygraph(
+        io_data_type=fp32 if io is None else io,
+        intermediate_data_type=fp32,
+        compute_data_type=fp32,
+        handle=handle,
+        is_cuda_graph_replay_expected=True,
+    )
+
+
+#: Replays timed per candidate of our own kernels (after one warm-up), and launches captured
+#: per replay, so a b1 conv of ~15 us is timed as GPU work, not launch overhead.
+OWN_TIMED_REPLAYS = 5
+OWN_LAUNCHES_PER_REPLAY = 5
+
+
+def time_launches(launch, stream) -> float:
+    """Median GPU ms of one `launch(stream)`, from replays of a CUDA graph holding
+    OWN_LAUNCHES_PER_REPLAY of them (after one eager launch)."""
+    launch(stream)
+    stream.begin_capture()
+    try:
+        for _ in range(OWN_LAUNCHES_PER_REPLAY):
+            launch(stream)
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream)
+    per_launch = [replay_ms(graph, stream) / OWN_LAUNCHES_PER_REPLAY for _ in range(OWN_TIMED_REPLAYS)]
+    return statistics.median(per_launch)
+
+
+class OwnKernel:
+    """What our convolution kernels (igemm.IgemmConv, stem.StemConv) share: `launch(stream)`
+    enqueues the bound kernel, `time(stream)` measures it as it serves and keeps `ms`."""
+
+    ms: float
+
+    def launch(self, stream) -> None:
+        raise NotImplementedError
+
+    def time(self, stream) -> float:
+        """Median GPU ms of one launch (see time_launches)."""
+        self.ms = time_launches(self.launch, stream)
+        return self.ms
+
+
+def gpu_ms(stream, work):
+    """(GPU ms between events recorded on `stream` around `work()`, its result); waits."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    result = work()
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end), result
+
+
+def replay_ms(graph, stream) -> float:
+    """GPU ms of one launch of the captured CUDA `graph` on `stream` (waits for it)."""
+    return gpu_ms(stream, lambda: graph.launch(stream))[0]
+
+
+def build_graph(key: ConvKey, handle):
+    """cuDNN graph for `key` with its execution plans created and filtered (not built)."""
+    import cudnn
+
+    fp32, io = cudnn.data_type.FLOAT, io_type(key.math)
+    graph = fp32_graph(handle, io)
+    pad = key.kernel // 2
+    x = _nhwc(graph, "X", key.batch, key.cin, key.h_in, key.w_in, io)
+    w = _nhwc(graph, "W", key.cout, key.cin, key.kernel, key.kernel, io)
+    y = graph.conv_fprop(
+        image=x,
+        weight=w,
+        padding=[pad, pad],
+        stride=[key.stride] * 2,
+        dilation=[1, 1],
+        compute_data_type=fp32,
+    )
+    tensors = {"X": x, "W": w}
+    if key.epilogue is not None:
+        assert key.epilogue in EPILOGUES, key.epilogue
+        bias = graph.tensor(
+            name="B", dim=[1, key.cout, 1, 1], stride=[key.cout, 1, key.cout, key.cout], data_type=fp32
+        )
+        y = graph.bias(input=y, bias=bias)
+        tensors["B"] = bias
+        if key.epilogue == "bias_add_relu":
+            z = _nhwc(graph, "Z", key.batch, key.cout, key.h_out, key.w_out, io)
+            y = graph.add(a=y, b=z)
+            tensors["Z"] = z
+        if key.epilogue != "bias_only":
+            y = graph.relu(input=y)
+    y.set_output(True).set_data_type(io)
+    tensors["Y"] = y
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.deselect_numeric_notes(excluded_notes(key.math))
+    return graph, tensors
+
+
+def _y_view(y_ptr: int, elements: int, math: Math):
+    """A CuPy view of a convolution's output buffer (owned by the plan)."""
+    import cupy
+
+    dtype = cupy.float16 if math == Math.FP16 else cupy.float32
+    memory = cupy.cuda.UnownedMemory(y_ptr, elements * element_bytes(math), owner=None)
+    return cupy.ndarray((elements,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _capture_one(graph, index: int, pack: dict, workspace, handle, stream, mode: int | None):
+    """One execution of plan `index` captured into a CUDA graph (`mode`: a capture mode of
+    cupy.cuda.runtime, None for CuPy's default, relaxed)."""
+    if mode is None:
+        stream.begin_capture()
+    else:
+        stream.begin_capture(mode=mode)
+    try:
+        graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
+    finally:
+        captured = stream.end_capture()
+    return captured
+
+
+def replay_matches(captured, stream, y, eager) -> bool:
+    """Launch `captured` on `stream` over a NaN-filled `y`; whether it wrote exactly `eager`."""
+    import cupy
+
+    y.fill(float("nan"))
+    captured.launch(stream)
+    return bool(cupy.array_equal(bits(y), bits(eager)))
+
+
+def bits(values):
+    """`values` viewed as unsigned integers of its width: equal bits compare equal, NaNs
+    included (an FP16 plan timed on out-of-range data has NaNs, identical when the replay is
+    right)."""
+    import cupy
+
+    return values.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[values.dtype.itemsize])
+
+
+def _replays_strictly(graph, index: int, pack: dict, workspace, handle, stream, y, eager) -> bool:
+    """Whether plan `index` captures in global mode (any call that cannot be captured, e.g.
+    work on the legacy stream, invalidates the capture) and two replays over a workspace
+    filled with NaN bytes each write exactly `eager`: a plan relying on work done outside
+    the graph fails here."""
+    import cupy
+
+    try:
+        mode = cupy.cuda.runtime.streamCaptureModeGlobal
+        captured = _capture_one(graph, index, pack, workspace, handle, stream, mode)
+    except Exception as error:
+        log.info("plan %d does not capture in global mode: %s", index, str(error)[:160])
+        return False
+    for _ in range(2):
+        workspace.fill(255)
+        if not replay_matches(captured, stream, y, eager):
+            return False
+    return True
+
+
+def _time_candidate(
+    graph, index: int, pack: dict, handle, stream, y, best: float | None
+) -> tuple[float, bool]:
+    """(median GPU ms, strict) of plan `index` replayed from a CUDA graph holding one
+    execution; `strict` as _replays_strictly.
+
+    Why replays: graphs are what serves, and at b1 a plan's eager execute costs more host
+    time (~80 us) than GPU time (~15 us), so eager timing ranks host overhead, not plans.
+    The replay must write exactly what the eager execution wrote, else the plan is no
+    candidate (raises). Allocates a workspace and a copy: set-up only."""
+    import cupy
+
+    need = int(graph.get_workspace_size_plan_at_index(index))
+    if need > MAX_WORKSPACE_BYTES:
+        raise RuntimeError(f"needs {need} workspace bytes")
+    workspace = cupy.empty((max(1, need),), dtype=cupy.uint8)
+    with stream:
+        graph.execute_plan_at_index(pack, workspace.data.ptr, index, handle=handle)
+        eager = y.copy()
+        stream.synchronize()
+        strict = _replays_strictly(graph, index, pack, workspace, handle, stream, y, eager)
+        replay = _capture_one(graph, index, pack, workspace, handle, stream, None)
+        if not replay_matches(replay, stream, y, eager):
+            raise RuntimeError("its captured replay differs from its eager execution")
+        times = []
+        for run in range(TIMED_RUNS):
+            times.append(replay_ms(replay, stream))
+            if run == 0 and best is not None and times[0] > HOPELESS * best:
+                break
+    return statistics.median(times), strict
+
+
+def time_plans(
+    key: ConvKey, handle, stream, buffers: dict[str, int], banned: frozenset[int] = frozenset()
+) -> ConvGraph:
+    """Build `key`'s graph, build and time each execution plan (see _time_candidate) on
+    `buffers` (device pointers for X, W, Y [, B, Z]) and keep the fastest. Plans in
+    `banned` (seen replaying wrongly inside a whole forward) are skipped."""
+    started = time.perf_counter()
+    graph, tensors = build_graph(key, handle)
+    pack = {tensors[name]: pointer for name, pointer in buffers.items()}
+    y = _y_view(buffers["Y"], key.output_elements, key.math)
+    results: list[float | None] = []
+    failures: list[str] = []
+    best: tuple[bool, float, int] | None = None  # (not strict, median ms, index) of the best so far
+    tried = 0
+    for index in range(graph.get_execution_plan_count()):
+        if tried >= MAX_PLANS:
+            break
+        try:
+            if index in banned:
+                raise RuntimeError("banned: replayed wrongly inside a captured forward")
+            graph.build_plan_at_index(index)  # a deselected plan refuses here, uncounted
+        except Exception as error:
+            results.append(None)
+            failures.append(f"[{index}] {type(error).__name__}: {str(error)[:160]}")
+            continue
+        tried += 1
+        try:
+            fastest = None if best is None else best[1]
+            ms, strict = _time_candidate(graph, index, pack, handle, stream, y, fastest)
+        except Exception as error:  # unsupported here, or replays wrongly: not a candidate
+            results.append(None)
+            failures.append(f"[{index}] {type(error).__name__}: {str(error)[:160]}")
+            log.info("%s: plan %d is not a candidate: %s", key.label(), index, str(error)[:160])
+            continue
+        results.append(round(ms, 4))
+        if best is None or (not strict, ms) < best[:2]:
+            best = (not strict, ms, index)
+    if best is None:
+        deselected = sum("Deselecting" in failure for failure in failures)
+        others = [failure for failure in failures if "Deselecting" not in failure][:MAX_PLANS]
+        raise RuntimeError(
+            f"cuDNN has no working execution plan for {key.label()}: {deselected} deselected by the "
+            f"numerical notes of {key.math}; others: {'; '.join(others) or 'none'}"
+        )
+    loose, ms, index = best
+    if loose:
+        log.info("%s: no plan replays strictly; plan %d replays once as eager", key.label(), index)
+    need = int(graph.get_workspace_size_plan_at_index(index))
+    try:
+        name = str(graph.get_plan_name_at_index(index))
+    except Exception:  # a name is a report nicety; never fail a working plan over it
+        name = f"plan{index}"
+    return ConvGraph(key, graph, tensors, index, name, need, ms, results, time.perf_counter() - started)

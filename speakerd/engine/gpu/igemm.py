@@ -1,0 +1,178 @@
+"""Our tensor-core convolutions as candidates next to cuDNN's plans.
+
+Two kernel families, both NHWC with the block's epilogue (bias, residual, ReLU) fused:
+- kernels/conv_igemm.cu, float32 io: in FP32 mode the 3xTF32 variant, which keeps FP32
+  accuracy on tensor cores (see the .cu file); in TF32 mode one TF32 MMA per product.
+- kernels/conv_f16.cu, FP16 mode: half io, FP16 MMAs accumulating in FP32, halo tiles
+  (each input pixel copied to shared memory once per block, read by all r x r taps), and
+  the range check of FP16 mode (a flag raised by any output outside FP16's range).
+
+A Plan times them per convolution against cuDNN (bare conv + our epilogue, and cuDNN's
+fused graph where allowed) and keeps whichever is fastest, after checking the output
+against cuDNN's on the same buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from speakerd.engine.gpu import kernels
+from speakerd.engine.gpu.convs import OwnKernel
+from speakerd.model.architecture import ConvSpec
+from speakerd.model.numerics import Math
+
+SOURCE = "conv_igemm.cu"
+#: kernels/conv_igemm.cu's tiling: output pixels per block, threads, pipeline stages and the
+#: padded shared-memory row (floats). Must equal its IGEMM_* defines (tests check).
+BLOCK_PIXELS = 128
+THREADS = 128
+STAGES = 3
+SHARED_ROW = 40
+#: Channel tiles there are kernels for, widest first (fewer blocks re-reading the input).
+TILE_CHANNELS = (64, 32)
+#: Input channels one K step covers: cin must be a multiple.
+CHANNEL_STEP = 32
+#: kernels/conv_f16.cu's tiling (its F16_* defines; tests check): threads, output columns
+#: and rows per block, channels per K chunk, padded shared rows (weights in halves, staged
+#: outputs: floats of padding).
+F16_SOURCE = "conv_f16.cu"
+F16_THREADS = 256
+F16_COLS = 128
+F16_ROWS = 2
+F16_CHUNK = 32
+F16_LDB = 48
+F16_OUT_PAD = 8
+#: (kernel, stride) shapes conv_f16.cu has entry points for: every trunk conv but the stem.
+F16_SHAPES = ((3, 1), (3, 2), (1, 2))
+#: Largest accepted max |ours - cuDNN| / max |cuDNN| on the same buffers, per math: both
+#: FP32-accurate paths land near 1e-6 of the output scale (H200 probe: 9e-7 against float64),
+#: TF32 results near 3e-4; two FP16 results each rounded to half once (2^-11 relative)
+#: after FP32 sums in different orders, near 1e-3.
+#: A kernel outside it is a bug and never serves.
+AGREEMENT = {Math.FP32: 2e-5, Math.TF32: 5e-3, Math.FP16: 1e-2}
+
+
+def kernel_name(math: Math, tile: int, kernel: int = 3, stride: int = 1) -> str:
+    if math == Math.FP16:
+        return f"conv_f16_r{kernel}s{stride}_n{tile}"
+    return f"conv_igemm_{'3xtf32' if math == Math.FP32 else 'tf32'}_n{tile}"
+
+
+#: Every entry point of kernels/conv_igemm.cu this module launches, then of kernels/conv_f16.cu.
+KERNEL_NAMES = tuple(kernel_name(math, tile) for math in (Math.TF32, Math.FP32) for tile in TILE_CHANNELS)
+F16_KERNEL_NAMES = tuple(
+    kernel_name(Math.FP16, tile, kernel, stride) for kernel, stride in F16_SHAPES for tile in TILE_CHANNELS
+)
+
+
+def tiles_for(spec: ConvSpec, math: Math) -> tuple[int, ...]:
+    """Channel tiles our kernel can run `spec` with under `math` (none: not a candidate)."""
+    if spec.kernel not in (1, 3) or spec.cin % CHANNEL_STEP:
+        return ()
+    if math == Math.FP16 and (spec.kernel, spec.stride) not in F16_SHAPES:
+        return ()
+    return tuple(tile for tile in TILE_CHANNELS if spec.cout % tile == 0)
+
+
+#: Shared memory one block may have on Hopper.
+BLOCK_SHARED_MAX = 227 * 1024
+
+
+def f16_shared_bytes(kernel: int, stride: int, tile: int) -> int:
+    """conv_f16.cu's HaloTile<kernel, stride, tile>::SHARED_BYTES: the halo and the weights
+    of one K chunk, or the staged FP32 outputs, whichever is larger."""
+    step = 1 if kernel == 1 else stride
+    lda = 48 if step == 1 else 40
+    rows, cols = (F16_ROWS - 1) * step + kernel, (F16_COLS - 1) * step + kernel
+    loads = (rows * cols * lda + kernel * kernel * tile * F16_LDB) * 2
+    return max(loads, F16_ROWS * F16_COLS * (tile + F16_OUT_PAD) * 4)
+
+
+def f16_grid(spec: ConvSpec, batch: int, tile: int) -> tuple[int, int, int]:
+    """conv_f16.cu's grid: channel tiles fastest (they read the same halo, so it is in L2),
+    then 128-column tiles, then pairs of output rows of every image."""
+    return (spec.cout // tile, -(-spec.w_out // F16_COLS), batch * -(-spec.h_out // F16_ROWS))
+
+
+def shared_bytes(tile: int) -> int:
+    return STAGES * (BLOCK_PIXELS + tile) * SHARED_ROW * 4
+
+
+@dataclass
+class IgemmConv(OwnKernel):
+    """One convolution of a plan bound to its buffers: `launch` enqueues it, fused epilogue
+    included (`epilogue`: bias_only, bias_relu or bias_add_relu). In FP16 mode `flag` is
+    the plan's range flag."""
+
+    spec: ConvSpec
+    batch: int
+    math: Math
+    tile: int
+    epilogue: str
+    args: tuple
+    grid: tuple[int, int, int]
+    threads: int
+    shared: int  # dynamic shared memory bytes
+    source: str  # the kernels/ file of the entry point
+    ms: float = 0.0
+
+    @classmethod
+    def bind(cls, spec: ConvSpec, batch: int, math: Math, tile: int, epilogue: str, x, w, bias, residual, y,
+             flag=None):  # fmt: skip
+        assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
+        assert (residual is not None) == (epilogue == "bias_add_relu"), (epilogue, residual is None)
+        assert (flag is not None) == (math == Math.FP16), "FP16 convs, and only they, raise the range flag"
+        null = np.uint64(0)
+        relu = np.int32(epilogue != "bias_only")
+        residual = null if residual is None else residual
+        if math == Math.FP16:
+            sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
+            args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
+            shared = f16_shared_bytes(spec.kernel, spec.stride, tile)
+            grid = f16_grid(spec, batch, tile)
+            return cls(spec, batch, math, tile, epilogue, args, grid, F16_THREADS, shared, F16_SOURCE)
+        pixels = batch * spec.h_out * spec.w_out
+        grid = (-(-pixels // BLOCK_PIXELS), spec.cout // tile, 1)
+        sizes = (
+            batch,
+            spec.h_in,
+            spec.w_in,
+            spec.cin,
+            spec.h_out,
+            spec.w_out,
+            spec.cout,
+            spec.kernel,
+            spec.stride,
+        )
+        args = (x, w, bias, residual, y, *(np.int32(v) for v in sizes), relu)
+        return cls(spec, batch, math, tile, epilogue, args, grid, THREADS, shared_bytes(tile), SOURCE)
+
+    @property
+    def name(self) -> str:
+        return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride)
+
+    def launch(self, stream) -> None:
+        function = _function(self.source, self.name, self.shared)
+        function(self.grid, (self.threads,), self.args, stream=stream, shared_mem=self.shared)
+
+
+@functools.cache
+def _function(source: str, name: str, shared: int):  # -> cupy.RawKernel
+    """The entry point, fetched once per process (launches sit on the eager forward path)
+    with its dynamic shared memory limit raised (above 48 KB needs it)."""
+    function = kernels.module(source).get_function(name)
+    function.max_dynamic_shared_size_bytes = shared
+    return function
+
+
+def relative_difference(ours, reference) -> float:
+    """max |ours - reference| / max |reference| (device arrays, one sync; halves are
+    compared in float32, wider types as they are)."""
+    import cupy
+
+    ours, reference = (a.astype(cupy.float32) if a.dtype.itemsize == 2 else a for a in (ours, reference))
+    scale = float(cupy.abs(reference).max().get())
+    return float(cupy.abs(ours - reference).max().get()) / max(scale, 1e-30)

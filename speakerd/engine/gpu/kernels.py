@@ -1,0 +1,92 @@
+"""The project's own CUDA kernels (the package data `kernels/*.cu` beside this module),
+compiled once per process by NVRTC.
+
+Kept apart from the engine so CI can compile every kernel file without a GPU
+(`kernel_sources`, `compile_options`, `compile_binary` and `KERNEL_NAMES` are what
+tests/test_kernels_compile.py uses).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+from importlib.resources.abc import Traversable
+
+#: The kernels' folder, read through importlib.resources so that it works the same from a
+#: source checkout, an installed wheel or a zip: the .cu files are package data of
+#: speakerd.engine.gpu (pyproject's package-data), never copied anywhere by hand.
+KERNEL_DIR: Traversable = resources.files("speakerd.engine.gpu") / "kernels"
+#: The file holding every entry point the engine launches.
+ENGINE_SOURCE = "speakerd.cu"
+#: every extern "C" entry point of kernels/speakerd.cu that the engine launches.
+KERNEL_NAMES = (
+    "fbank_to_stem", "bias_only", "bias_relu", "bias_add_relu", "stats_pool_f32", "stem_f32",
+    "bias_only_f16", "bias_relu_f16", "bias_add_relu_f16", "stats_pool_f16", "stem_f16",
+)  # fmt: skip
+#: The compute capability CI compiles for without a device: the H200 (Hopper, sm_90),
+#: in the digits-only form CuPy's compiler takes.
+CI_ARCH = "90"
+
+
+#: `#include "name.cuh"`: a header of kernels/ that kernel_sources() pastes in place.
+INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.MULTILINE)
+
+
+def kernel_sources() -> dict[str, str]:
+    """file name -> CUDA C++ source of every kernels/*.cu, each `#include "x.cuh"` of
+    kernels/ replaced by that file's text. Why not NVRTC's include path: CuPy caches a
+    binary under its source text and options, so a header edit would not recompile a
+    source that merely names it."""
+    files = sorted((item for item in KERNEL_DIR.iterdir() if item.name.endswith(".cu")), key=lambda f: f.name)
+    assert files, f"no kernels found under {KERNEL_DIR}"
+    return {path.name: INCLUDE.sub(_header, path.read_text()) for path in files}
+
+
+def _header(match: re.Match) -> str:
+    path = KERNEL_DIR / match.group(1)
+    assert path.is_file(), f"kernels/{match.group(1)} is included but missing"
+    return f"// ---- kernels/{path.name} ----\n{path.read_text()}// ---- end of kernels/{path.name} ----"
+
+
+def compile_options() -> tuple[str, ...]:
+    """NVRTC options. -fmad=true is NVRTC's default; named so that a change is a
+    decision, since FMA contraction is part of the arithmetic the parity bounds were
+    measured with."""
+    return ("-std=c++17", "-fmad=true")
+
+
+def compile_binary(source: str, arch: str = CI_ARCH, name: str = ENGINE_SOURCE) -> bytes:
+    """`source` compiled by NVRTC into sm_`arch` machine code (a cubin). No device is
+    needed: the architecture is named, not queried. Raises RuntimeError carrying NVRTC's
+    log on a compile error."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(source, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, (*compile_options(), f"--gpu-architecture=sm_{arch}"))
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(
+                f"NVRTC failed on {name} for sm_{arch}: {error}\n{nvrtc.getProgramLog(program)}"
+            ) from error
+        return bytes(nvrtc.getCUBIN(program))
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@functools.cache
+def module(source: str = ENGINE_SOURCE):  # -> cupy.RawModule
+    """kernels/`source` compiled for the current device (CuPy caches the binary on disk)."""
+    import cupy
+
+    raw = cupy.RawModule(code=kernel_sources()[source], options=compile_options(), backend="nvrtc")
+    raw.compile()
+    return raw
+
+
+@functools.cache
+def function(name: str):  # -> cupy.RawKernel
+    """Entry point `name` of kernels/speakerd.cu, fetched once per process."""
+    assert name in KERNEL_NAMES, f"unknown kernel {name!r}; kernels are {KERNEL_NAMES}"
+    return module().get_function(name)

@@ -1,0 +1,69 @@
+"""Where the served weights come from: a user's file, or the synthetic default made on first use.
+
+The default model is generated (never committed, never downloaded) into a cache directory
+the first time anything needs it. Several processes may start at once (server replicas,
+test workers), so generation holds an exclusive lock file and writes to a temporary file
+that is atomically renamed into place: a reader sees either no file or a complete one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+from speakerd.model.synthetic import DEFAULT_SEED, GENERATOR_VERSION, make_state_dict
+from speakerd.model.weights import save_state_dict
+
+#: Overrides the cache directory (containers mount a volume here).
+CACHE_ENV = "SPEAKERD_CACHE"
+DEFAULT_CACHE = Path("~/.cache/speakerd")
+
+
+def cache_dir() -> Path:
+    """$SPEAKERD_CACHE, else ~/.cache/speakerd."""
+    configured = os.environ.get(CACHE_ENV, "")
+    return Path(configured).expanduser() if configured else DEFAULT_CACHE.expanduser()
+
+
+def default_model_name(seed: int = DEFAULT_SEED) -> str:
+    """The generator version is in the name so a cache from an older generator is not reused."""
+    return f"wespeaker-resnet34-synthetic-v{GENERATOR_VERSION}-seed{seed}.safetensors"
+
+
+def ensure_synthetic_model(path: Path, seed: int = DEFAULT_SEED) -> Path:
+    """Generate the synthetic model at `path` unless it exists; safe under concurrent callers."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.is_file():  # another process made it while we waited
+            return path
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(handle)
+        try:
+            save_state_dict(make_state_dict(seed), temporary)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    return path
+
+
+def default_weights_path() -> Path:
+    """The synthetic default model in the cache directory, made on first use."""
+    return ensure_synthetic_model(cache_dir() / default_model_name())
+
+
+def resolve_weights(path: str | Path | None) -> Path:
+    """The weights to serve: `path` when given (it must exist), else the default model."""
+    if path is None or str(path) == "":
+        return default_weights_path()
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise FileNotFoundError(
+            f"weights: no file at {resolved} (give a safetensors file, or omit for the default)"
+        )
+    return resolved

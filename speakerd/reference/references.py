@@ -1,0 +1,85 @@
+"""Reference cases (SPEC 2): ONNX Runtime CPU outputs every engine is judged against.
+
+`python -m speakerd make-references --out DIR [--weights FILE]` writes one safetensors file
+per case: `input/fbank` [n, 998, 80], `input/masks` [n, 3, 589], `tensor/<tap>` for every
+tap of SPEC 2 in b1 cases, and `tensor/output` [n * 3, 256] in all of them.
+
+The inputs and the reader live in `speakerd.model.cases`; this module runs ONNX Runtime on
+them and writes the files (`make-references`). A full set is about 930 MB: every b1 case
+keeps every tap of the trunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from speakerd.model.cases import (
+    B1_CASES,
+    BATCH_CASE,
+    CASE_NAMES,
+    FILE_SUFFIX,
+    METADATA_KEY,
+    case_inputs,
+    load_case,
+    mixed_rows,
+)
+from speakerd.model.store import resolve_weights
+from speakerd.model.weights import load_model
+from speakerd.onnx.runtime import OnnxReference
+
+
+def make_references(out_dir: str | Path, weights_path: str | Path | None = None) -> list[Path]:
+    """Run ORT CPU (one thread) on every case and write `<out_dir>/<case>.safetensors`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(resolve_weights(weights_path))
+    with_taps = OnnxReference(model, taps=True)
+    output_only = OnnxReference(model, taps=False)
+    rows = mixed_rows()
+    paths = []
+    for name in CASE_NAMES:
+        fbank_in, masks_in = case_inputs(name)
+        reference = with_taps if name in B1_CASES else output_only
+        tensors = {f"tensor/{tap}": value for tap, value in reference.run(fbank_in, masks_in).items()}
+        tensors["input/fbank"] = fbank_in
+        tensors["input/masks"] = masks_in
+        metadata = {
+            "case": name,
+            "model_id": model.model_id,
+            "producer": "speakerd make-references (onnxruntime CPU, 1 thread, sequential)",
+        }
+        if name == BATCH_CASE:
+            metadata["b1_case_rows"] = json.dumps(rows, sort_keys=True)
+        path = out / f"{name}{FILE_SUFFIX}"
+        # safetensors writes metadata from a hash map (its key order varies between runs), so
+        # it all goes under one key as sorted JSON: the bytes are then the same every run
+        packed = {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
+        save_file({key: tensors[key] for key in sorted(tensors)}, str(path), metadata=packed)
+        paths.append(path)
+    return paths
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="directory to write the case files into")
+    parser.add_argument("--weights", type=Path, default=None, help="safetensors weights (default: synthetic)")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    paths = make_references(args.out, args.weights)
+    elapsed = time.perf_counter() - started
+    print(f"{'case':<18} {'chunks':>6} {'taps':>5} {'min |row|':>10} {'max |row|':>10}")
+    for path in paths:
+        case = load_case(path)
+        norms = np.linalg.norm(case.output, axis=1)
+        print(
+            f"{case.name:<18} {case.chunks:>6} {len(case.taps):>5} {norms.min():>10.4f} {norms.max():>10.4f}"
+        )
+    print(f"wrote {len(paths)} cases to {args.out} in {elapsed:.1f} s")
+    return 0

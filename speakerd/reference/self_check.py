@@ -1,0 +1,93 @@
+"""Start-up parity self-check: the engine just built against the ONNX Runtime reference.
+
+Why at start-up: a GPU engine can build and warm up fine and still compute wrong numbers
+(a bad kernel for one plan, a driver's TF32 default, a corrupt weights file folded fine).
+The server says SERVING only after every plan has reproduced the FP32 reference within the
+SPEC 3 bound of the engine's math, on a built-in case, with the same bits on every run, so
+a load balancer never routes to a replica that would return wrong embeddings.
+
+Every plan runs a full batch of the built-in chunk, the speaker masks rotated by the chunk's
+position, so each row's expected value is one of the reference's 3 rows: that checks every
+plan's rows come back in order, at the cost of one reference run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from speakerd.engine.base import Engine
+from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
+from speakerd.model.numerics import BOUNDS, Parity, compare, pad_speakers
+from speakerd.model.weights import FoldedModel
+
+log = logging.getLogger(__name__)
+
+#: The built-in case: one full chunk of synthetic speech with 3 overlapping speakers.
+SELF_CHECK_CASE = "first_b1"
+#: Runs of each plan on the case: every one must give the same bits, and a captured graph
+#: eager's bits too. Seen on the H200: a TF32 b1 graph that passed its capture check on
+#: random inputs, then gave embeddings that moved between calls while staying inside the
+#: TF32 bound (min cosine 0.9994 against the reference's bound of 0.999).
+SELF_CHECK_RUNS = 2
+
+
+class SelfCheckFailed(RuntimeError):
+    """The engine disagrees with the reference beyond its math's bound; never serve it."""
+
+
+def rotated_batch(fbank: np.ndarray, masks: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """`chunks` copies of a 1-chunk case; chunk i has its speaker masks rolled by i."""
+    padded = pad_speakers(masks)[0]
+    batch_masks = np.stack([np.roll(padded, i, axis=0) for i in range(chunks)])
+    return np.repeat(fbank[:1], chunks, axis=0), np.ascontiguousarray(batch_masks)
+
+
+def rotated_reference(reference: np.ndarray, chunks: int) -> np.ndarray:
+    """Expected [chunks, 3, 256] for `rotated_batch` from the 1-chunk reference rows [3, 256]."""
+    rows = reference.reshape(MAX_SPEAKERS, EMBEDDING_DIM)
+    return np.stack([np.roll(rows, i, axis=0) for i in range(chunks)])
+
+
+def check_engine(engine: Engine, model: FoldedModel) -> dict[int, Parity]:
+    """Run every plan of `engine` on the built-in case against ORT on `model`; raise when off.
+
+    Returns the parity per plan size (logged by the caller and kept for GetModelInfo).
+    """
+    from speakerd.model.cases import case_inputs
+    from speakerd.onnx.runtime import OnnxReference
+
+    fbank, masks = case_inputs(SELF_CHECK_CASE)
+    reference = OnnxReference(model, taps=False).run(fbank[:1], pad_speakers(masks[:1]))["output"]
+    bound = BOUNDS[engine.math]
+    results: dict[int, Parity] = {}
+    for size in engine.plan_sizes:
+        batch_fbank, batch_masks = rotated_batch(fbank, masks, size)
+        runs = [engine.run_batch(batch_fbank, batch_masks) for _ in range(SELF_CHECK_RUNS)]
+        run = runs[0]
+        if any(plan.endswith("/graph") for plan in run.plans):
+            # a captured graph must give eager's bits on real inputs too, not only on the
+            # random ones it was checked with at capture (GPU engines take use_graph)
+            runs.append(engine.run_batch(batch_fbank, batch_masks, use_graph=False))  # type: ignore[call-arg]
+        for again in runs[1:]:
+            differ = int(np.count_nonzero(again.embeddings != run.embeddings))
+            if differ:
+                raise SelfCheckFailed(
+                    f"plan b{size} ({engine.name}, {engine.math}): runs {run.plans} and {again.plans} of "
+                    f"case {SELF_CHECK_CASE} differ in {differ} of {run.embeddings.size} values"
+                )
+        parity = compare(run.embeddings, rotated_reference(reference, size))
+        results[size] = parity
+        log.info(
+            "self-check b%d %s: min cosine %.7f, max abs %.3g (relative %.3g); bound >= %g, < %g",
+            size, engine.math, parity.min_cosine, parity.max_abs, parity.max_relative_abs,
+            bound.min_cosine, bound.max_relative_abs,
+        )  # fmt: skip
+        if not parity.within(bound):
+            raise SelfCheckFailed(
+                f"plan b{size} ({engine.name}, {engine.math}): min cosine {parity.min_cosine:.7f} "
+                f"(bound >= {bound.min_cosine}), max abs / max |ref| {parity.max_relative_abs:.3g} "
+                f"(bound < {bound.max_relative_abs}) on case {SELF_CHECK_CASE}"
+            )
+    return results

@@ -1,0 +1,1 @@
+"""The gRPC server: start-up, the servicer, request parsing, the batcher, config, metrics."""

@@ -1,0 +1,152 @@
+"""Settings of `serve`: every flag also read from a `SPEAKERD_<NAME>` environment variable.
+
+A flag given on the command line wins over the environment, which wins over the default,
+so a container image sets its defaults by environment and an operator can still override
+one flag by hand. Values are parsed and checked here, once, so the server never starts
+half-configured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from speakerd.engine.factory import ENGINE_KINDS
+from speakerd.model.numerics import Math
+
+ENV_PREFIX = "SPEAKERD_"
+#: Loopback by default: exposing the port is a deliberate act (the container sets SPEAKERD_HOST).
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9100
+#: The plans every engine preallocates: single-chunk latency and the b32 throughput plan (SPEC 5).
+DEFAULT_PLANS = "1,32"
+#: How long the batcher holds a partial batch for more chunks: a b32 FP16 batch costs 4.8 ms
+#: of GPU time on an H200 (measured 2026-12-03), so waiting under half that costs a lone
+#: request less than one batch of latency and lets concurrent requests share a batch.
+DEFAULT_MAX_DELAY_MS = 2.0
+#: Queued chunks before RESOURCE_EXHAUSTED: 16 full b32 batches, about 80 ms of FP16 work on
+#: an H200 (4.8 ms a batch), so a rejected client retries long before a queued request would
+#: time out.
+DEFAULT_QUEUE_CHUNKS = 512
+#: Time to finish in-flight requests after SIGTERM; below Kubernetes' default 30 s grace period.
+DEFAULT_DRAIN_SECONDS = 25.0
+#: A 32-chunk request is 10.2 MB of float32 fbank or 20.5 MB of waveform: 64 MB leaves room
+#: for masks and for a client packing up to ~96 fbank chunks into one call.
+DEFAULT_MAX_MESSAGE_MB = 64
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Who may run the trunk's convolutions on the GPU: "auto" times our tensor-core kernel
+#: against cuDNN per convolution; "cudnn" never runs ours (an operator's escape hatch).
+CONV_KERNELS = ("auto", "cudnn")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str
+    port: int
+    metrics_port: int
+    engine: str
+    weights: str | None
+    math: Math
+    plans: tuple[int, ...]
+    max_delay_ms: float
+    queue_chunks: int
+    drain_seconds: float
+    max_message_mb: int
+    log_level: str
+    conv_kernels: str = "auto"
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+def parse_plans(text: str) -> tuple[int, ...]:
+    """'1,32' -> (1, 32): ascending, unique, positive batch sizes."""
+    try:
+        sizes = sorted({int(piece) for piece in text.split(",") if piece.strip()})
+    except ValueError as error:
+        message = f"plans {text!r}: expected comma-separated batch sizes like 1,32"
+        raise argparse.ArgumentTypeError(message) from error
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"plans {text!r}: expected positive batch sizes like 1,32")
+    return tuple(sizes)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port}: expected 0..65535 (0 picks a free port)")
+    return port
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: expected a value >= 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 1")
+    return value
+
+
+def env_default(name: str, default: object) -> object:
+    """The default of flag --name: SPEAKERD_NAME when set (argparse applies `type` to strings)."""
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add serve's flags; each help line names its environment variable."""
+
+    def add(name: str, default: object, help_text: str, **kwargs: object) -> None:
+        env = ENV_PREFIX + name.upper().replace("-", "_")
+        value = env_default(name, default)
+        choices = kwargs.get("choices")
+        if choices is not None and env in os.environ:
+            # argparse checks the choices of a flag given on the command line, never of a
+            # default: a value from the environment is checked here instead
+            convert = kwargs.get("type", str)
+            if convert(value) not in choices:  # type: ignore[operator]
+                raise SystemExit(f"{env}={value!r}: expected one of {', '.join(map(str, choices))}")
+        parser.add_argument(f"--{name}", default=value, help=f"{help_text} [{env}]", **kwargs)
+
+    add("host", DEFAULT_HOST, f"address to listen on (default {DEFAULT_HOST})")
+    add("port", DEFAULT_PORT, f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)", type=_port)
+    add("metrics-port", DEFAULT_METRICS_PORT, "Prometheus /metrics port (0 picks a free one)", type=_port)
+    add("engine", "auto", "engine: auto (GPU when usable), cpu or gpu", choices=ENGINE_KINDS)
+    add("weights", None, "safetensors weights (default: the embedded synthetic model)")
+    add("math", Math.FP32.value, "trunk arithmetic", choices=[m.value for m in Math])
+    add("plans", DEFAULT_PLANS, f"batch sizes to preallocate (default {DEFAULT_PLANS})", type=parse_plans)
+    add("max-delay-ms", DEFAULT_MAX_DELAY_MS, "longest wait for a batch to fill", type=_non_negative_float)
+    add("queue-chunks", DEFAULT_QUEUE_CHUNKS, "queued chunks before RESOURCE_EXHAUSTED", type=_positive_int)
+    add("drain-seconds", DEFAULT_DRAIN_SECONDS, "SIGTERM grace for in-flight calls", type=_non_negative_float)
+    add("max-message-mb", DEFAULT_MAX_MESSAGE_MB, "largest gRPC message in MiB", type=_positive_int)
+    add("log-level", "INFO", "log level", choices=LOG_LEVELS, type=str.upper)
+    add("conv-kernels", "auto", "GPU convolutions: auto (ours where faster), cudnn", choices=CONV_KERNELS)
+
+
+def from_args(args: argparse.Namespace) -> ServeConfig:
+    """Validate the combination of flags (each flag alone was checked by its type)."""
+    plans = args.plans if isinstance(args.plans, tuple) else parse_plans(str(args.plans))
+    if args.queue_chunks < plans[-1]:
+        raise SystemExit(f"--queue-chunks {args.queue_chunks} must hold one full batch of {plans[-1]} chunks")
+    return ServeConfig(
+        host=args.host,
+        port=int(args.port),
+        metrics_port=int(args.metrics_port),
+        engine=args.engine,
+        weights=args.weights,
+        math=Math(args.math),
+        plans=plans,
+        max_delay_ms=float(args.max_delay_ms),
+        queue_chunks=int(args.queue_chunks),
+        drain_seconds=float(args.drain_seconds),
+        max_message_mb=int(args.max_message_mb),
+        log_level=args.log_level,
+        conv_kernels=args.conv_kernels,
+    )

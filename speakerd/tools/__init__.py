@@ -1,0 +1,1 @@
+"""Command-line tools over the engines: bench, offline embed, checkpoint conversion."""
