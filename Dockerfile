@@ -32,8 +32,12 @@ RUN python3 -m venv /opt/speakerd
 WORKDIR /src
 # 1. Dependencies, from pyproject.toml alone (this layer survives every source change).
 COPY pyproject.toml ./
+#    The gpu extra names `speakerd[server]`; that self-reference is expanded here, since pip
+#    would look for a package called speakerd on the index.
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/requirements.txt \
+extra = p['optional-dependencies']; \
+print('\n'.join(r for r in p['dependencies'] + extra['server'] + extra['gpu'] if not r.startswith('speakerd')))" \
+    > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 # 2. The package itself (not editable: the image holds no source tree).
 COPY . .
