@@ -160,3 +160,26 @@ def chunk_recording(samples: np.ndarray, window: int = CHUNK_SAMPLES, step: int 
     for row, (start, length) in enumerate(zip(starts, lengths, strict=True)):
         waveforms[row, :length] = samples[start : start + length]
     return Chunks(waveforms, starts, lengths.astype(np.int64))
+
+
+#: Frames per block of `log_mel_frames`: bounds its float64 work buffers to ~10 MB.
+BLOCK_FRAMES = 1000
+
+
+def log_mel_frames(samples: np.ndarray) -> np.ndarray:
+    """[N] float audio in [-1, 1] -> [num_frames(N), 80] float32 log-mel frames, no mean removed.
+
+    The per-frame part of `fbank` for a whole recording: frame f reads samples [160 f,
+    160 f + 400) only, so a window starting at a multiple of 160 samples has the recording's
+    frames as its own (what recordings use to compute each frame once, not 10 times).
+    """
+    samples = np.asarray(samples)
+    if samples.ndim != 1:
+        raise InputError("samples", f"shape {tuple(samples.shape)}, expected mono audio [N]")
+    total = num_frames(samples.shape[0])
+    out = np.empty((total, MEL_BINS), dtype=np.float32)
+    for first in range(0, total, BLOCK_FRAMES):
+        count = min(BLOCK_FRAMES, total - first)
+        span = samples[first * FRAME_SHIFT : (first + count - 1) * FRAME_SHIFT + FRAME_LENGTH]
+        out[first : first + count] = _log_mel(span[None].astype(np.float64) * INT16_SCALE)[0]
+    return out
