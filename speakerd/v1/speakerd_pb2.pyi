@@ -13,10 +13,19 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
+
+class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_ENCODING_UNSPECIFIED: _ClassVar[AudioEncoding]
+    AUDIO_ENCODING_PCM_S16LE: _ClassVar[AudioEncoding]
+    AUDIO_ENCODING_PCM_F32LE: _ClassVar[AudioEncoding]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_UINT8: DType
+AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
+AUDIO_ENCODING_PCM_S16LE: AudioEncoding
+AUDIO_ENCODING_PCM_F32LE: AudioEncoding
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -59,6 +68,68 @@ class EmbedResponse(_message.Message):
     request_id: str
     fp16_fallbacks: int
     def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., empty: _Optional[_Iterable[bool]] = ..., active_frames: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., precision: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., fp16_fallbacks: _Optional[int] = ...) -> None: ...
+
+class RecordingHeader(_message.Message):
+    __slots__ = ("sample_rate", "channels", "encoding", "window_s", "step_s", "exclude_overlap", "request_id")
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: int
+    channels: int
+    encoding: AudioEncoding
+    window_s: float
+    step_s: float
+    exclude_overlap: bool
+    request_id: str
+    def __init__(self, sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., window_s: _Optional[float] = ..., step_s: _Optional[float] = ..., exclude_overlap: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RecordingMasks(_message.Message):
+    __slots__ = ("windows", "masks")
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    windows: int
+    masks: Tensor
+    def __init__(self, windows: _Optional[int] = ..., masks: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class EmbedRecordingRequest(_message.Message):
+    __slots__ = ("header", "audio", "masks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    header: RecordingHeader
+    audio: bytes
+    masks: RecordingMasks
+    def __init__(self, header: _Optional[_Union[RecordingHeader, _Mapping]] = ..., audio: _Optional[bytes] = ..., masks: _Optional[_Union[RecordingMasks, _Mapping]] = ...) -> None: ...
+
+class EmbedRecordingResponse(_message.Message):
+    __slots__ = ("embeddings", "first_window", "starts", "empty", "active_frames", "windows", "model_id", "precision", "request_id", "plans", "fp16_fallbacks")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    FP16_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: Tensor
+    first_window: int
+    starts: _containers.RepeatedScalarFieldContainer[float]
+    empty: _containers.RepeatedScalarFieldContainer[bool]
+    active_frames: _containers.RepeatedScalarFieldContainer[int]
+    windows: int
+    model_id: str
+    precision: str
+    request_id: str
+    plans: _containers.RepeatedScalarFieldContainer[str]
+    fp16_fallbacks: int
+    def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., first_window: _Optional[int] = ..., starts: _Optional[_Iterable[float]] = ..., empty: _Optional[_Iterable[bool]] = ..., active_frames: _Optional[_Iterable[int]] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., precision: _Optional[str] = ..., request_id: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., fp16_fallbacks: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,11 @@ class SpeakerEmbeddingStub:
                 request_serializer=speakerd_dot_v1_dot_speakerd__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.EmbedRecording = channel.stream_stream(
+                '/speakerd.v1.SpeakerEmbedding/EmbedRecording',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.EmbedRecordingRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.EmbedRecordingResponse.FromString,
+                _registered_method=True)
 
 
 class SpeakerEmbeddingServicer:
@@ -76,6 +81,15 @@ class SpeakerEmbeddingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmbedRecording(self, request_iterator, context):
+        """A whole recording as pyannote's pipeline embeds it (downmix, resample to 16 kHz, 10 s
+        windows every step_s, optional exclude_overlap): embeddings [n, s, 256] come back in
+        window order, in batches, as they are computed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpeakerEmbeddingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_SpeakerEmbeddingServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.GetModelInfoRequest.FromString,
                     response_serializer=speakerd_dot_v1_dot_speakerd__pb2.ModelInfo.SerializeToString,
+            ),
+            'EmbedRecording': grpc.stream_stream_rpc_method_handler(
+                    servicer.EmbedRecording,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.EmbedRecordingRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.EmbedRecordingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class SpeakerEmbedding:
             '/speakerd.v1.SpeakerEmbedding/GetModelInfo',
             speakerd_dot_v1_dot_speakerd__pb2.GetModelInfoRequest.SerializeToString,
             speakerd_dot_v1_dot_speakerd__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedRecording(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/speakerd.v1.SpeakerEmbedding/EmbedRecording',
+            speakerd_dot_v1_dot_speakerd__pb2.EmbedRecordingRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.EmbedRecordingResponse.FromString,
             options,
             channel_credentials,
             insecure,
