@@ -21,6 +21,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each flag's default, except where there is none to show (None, False):
+    there the help line says what happens without the flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speakerd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -36,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] in COMMANDS:
         module = importlib.import_module(COMMANDS[argv[0]][0])
-        command = argparse.ArgumentParser(prog=f"speakerd {argv[0]}", description=COMMANDS[argv[0]][1])
+        command = argparse.ArgumentParser(
+            prog=f"speakerd {argv[0]}",
+            description=COMMANDS[argv[0]][1],
+            formatter_class=DefaultsHelpFormatter,
+        )
         module.configure(command)
         return int(module.run(command.parse_args(argv[1:])) or 0)
     parser.parse_args(argv)  # prints usage / errors for unknown commands

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from speakerd.client.client import SpeakerClient
 
-LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics on :(?P<metrics>\d+)\)")
+LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics on :(?P<metrics>\d+)[,)]")
 #: Start-up on 2 cores: ORT session build, plan timing and the self-check take ~10-20 s.
 START_TIMEOUT_S = 180.0
 
@@ -30,6 +30,12 @@ class ServerProcess:
     metrics_port: int = 0
     lines: list[str] = field(default_factory=list)
     health_seen: list[str] = field(default_factory=list)
+    #: SpeakerClient keyword arguments that reach this server (TLS files, token)
+    client_options: dict[str, object] = field(default_factory=dict)
+
+    def client(self, **overrides: object) -> SpeakerClient:
+        """A client of this server with its TLS and token options (overridable)."""
+        return SpeakerClient(self.target, **{**self.client_options, **overrides})  # type: ignore[arg-type]
 
     @property
     def target(self) -> str:
@@ -57,12 +63,15 @@ class ServerProcess:
             raise
 
 
-def start_server(weights: Path, *flags: str, wait_serving: bool = True) -> ServerProcess:
-    """Start a CPU server with `flags`; return once it is SERVING (or, if not, listening)."""
+def start_server(
+    weights: Path, *flags: str, wait_serving: bool = True, client_options: dict[str, object] | None = None
+) -> ServerProcess:
+    """Start a CPU server with `flags`; return once it is SERVING (or, if not, listening).
+    `client_options`: what a SpeakerClient needs to reach it (TLS files, token)."""
     command = [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu", "--port", "0",
                "--metrics-port", "0", "--weights", str(weights), *flags]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    server = ServerProcess(process)
+    server = ServerProcess(process, client_options=dict(client_options or {}))
     listening = threading.Event()
 
     def pump() -> None:
@@ -81,7 +90,7 @@ def start_server(weights: Path, *flags: str, wait_serving: bool = True) -> Serve
             process.kill()
             raise RuntimeError(f"server did not start (exit {process.poll()}):\n{server.log()}")
     if wait_serving:
-        with SpeakerClient(server.target) as client:
+        with server.client() as client:
             while True:
                 try:
                     status = client.health(timeout_s=2.0)

@@ -1,12 +1,14 @@
 """Serve configuration: flags, SPEAKERD_* environment variables, and their checks.
 
 Precedence is flag > environment > default. A bad value from either source stops the
-server before it starts, with a message naming the variable or flag and what it takes.
+server before it starts, with a message naming the variable or flag and what it takes
+(config.UsageError: `serve` prints it as one line and exits 2).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -54,11 +56,56 @@ def test_defaults_environment_and_flag_precedence(monkeypatch: pytest.MonkeyPatc
 )
 def test_bad_environment_choices_are_named(monkeypatch: pytest.MonkeyPatch, variable, value, message) -> None:
     monkeypatch.setenv(variable, value)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(config.UsageError, match=message):
         parse([])
 
 
 def test_queue_must_hold_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPEAKERD_QUEUE_CHUNKS", raising=False)
-    with pytest.raises(SystemExit, match="--queue-chunks 8 must hold one full batch of 32 chunks"):
+    with pytest.raises(config.UsageError, match="--queue-chunks 8 must hold one full batch of 32 chunks"):
         parse(["--queue-chunks", "8", "--plans", "1,32"])
+
+
+@pytest.mark.parametrize("plans", ["1,64", "33"])
+def test_plans_beyond_one_batch_are_refused(plans: str) -> None:
+    """A batch holds at most 32 chunks: a larger plan is a usage error, not a silent plan."""
+    with pytest.raises(argparse.ArgumentTypeError, match=f"exceeds {config.MAX_PLAN_SIZE}"):
+        config.parse_plans(plans)
+    assert config.parse_plans("1,8,32") == (1, 8, 32)
+
+
+def test_plans_from_the_environment_are_checked_too(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("SPEAKERD_PLANS", "1,64")
+    with pytest.raises(SystemExit) as raised:
+        parse([])
+    assert raised.value.code == 2 and "64 exceeds 32" in capsys.readouterr().err
+
+
+def test_tls_and_token_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("SPEAKERD_TLS_CERT", "SPEAKERD_TLS_KEY", "SPEAKERD_TLS_CLIENT_CA", "SPEAKERD_AUTH_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    plain = parse([])
+    assert (plain.tls_cert, plain.tls_key, plain.tls_client_ca, plain.auth_tokens) == (None,) * 4
+    cert, key, ca, tokens = (tmp_path / name for name in ("tls.crt", "tls.key", "ca.crt", "tokens"))
+    for path in (cert, key, ca, tokens):
+        path.write_text("x\n")
+    monkeypatch.setenv("SPEAKERD_TLS_CERT", str(cert))
+    monkeypatch.setenv("SPEAKERD_TLS_KEY", str(key))
+    monkeypatch.setenv("SPEAKERD_AUTH_TOKENS", str(tokens))
+    settings = parse(["--tls-client-ca", str(ca)])
+    assert (settings.tls_cert, settings.tls_key, settings.tls_client_ca, settings.auth_tokens) == (
+        cert,
+        key,
+        ca,
+        tokens,
+    )
+    with pytest.raises(config.UsageError, match="--tls-cert and --tls-key go together"):
+        parse(["--tls-key", ""])
+    monkeypatch.delenv("SPEAKERD_TLS_CERT")
+    monkeypatch.delenv("SPEAKERD_TLS_KEY")
+    with pytest.raises(config.UsageError, match="--tls-client-ca needs --tls-cert and --tls-key"):
+        parse(["--tls-client-ca", str(ca)])
+    with pytest.raises(
+        config.UsageError, match=r"--auth-tokens .*missing: no such file \[SPEAKERD_AUTH_TOKENS\]"
+    ):
+        parse(["--auth-tokens", str(tmp_path / "missing")])

@@ -1,4 +1,10 @@
-"""`python -m speakerd.client embed|info|health|load|verify`: the client's command line."""
+"""`python -m speakerd.client embed|info|health|load|verify`: the client's command line.
+
+Every command takes --target (default: the server's default address 127.0.0.1:50051) and
+the TLS and token flags of speakerd/client/options.py. A server that does not answer, or
+answers with an error, is one line on stderr naming the target and the gRPC code, exit 1;
+a flag or file that cannot be used is one line, exit 2.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,17 @@ from google.protobuf.json_format import MessageToDict
 
 from speakerd.client import loadgen, verify
 from speakerd.client.client import SpeakerClient
+from speakerd.client.options import add_connection_flags, client_kwargs
+
+#: Exit codes: the server failed the call (or was not there); the command line was unusable.
+CALL_FAILED_EXIT = 1
+USAGE_EXIT = 2
 
 
 def _embed(args: argparse.Namespace) -> int:
     with np.load(args.input) as data:
         masks = data["masks"]
-        with SpeakerClient(args.target, timeout_s=args.timeout) as client:
+        with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
             if "fbank" in data:
                 result = client.embed(data["fbank"], masks)
             else:
@@ -32,25 +43,35 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    with SpeakerClient(args.target, timeout_s=args.timeout) as client:
+    with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
         print(json.dumps(MessageToDict(client.model_info(), preserving_proto_field_name=True), indent=2))
     return 0
 
 
 def _health(args: argparse.Namespace) -> int:
     """Exit 0 only when SERVING (a probe command for containers)."""
-    with SpeakerClient(args.target) as client:
+    with SpeakerClient(args.target, **client_kwargs(args)) as client:
         try:
             if args.wait > 0:
                 client.wait_serving(args.wait, args.service)
                 status = "SERVING"
             else:
                 status = client.health(args.service, timeout_s=args.timeout)
-        except (grpc.RpcError, TimeoutError) as error:
-            print(f"UNREACHABLE: {error}", file=sys.stderr)
-            return 1
+        except grpc.RpcError as error:
+            print(f"UNREACHABLE: {args.target} answered {_describe(error)}", file=sys.stderr)
+            return CALL_FAILED_EXIT
+        except TimeoutError as error:
+            print(f"UNREACHABLE: {args.target}: {error}", file=sys.stderr)
+            return CALL_FAILED_EXIT
     print(status)
     return 0 if status == "SERVING" else 1
+
+
+def _describe(error: grpc.RpcError) -> str:
+    """'UNAVAILABLE (failed to connect ...)': the code and the server's or gRPC's detail."""
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    return f"{code.name if code is not None else 'an error'} ({' '.join(str(details).split())})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds")
     health.set_defaults(func=_health)
     for command in (embed, info, health):
-        command.add_argument("--target", required=True, help="HOST:PORT")
-        command.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+        add_connection_flags(command, timeout_s=60.0)
     load = sub.add_parser("load", help="load generator: JSON with chunks/s, latency, errors, batch fill")
     loadgen.configure(load)
     load.set_defaults(func=loadgen.run)
@@ -80,4 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    name = f"speakerd.client {args.command}"
+    try:
+        return int(args.func(args))
+    except grpc.RpcError as error:
+        print(f"{name}: {args.target} answered {_describe(error)}", file=sys.stderr)
+        return CALL_FAILED_EXIT
+    except (ValueError, OSError) as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return USAGE_EXIT

@@ -1,5 +1,9 @@
 """Thin sync and asyncio clients of `speakerd.v1.SpeakerEmbedding`: NumPy in, NumPy out.
 
+Security (optional, matching the server's flags): `tls_ca` (PEM roots to trust; TLS on),
+`tls_cert` + `tls_key` (a client certificate, for a server with --tls-client-ca), and
+`token` (sent as `authorization: Bearer <token>` on every call, for --auth-tokens).
+
 Retries: UNAVAILABLE (a draining or restarting replica) and RESOURCE_EXHAUSTED (a full
 queue) are retried with exponential backoff and full jitter, within the call's overall
 deadline, so a fleet of clients does not retry in lockstep. Every other code is final.
@@ -13,15 +17,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from speakerd.client import recording
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import from_tensor, to_tensor
 
+#: The server's default address (`speakerd serve` listens on 127.0.0.1:50051 unless told
+#: otherwise; the client cannot import the server's config, a test checks they agree).
+DEFAULT_TARGET = "127.0.0.1:50051"
+AUTHORIZATION_KEY = "authorization"
 #: Same limit as the server's default (--max-message-mb 64): room for 32-chunk requests.
 DEFAULT_MAX_MESSAGE_MB = 64
 #: A b32 request on the CPU engine takes ~20 s; on a GPU ~10 ms. Callers set their own.
@@ -98,8 +108,59 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
 
 
-def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return ((REQUEST_ID_KEY, request_id),)
+@dataclass(frozen=True)
+class Security:
+    """How a client reaches a server: TLS roots, a client certificate (mTLS), a bearer token.
+    All empty: plaintext, no token (a loopback or in-cluster server)."""
+
+    tls_ca: bytes | None = None
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_files(
+        cls,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        token: str | None = None,
+    ) -> Security:
+        """Read the PEM files (ValueError naming the argument when one cannot be read)."""
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both for mutual TLS, or neither")
+        return cls(_read(tls_ca, "tls_ca"), _read(tls_cert, "tls_cert"), _read(tls_key, "tls_key"),
+                   token.strip() if token else None)  # fmt: skip
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca is not None or self.tls_cert is not None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """TLS channel credentials; without tls_ca the system's roots are trusted."""
+        return grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The bearer token as call metadata: sent on plaintext channels too, since gRPC's
+        call credentials refuse a channel without TLS and the server may be on loopback."""
+        return () if not self.token else ((AUTHORIZATION_KEY, f"Bearer {self.token}"),)
+
+
+def _read(path: str | Path | None, name: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"{name} {path}: cannot read it ({error.strerror})") from error
+
+
+def make_channel(target: str, options: list[tuple[str, int]], security: Security, aio: bool):
+    """A blocking or grpc.aio channel to `target`, with TLS when `security` asks for it."""
+    if security.tls:
+        make = grpc.aio.secure_channel if aio else grpc.secure_channel
+        return make(target, security.credentials(), options=options)
+    return (grpc.aio.insecure_channel if aio else grpc.insecure_channel)(target, options=options)
 
 
 def health_name(status: int) -> str:
@@ -118,10 +179,15 @@ class _ClientCore:
     ) -> None:
         self.timeout_s = timeout_s
         self.retry = retry
+        self.security = Security()
         self._rng = random.Random(seed)
         self._channel = channel
         self._stub = pb_grpc.SpeakerEmbeddingStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
+
+    def _metadata(self, request_id: str = "") -> tuple[tuple[str, str], ...]:
+        ids = ((REQUEST_ID_KEY, request_id),) if request_id else ()
+        return ids + self.security.metadata()
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -138,14 +204,22 @@ class SpeakerClient(_ClientCore):
 
     def __init__(
         self,
-        target: str,
+        target: str = DEFAULT_TARGET,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry: RetryPolicy = RetryPolicy(),
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         seed: int | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        token: str | None = None,
     ) -> None:
-        channel = grpc.insecure_channel(target, options=channel_options(max_message_mb))
+        """`tls_ca`: PEM roots (TLS on); `tls_cert` + `tls_key`: a client certificate (mTLS);
+        `token`: a bearer token for a server started with --auth-tokens."""
+        security = Security.from_files(tls_ca, tls_cert, tls_key, token)
+        channel = make_channel(target, channel_options(max_message_mb), security, aio=False)
         super().__init__(channel, timeout_s, retry, seed)
+        self.security = security
 
     def __enter__(self) -> SpeakerClient:
         return self
@@ -161,7 +235,9 @@ class SpeakerClient(_ClientCore):
         for attempt in range(self.retry.attempts):
             try:
                 return method(
-                    request, timeout=max(0.0, deadline - time.monotonic()), metadata=_metadata(request_id)
+                    request,
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    metadata=self._metadata(request_id),
                 )
             except grpc.RpcError as error:
                 pause = self._retry_pause(attempt, error.code(), deadline)
@@ -200,8 +276,27 @@ class SpeakerClient(_ClientCore):
         """(fbank, masks) pairs over one EmbedChunksStream call, answered in order (no retries)."""
         requests = (build_request(masks, fbank=fbank) for fbank, masks in items)
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        for response in self._stub.EmbedChunksStream(requests, timeout=timeout):
+        for response in self._stub.EmbedChunksStream(requests, timeout=timeout, metadata=self._metadata()):
             yield parse_response(response)
+
+    def embed_recording(
+        self,
+        samples: np.ndarray,
+        sample_rate: int,
+        masks: np.ndarray,
+        exclude_overlap: bool = False,
+        step_s: float = recording.DEFAULT_STEP_S,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> recording.RecordingEmbeddings:
+        """A whole recording [N] or [N, C] (int16 or float32) with masks [n, s, F] of its n
+        windows, embedded as pyannote's pipeline does (speakerd.client.recording; no retries)."""
+        request_id = request_id or uuid.uuid4().hex[:16]
+        requests = recording.recording_requests(
+            samples, sample_rate, masks, exclude_overlap, step_s, request_id
+        )
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        return recording.embed_recording(self._stub, requests, timeout, self._metadata(request_id))
 
     def model_info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout_s, uuid.uuid4().hex[:16])
@@ -230,14 +325,22 @@ class AsyncSpeakerClient(_ClientCore):
 
     def __init__(
         self,
-        target: str,
+        target: str = DEFAULT_TARGET,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry: RetryPolicy = RetryPolicy(),
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         seed: int | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        token: str | None = None,
     ) -> None:
-        channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_mb))
+        """`tls_ca`: PEM roots (TLS on); `tls_cert` + `tls_key`: a client certificate (mTLS);
+        `token`: a bearer token for a server started with --auth-tokens."""
+        security = Security.from_files(tls_ca, tls_cert, tls_key, token)
+        channel = make_channel(target, channel_options(max_message_mb), security, aio=True)
         super().__init__(channel, timeout_s, retry, seed)
+        self.security = security
 
     async def __aenter__(self) -> AsyncSpeakerClient:
         return self
@@ -255,7 +358,7 @@ class AsyncSpeakerClient(_ClientCore):
         for attempt in range(self.retry.attempts):
             try:
                 remaining = max(0.0, deadline - time.monotonic())
-                return await method(request, timeout=remaining, metadata=_metadata(request_id))  # type: ignore[misc]
+                return await method(request, timeout=remaining, metadata=self._metadata(request_id))  # type: ignore[misc]
             except grpc.aio.AioRpcError as error:
                 pause = self._retry_pause(attempt, error.code(), deadline)
                 if pause is None:
@@ -284,7 +387,27 @@ class AsyncSpeakerClient(_ClientCore):
     def stream(self, requests: AsyncIterator[pb.EmbedRequest], timeout_s: float | None = None):
         """The raw EmbedChunksStream call: iterate it for responses in request order."""
         return self._stub.EmbedChunksStream(
-            requests, timeout=self.timeout_s if timeout_s is None else timeout_s
+            requests, timeout=self.timeout_s if timeout_s is None else timeout_s, metadata=self._metadata()
+        )
+
+    async def embed_recording(
+        self,
+        samples: np.ndarray,
+        sample_rate: int,
+        masks: np.ndarray,
+        exclude_overlap: bool = False,
+        step_s: float = recording.DEFAULT_STEP_S,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> recording.RecordingEmbeddings:
+        """SpeakerClient.embed_recording on asyncio."""
+        request_id = request_id or uuid.uuid4().hex[:16]
+        requests = recording.recording_requests(
+            samples, sample_rate, masks, exclude_overlap, step_s, request_id
+        )
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        return await recording.embed_recording_async(
+            self._stub, requests, timeout, self._metadata(request_id)
         )
 
     async def model_info(self, timeout_s: float | None = None) -> pb.ModelInfo:

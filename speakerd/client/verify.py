@@ -13,15 +13,15 @@ import sys
 import numpy as np
 
 from speakerd.client.client import SpeakerClient
+from speakerd.client.options import add_connection_flags, client_kwargs
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.cases import load_cases
 from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="HOST:PORT of the server")
     parser.add_argument("--references", required=True, help="directory of reference .safetensors cases")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per-case deadline in seconds")
+    add_connection_flags(parser, timeout_s=300.0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"no reference cases in {args.references}", file=sys.stderr)
         return 2
     failed = 0
-    with SpeakerClient(args.target, timeout_s=args.timeout) as client:
+    with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
         precision = Math(client.model_info().precision)
         bound = BOUNDS[precision]
         print(f"{'case':<18} {'rows':>5} {'min cosine':>11} {'max abs':>10} {'bound':>22} flags  ok")

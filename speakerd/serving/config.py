@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from speakerd.engine.factory import ENGINE_KINDS
 from speakerd.model.numerics import Math
@@ -22,6 +23,9 @@ DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
 #: The plans every engine preallocates: single-chunk latency and the b32 throughput plan (SPEC 5).
 DEFAULT_PLANS = "1,32"
+#: The service contract packs at most 32 chunks into one batch: the GPU plans, their graphs
+#: and the batcher's cost model are sized and measured for that, so a larger plan is refused.
+MAX_PLAN_SIZE = 32
 #: How long the batcher holds a partial batch for more chunks: a b32 FP16 batch costs 4.8 ms
 #: of GPU time on an H200 (measured 2026-12-03), so waiting under half that costs a lone
 #: request less than one batch of latency and lets concurrent requests share a batch.
@@ -41,6 +45,11 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CONV_KERNELS = ("auto", "cudnn")
 
 
+class UsageError(ValueError):
+    """A flag or SPEAKERD_* value the server cannot start with. `serve` prints it as one line
+    naming the flag and what it takes, and exits 2 (the usage-error code argparse uses)."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     host: str
@@ -56,6 +65,13 @@ class ServeConfig:
     max_message_mb: int
     log_level: str
     conv_kernels: str = "auto"
+    #: PEM files: server certificate chain and key (TLS), and the CA that client certificates
+    #: must chain to (mutual TLS). All None: plaintext gRPC.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    #: Bearer tokens, one per line; None: no token needed.
+    auth_tokens: Path | None = None
 
     @property
     def max_message_bytes(self) -> int:
@@ -71,6 +87,11 @@ def parse_plans(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(message) from error
     if not sizes or sizes[0] < 1:
         raise argparse.ArgumentTypeError(f"plans {text!r}: expected positive batch sizes like 1,32")
+    if sizes[-1] > MAX_PLAN_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"plans {text!r}: batch size {sizes[-1]} exceeds {MAX_PLAN_SIZE}, the most chunks one "
+            f"batch holds; use sizes in 1..{MAX_PLAN_SIZE} like 1,32"
+        )
     return tuple(sizes)
 
 
@@ -97,44 +118,85 @@ def _positive_int(text: str) -> int:
 
 def env_default(name: str, default: object) -> object:
     """The default of flag --name: SPEAKERD_NAME when set (argparse applies `type` to strings)."""
-    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+    return os.environ.get(env_name(name), default)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add serve's flags; each help line names its environment variable."""
 
     def add(name: str, default: object, help_text: str, **kwargs: object) -> None:
-        env = ENV_PREFIX + name.upper().replace("-", "_")
-        value = env_default(name, default)
-        choices = kwargs.get("choices")
-        if choices is not None and env in os.environ:
-            # argparse checks the choices of a flag given on the command line, never of a
-            # default: a value from the environment is checked here instead
-            convert = kwargs.get("type", str)
-            if convert(value) not in choices:  # type: ignore[operator]
-                raise SystemExit(f"{env}={value!r}: expected one of {', '.join(map(str, choices))}")
-        parser.add_argument(f"--{name}", default=value, help=f"{help_text} [{env}]", **kwargs)
+        env = env_name(name)
+        parser.add_argument(f"--{name}", default=env_default(name, default), help=f"{help_text} [{env}]",
+                            **kwargs)  # fmt: skip
 
-    add("host", DEFAULT_HOST, f"address to listen on (default {DEFAULT_HOST})")
-    add("port", DEFAULT_PORT, f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)", type=_port)
+    add("host", DEFAULT_HOST, "address to listen on (gRPC and metrics)")
+    add("port", DEFAULT_PORT, "gRPC port (0 picks a free one)", type=_port)
     add("metrics-port", DEFAULT_METRICS_PORT, "Prometheus /metrics port (0 picks a free one)", type=_port)
     add("engine", "auto", "engine: auto (GPU when usable), cpu or gpu", choices=ENGINE_KINDS)
     add("weights", None, "safetensors weights (default: the embedded synthetic model)")
     add("math", Math.FP32.value, "trunk arithmetic", choices=[m.value for m in Math])
-    add("plans", DEFAULT_PLANS, f"batch sizes to preallocate (default {DEFAULT_PLANS})", type=parse_plans)
+    add("plans", DEFAULT_PLANS, f"batch sizes to preallocate, each 1..{MAX_PLAN_SIZE}", type=parse_plans)
     add("max-delay-ms", DEFAULT_MAX_DELAY_MS, "longest wait for a batch to fill", type=_non_negative_float)
     add("queue-chunks", DEFAULT_QUEUE_CHUNKS, "queued chunks before RESOURCE_EXHAUSTED", type=_positive_int)
     add("drain-seconds", DEFAULT_DRAIN_SECONDS, "SIGTERM grace for in-flight calls", type=_non_negative_float)
     add("max-message-mb", DEFAULT_MAX_MESSAGE_MB, "largest gRPC message in MiB", type=_positive_int)
     add("log-level", "INFO", "log level", choices=LOG_LEVELS, type=str.upper)
     add("conv-kernels", "auto", "GPU convolutions: auto (ours where faster), cudnn", choices=CONV_KERNELS)
+    # optional transport security; the metrics port stays plain HTTP (scraped inside the cluster)
+    add("tls-cert", None, "PEM certificate chain: serve gRPC over TLS (reloaded when the file changes)")
+    add("tls-key", None, "PEM private key of --tls-cert (reloaded when the file changes)")
+    add("tls-client-ca", None, "PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    add("auth-tokens", None, "file of bearer tokens, one a line: calls must send one (health stays open)")
+
+
+def env_name(flag: str) -> str:
+    """--max-delay-ms -> SPEAKERD_MAX_DELAY_MS."""
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
+def _check_choice(args: argparse.Namespace, flag: str, choices: tuple[str, ...] | list[str]) -> None:
+    """argparse checks the choices of a flag given on the command line, never of a default:
+    a value that came from the environment is checked here instead."""
+    value = getattr(args, flag.replace("-", "_"))
+    if value not in choices:
+        raw = os.environ.get(env_name(flag), value)
+        raise UsageError(f"{env_name(flag)}={raw!r}: expected one of {', '.join(map(str, choices))}")
+
+
+def _readable_file(args: argparse.Namespace, flag: str) -> Path | None:
+    """The path of a file flag, checked to be a readable file now rather than at first use."""
+    value = getattr(args, flag.replace("-", "_"))
+    if value is None or str(value) == "":
+        return None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--{flag} {value}: no such file [{env_name(flag)}]")
+    try:
+        path.read_bytes()
+    except OSError as error:
+        raise UsageError(f"--{flag} {value}: cannot read it ({error.strerror}) [{env_name(flag)}]") from error
+    return path
 
 
 def from_args(args: argparse.Namespace) -> ServeConfig:
-    """Validate the combination of flags (each flag alone was checked by its type)."""
-    plans = args.plans if isinstance(args.plans, tuple) else parse_plans(str(args.plans))
+    """Validate the combination of flags (each flag alone was checked by its type); UsageError
+    naming the flag (or its SPEAKERD_* variable) otherwise."""
+    _check_choice(args, "engine", ENGINE_KINDS)
+    _check_choice(args, "math", [m.value for m in Math])
+    _check_choice(args, "log-level", LOG_LEVELS)
+    _check_choice(args, "conv-kernels", CONV_KERNELS)
+    try:
+        plans = args.plans if isinstance(args.plans, tuple) else parse_plans(str(args.plans))
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"--plans: {error} [{env_name('plans')}]") from error
     if args.queue_chunks < plans[-1]:
-        raise SystemExit(f"--queue-chunks {args.queue_chunks} must hold one full batch of {plans[-1]} chunks")
+        raise UsageError(f"--queue-chunks {args.queue_chunks} must hold one full batch of {plans[-1]} chunks")
+    tls_cert, tls_key = _readable_file(args, "tls-cert"), _readable_file(args, "tls-key")
+    tls_client_ca = _readable_file(args, "tls-client-ca")
+    if (tls_cert is None) != (tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together: give both for TLS, or neither")
+    if tls_client_ca is not None and tls_cert is None:
+        raise UsageError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
     return ServeConfig(
         host=args.host,
         port=int(args.port),
@@ -149,4 +211,8 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         max_message_mb=int(args.max_message_mb),
         log_level=args.log_level,
         conv_kernels=args.conv_kernels,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
+        auth_tokens=_readable_file(args, "auth-tokens"),
     )

@@ -1,72 +1,223 @@
 """`python -m speakerd serve`: the gRPC server's life cycle.
 
+Before listening, what can be checked at once is (`preflight`): the flags' combination, the
+engine kind (an explicit `--engine gpu` needs a usable GPU), the CPU engine's FP32-only
+math, an explicit `--weights` file, the TLS files and the token file, and that the address
+can be bound. A failure there is a usage error: one log line naming the flag and what to
+do, exit code 2, and nothing about draining (the server never served).
+
 Start: listen at once with health NOT_SERVING (so probes get an answer during warm-up),
-then off the event loop load the weights, build and warm the engine's plans and run the
+then in a warm-up thread load the weights, build and warm the engine's plans and run the
 parity self-check; only when it passes attach the batcher and say SERVING. A failed
 self-check stops the server with exit code 1 instead of serving wrong embeddings.
 
 SIGTERM / SIGINT: health NOT_SERVING, new calls UNAVAILABLE, calls in progress and queued
-chunks finish (up to --drain-seconds), then the server stops and the engine is released.
+chunks get up to --drain-seconds; what is left then is failed with UNAVAILABLE and the
+server stops. During warm-up the server stops at once without waiting for it. A batch
+already inside the engine cannot be interrupted (native code), so when one is still
+running once the drain is over, the process exits without joining its thread: the drain
+time bounds the exit, not the work in flight.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import signal
+import socket
+import sys
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from speakerd.engine.base import Engine
-from speakerd.reference.self_check import check_engine
+from speakerd.model.numerics import Math
+from speakerd.model.weights import FoldedModel
+from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving import config
+from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.batcher import Batcher
 from speakerd.serving.metrics import Metrics
+from speakerd.serving.security import TlsFileError, TlsFiles, server_credentials
 from speakerd.serving.service import SERVICE_NAME, SpeakerEmbeddingService, package_version, register
 
 log = logging.getLogger(__name__)
 
 #: Seconds grpc.aio gets to close connections once every call has finished or timed out.
 STOP_GRACE_S = 1.0
+#: After the drain time, how long calls failed with UNAVAILABLE get to send that answer
+#: before the server cancels whatever is left (a few event-loop turns are enough).
+FAIL_LEFTOVERS_S = 0.5
+#: Exit code of a configuration the server cannot start with (argparse's usage-error code);
+#: a failed self-check keeps exit code 1.
+USAGE_EXIT = 2
+START_FAILED_EXIT = 1
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+T = TypeVar("T")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     config.configure(parser)
 
 
+@dataclass
+class Prepared:
+    """What preflight resolved, handed to the server so nothing is loaded twice."""
+
+    engine_kind: str  # "cpu" or "gpu"
+    model: FoldedModel | None  # an explicit --weights file, loaded; None: the default model
+    credentials: grpc.ServerCredentials | None
+    tokens: TokenFile | None
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    #: engine work still running in a thread that the process will not wait for
+    abandoned_work: bool = False
+
+
 def run(args: argparse.Namespace) -> int:
-    settings = config.from_args(args)
+    try:
+        settings = config.from_args(args)
+    except config.UsageError as error:
+        print(f"speakerd serve: error: {error}", file=sys.stderr)
+        return USAGE_EXIT
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
-    return asyncio.run(serve(settings))
+    try:
+        prepared = preflight(settings)
+    except config.UsageError as error:
+        log.error("%s", error)
+        return USAGE_EXIT
+    outcome = asyncio.run(serve(settings, prepared))
+    if outcome.abandoned_work:
+        # a batch or the warm-up is still running in native code; joining it (what the
+        # interpreter does for pool threads at exit) would stretch the exit by that work
+        log.info("exiting without waiting for engine work still running")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(outcome.exit_code)
+    return outcome.exit_code
 
 
-async def serve(settings: config.ServeConfig) -> int:
-    """Run until SIGTERM/SIGINT (exit 0 after draining) or a failed start (exit 1)."""
-    server = SpeakerServer(settings)
-    await server.start()
+def preflight(settings: config.ServeConfig) -> Prepared:
+    """Check what can be checked before listening; UsageError naming the flag otherwise."""
+    from speakerd.engine.factory import EngineUnavailable, resolve_kind
+
+    try:
+        kind = resolve_kind(settings.engine)
+    except EngineUnavailable as error:
+        reason = str(error).removeprefix("engine: gpu requested but ")
+        raise config.UsageError(
+            f"--engine gpu: {reason}; install the gpu extra on a machine with an NVIDIA GPU, "
+            "or use --engine cpu (or auto, which takes the CPU when no GPU is usable)"
+        ) from error
+    if kind == "cpu" and settings.math != Math.FP32:
+        why = "--engine cpu" if settings.engine == "cpu" else "no GPU is usable here"
+        raise config.UsageError(
+            f"--math {settings.math}: the CPU engine ({why}) computes fp32 only; "
+            f"use --math fp32, or --math {settings.math} with --engine gpu on a GPU"
+        )
+    model = _load_weights(settings.weights) if settings.weights else None
+    credentials = None
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        files = TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        try:
+            credentials = server_credentials(files)
+        except TlsFileError as error:
+            raise config.UsageError(f"{error}") from error
+    tokens = None
+    if settings.auth_tokens is not None:
+        try:
+            tokens = TokenFile(settings.auth_tokens)
+        except (OSError, UnicodeDecodeError) as error:
+            message = f"--auth-tokens {settings.auth_tokens}: cannot read it ({error})"
+            raise config.UsageError(message) from error
+    _check_bindable(settings.host, settings.port, "--port")
+    _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
+    return Prepared(kind, model, credentials, tokens)
+
+
+def _load_weights(weights: str) -> FoldedModel:
+    from speakerd.model.store import resolve_weights
+    from speakerd.model.weights import load_model
+
+    hint = "give WeSpeaker ResNet34 safetensors (`speakerd convert` makes them from pyannote's checkpoint)"
+    try:
+        path = resolve_weights(weights)
+    except FileNotFoundError as error:
+        raise config.UsageError(f"--weights {weights}: no such file; {hint}, or omit --weights") from error
+    try:
+        return load_model(path)
+    except (ValueError, KeyError, OSError) as error:
+        raise config.UsageError(f"--weights {weights}: not usable ({error}); {hint}") from error
+
+
+def _check_bindable(host: str, port: int, flag: str) -> None:
+    """Bind `host:port` once and let go, so that an address taken or not on this machine is
+    one line naming the flags instead of the gRPC core's error and a traceback."""
+    if port == 0 and host in ("", "0.0.0.0", "::"):
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        message = f"--host {host}: not an address of this machine ({error.strerror})"
+        raise config.UsageError(message) from error
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise config.UsageError(
+                f"--host {host} {flag} {port}: cannot listen there ({error.strerror}); "
+                f"pick a free {flag} (0 picks one) or an address of this machine"
+            ) from error
+
+
+async def serve(settings: config.ServeConfig, prepared: Prepared) -> Outcome:
+    """Run until SIGTERM/SIGINT (exit 0 after draining) or a failed start (exit 1 or 2)."""
+    server = SpeakerServer(settings, prepared)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before listening: no window without them
         loop.add_signal_handler(sig, server.request_stop)
-    return await server.wait()
+    try:
+        await server.start()
+    except config.UsageError as error:
+        log.error("%s", error)
+        await server.close_unstarted()
+        return Outcome(USAGE_EXIT)
+    code = await server.wait()
+    return Outcome(code, server.abandoned_work)
 
 
-def _build_engine(settings: config.ServeConfig) -> Engine:
+def _build_engine(settings: config.ServeConfig, prepared: Prepared) -> Engine:
     """Load the weights, build and warm the engine, check it against the reference (blocking)."""
     from speakerd.engine.factory import create_engine
     from speakerd.model.store import resolve_weights
     from speakerd.model.weights import load_model
 
     started = time.perf_counter()
-    weights = resolve_weights(settings.weights)
-    model = load_model(weights)
-    engine = create_engine(settings.engine, model, settings.math, settings.plans, settings.conv_kernels)
+    model = prepared.model
+    source: str | Path = settings.weights or ""
+    if model is None:
+        source = resolve_weights(None)  # the default model, made on first use
+        model = load_model(source)
+    engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans, settings.conv_kernels)
     log.info("engine %s %s plans %s built in %.1f s from %s (model %s)", engine.name, engine.math,
-             engine.plan_sizes, time.perf_counter() - started, weights, model.model_id[:12])  # fmt: skip
+             engine.plan_sizes, time.perf_counter() - started, source, model.model_id[:12])  # fmt: skip
     try:
         check_engine(engine, model)
         log.info("self-check passed for every plan; timing plans for the batcher's cost model")
@@ -80,11 +231,44 @@ def _build_engine(settings: config.ServeConfig) -> Engine:
     return engine
 
 
+def in_daemon_thread(work: Callable[[], T], orphan: Callable[[T], None]) -> asyncio.Future[T]:
+    """Run `work` in a daemon thread; its result or exception arrives in the future returned.
+
+    Not asyncio.to_thread: the loop's default executor is joined when asyncio.run ends, so a
+    SIGTERM during a 30 s warm-up would wait for it. If the future was cancelled (nobody
+    waits any more) when `work` returns, `orphan` gets the result (to release it).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            if error is None:
+                orphan(result)  # type: ignore[arg-type]
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def target() -> None:
+        result, error = None, None
+        try:
+            result = work()
+        except BaseException as caught:
+            error = caught
+        with contextlib.suppress(RuntimeError):  # a closed loop: the process is on its way out
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name="warm-up", daemon=True).start()
+    return future
+
+
 class SpeakerServer:
     """The gRPC server, its health and metrics, and the engine behind them."""
 
-    def __init__(self, settings: config.ServeConfig) -> None:
+    def __init__(self, settings: config.ServeConfig, prepared: Prepared) -> None:
         self.settings = settings
+        self.prepared = prepared
         self.metrics = Metrics()
         self.health = health.aio.HealthServicer()
         self.service = SpeakerEmbeddingService(self.metrics, settings.max_message_bytes)
@@ -92,19 +276,24 @@ class SpeakerServer:
         self.batcher: Batcher | None = None
         self.port = 0
         self.metrics_port = 0
+        self.abandoned_work = False
         self._server: grpc.aio.Server | None = None
+        self._started = time.monotonic()
         self._stop = asyncio.Event()
         self._exit_code = 0
         self._warm_up: asyncio.Task[None] | None = None
+        self._building: asyncio.Future[Engine] | None = None
         self._stopping: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Listen (NOT_SERVING) and begin the warm-up; UsageError when the port cannot be had."""
         s = self.settings
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
         ]
-        self._server = grpc.aio.server(options=options)
+        interceptors = [] if self.prepared.tokens is None else [TokenAuthInterceptor(self.prepared.tokens)]
+        self._server = grpc.aio.server(options=options, interceptors=interceptors)
         register(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -117,24 +306,56 @@ class SpeakerServer:
         )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{s.host}:{s.port}")
+        address = f"{s.host}:{s.port}"
+        try:
+            if self.prepared.credentials is None:
+                self.port = self._server.add_insecure_port(address)
+            else:
+                self.port = self._server.add_secure_port(address, self.prepared.credentials)
+        except RuntimeError as error:  # gRPC: "Failed to bind to address ..."
+            message = f"--host {s.host} --port {s.port}: cannot listen there ({error})"
+            raise config.UsageError(message) from error
         if self.port == 0:
-            raise OSError(f"could not listen on {s.host}:{s.port}")
+            raise config.UsageError(f"--host {s.host} --port {s.port}: cannot listen there")
+        try:
+            self.metrics_port = self.metrics.serve_http(s.metrics_port, s.host)
+        except OSError as error:
+            raise config.UsageError(
+                f"--host {s.host} --metrics-port {s.metrics_port}: cannot listen there ({error.strerror}); "
+                "pick a free --metrics-port (0 picks one)"
+            ) from error
         await self._server.start()
         self.metrics.build_info.labels(version=package_version()).set(1)
-        self.metrics_port = self.metrics.serve_http(s.metrics_port, s.host)
-        log.info("listening on %s:%d (metrics on :%d), NOT_SERVING until warm", s.host, self.port,
-                 self.metrics_port)  # fmt: skip
+        log.info("listening on %s:%d (metrics on :%d, plain HTTP), gRPC %s%s; NOT_SERVING until the "
+                 "warm-up (model, engine build, parity self-check) passes", s.host, self.port,
+                 self.metrics_port, self._transport(), "" if self.prepared.tokens is None else
+                 ", bearer tokens required (health open)")  # fmt: skip
         self._warm_up = asyncio.ensure_future(self._warm())
+
+    def _transport(self) -> str:
+        if self.prepared.credentials is None:
+            return "plaintext"
+        return "mutual TLS" if self.settings.tls_client_ca is not None else "TLS"
+
+    async def close_unstarted(self) -> None:
+        """Release what start() got before it failed; nothing was served, nothing drains."""
+        if self._server is not None:
+            await self._server.stop(None)
+        self.service.close()
+        self.metrics.close()
 
     async def _warm(self) -> None:
         s = self.settings
+        self._building = in_daemon_thread(lambda: _build_engine(s, self.prepared), lambda e: e.close())
         try:
-            engine = await asyncio.to_thread(_build_engine, s)
+            engine = await self._building
+        except SelfCheckFailed as error:
+            log.error("self-check failed, not serving wrong embeddings: %s", error)
+            self._fail_start()
+            return
         except Exception:
             log.exception("start-up failed; not serving")
-            self._exit_code = 1
-            self.request_stop()
+            self._fail_start()
             return
         self.engine = engine
         self.batcher = Batcher(engine, self.metrics, s.max_delay_ms / 1e3, s.queue_chunks)
@@ -147,7 +368,11 @@ class SpeakerServer:
         if self._stopping is None:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-            log.info("SERVING %s", SERVICE_NAME)
+            log.info("SERVING %s after %.1f s of start-up", SERVICE_NAME, time.monotonic() - self._started)
+
+    def _fail_start(self) -> None:
+        self._exit_code = START_FAILED_EXIT
+        self.request_stop()
 
     def _report_memory(self, engine: Engine) -> None:
         """GPU engines report their memory as {kind: bytes}; CPU engines have none."""
@@ -162,26 +387,50 @@ class SpeakerServer:
             self._stopping = asyncio.ensure_future(self._drain_and_stop())
 
     async def _drain_and_stop(self) -> None:
-        s = self.settings
         started = time.monotonic()
-        log.info("draining: NOT_SERVING, new calls UNAVAILABLE, up to %.1f s for calls in progress",
-                 s.drain_seconds)  # fmt: skip
         await self.health.enter_graceful_shutdown()
         self.service.begin_drain()
         if self._warm_up is not None and not self._warm_up.done():
+            log.info("stopping during warm-up: not waiting for it (it ends with the process)")
             self._warm_up.cancel()
-        if not await self.service.wait_idle(s.drain_seconds):
-            log.warning("drain: calls still in progress after %.1f s; stopping anyway", s.drain_seconds)
-        if self.batcher is not None:
-            await self.batcher.close(max(0.0, s.drain_seconds - (time.monotonic() - started)))
-        if self._server is not None:
-            await self._server.stop(STOP_GRACE_S)
-        if self.engine is not None:
-            self.engine.close()
+            if self._building is not None and not self._building.done():
+                self._building.cancel()
+                self.abandoned_work = True
+        if self.engine is None:  # never served: no calls to drain
+            if self._server is not None:
+                await self._server.stop(None)
+        else:
+            await self._drain(started)
         self.service.close()
         self.metrics.close()
-        log.info("stopped after %.2f s of draining", time.monotonic() - started)
+        log.info("stopped %.2f s after the stop was asked", time.monotonic() - started)
         self._stop.set()
+
+    async def _drain(self, started: float) -> None:
+        """Up to --drain-seconds for calls in progress, then UNAVAILABLE for what is left."""
+        s = self.settings
+        assert self._server is not None and self.batcher is not None and self.engine is not None
+        log.info("draining: NOT_SERVING, new calls UNAVAILABLE, up to %.1f s for calls in progress",
+                 s.drain_seconds)  # fmt: skip
+        idle = await self.service.wait_idle(s.drain_seconds)
+        if not idle:
+            log.warning("drain: calls still in progress after %.1f s; failing them with UNAVAILABLE",
+                        s.drain_seconds)  # fmt: skip
+        remaining = max(0.0, s.drain_seconds - (time.monotonic() - started))
+        # queued chunks are failed with UNAVAILABLE (Draining) once `remaining` is spent; the
+        # wait for batches already in the engine is bounded, they are not interruptible
+        try:
+            await asyncio.wait_for(self.batcher.close(remaining), remaining + FAIL_LEFTOVERS_S)
+            batches_done = True
+        except TimeoutError:
+            batches_done = False
+        # calls still waiting on a running batch: the server cancels them (clients: UNAVAILABLE)
+        await self._server.stop(STOP_GRACE_S if idle else 0)
+        if batches_done:
+            self.engine.close()
+        else:
+            log.warning("drain: a batch is still running in the engine; not waiting for it")
+            self.abandoned_work = True
 
     async def wait(self) -> int:
         await self._stop.wait()

@@ -1,0 +1,61 @@
+"""The connection flags every `python -m speakerd.client` command shares, and the client they make.
+
+`--target` defaults to the server's own default address, so on one machine `client info`
+needs no flags. TLS and tokens mirror the server's flags: `--tls-ca` (trust these roots;
+TLS on), `--tls-cert` + `--tls-key` (a client certificate, for a server with
+--tls-client-ca), `--token-file FILE` or the SPEAKERD_TOKEN variable (for --auth-tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from speakerd.client.client import DEFAULT_TARGET, Security
+
+TOKEN_ENV = "SPEAKERD_TOKEN"
+
+
+def add_connection_flags(parser: argparse.ArgumentParser, timeout_s: float) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"HOST:PORT (default {DEFAULT_TARGET})")
+    parser.add_argument("--timeout", type=float, default=timeout_s, help="deadline in seconds per call")
+    parser.add_argument("--tls-ca", type=Path, default=None, help="PEM roots to trust: connect with TLS")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help=f"file whose first line is a bearer token (else ${TOKEN_ENV})",
+    )
+
+
+def read_token(path: Path | None) -> str | None:
+    """The token of --token-file (its first line that is not blank or a # comment), else
+    $SPEAKERD_TOKEN, else None. ValueError naming the flag when the file gives none."""
+    if path is None:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines()]
+    except OSError as error:
+        raise ValueError(f"--token-file {path}: cannot read it ({error.strerror})") from error
+    token = next((line for line in lines if line and not line.startswith("#")), None)
+    if token is None:
+        raise ValueError(f"--token-file {path}: holds no token (expected one on its first line)")
+    return token
+
+
+def security(args: argparse.Namespace) -> Security:
+    """The Security of the parsed flags; ValueError naming the file when one is unusable."""
+    return Security.from_files(**client_kwargs(args))  # type: ignore[arg-type]
+
+
+def client_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags."""
+    return {
+        "tls_ca": args.tls_ca,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "token": read_token(args.token_file),
+    }

@@ -1,0 +1,249 @@
+"""What an operator meets first: misconfigurations, a missing server, SIGTERM at any moment.
+
+A flag the server cannot start with is one line naming the flag and what to do, exit code 2,
+and no "draining" for a server that never served (it used to be a 20-line traceback). A
+client whose server does not answer says so in one line naming the target and the gRPC
+code, exit 1. SIGTERM ends the process within the drain time plus a small bound, whether it
+comes during the warm-up or with half a minute of work in flight (what is left is failed
+with UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from speakerd.client.cli import main as client_main
+from speakerd.client.client import DEFAULT_TARGET, NO_RETRY, SpeakerClient
+from speakerd.engine.cpu import CpuEngine
+from speakerd.model.architecture import (
+    EMBEDDING_DIM,
+    FRAMES,
+    MASK_FRAMES,
+    MAX_SPEAKERS,
+    MEL_BINS,
+    TRUNK_FRAMES,
+)
+from speakerd.model.cases import CASE_NAMES, FILE_SUFFIX
+from speakerd.reference.self_check import check_engine, check_sizes
+from speakerd.serving import config
+from tests.serving import start_server
+
+#: Start-up of a subprocess that fails its front-door checks: imports, then one check.
+FRONT_DOOR_TIMEOUT_S = 120
+#: The drain test's --drain-seconds, and what the exit may take beyond it: failing the calls
+#: left, stopping the server and exiting take well under a second; the slack is for a loaded
+#: 2-core machine. The work in flight is 3 full b32 batches, ~6.5 s each on 2 cores.
+DRAIN_S = 2.0
+EXIT_SLACK_S = 8.0
+HEAVY_CALLS = 3
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "speakerd", "serve", "--port", "0", "--metrics-port", "0", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=FRONT_DOOR_TIMEOUT_S, env=env)
+
+
+def assert_one_line_usage_error(done: subprocess.CompletedProcess[str], *expected: str) -> None:
+    """Exit 2; the last stderr line names what is expected; no traceback, no draining."""
+    errors = done.stderr.strip().splitlines()
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr and "draining" not in done.stderr, done.stderr[-3000:]
+    assert all(text in errors[-1] for text in expected), (expected, errors[-1])
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--engine", "cpu", "--math", "fp16"], ["--math fp16", "fp32 only", "use --math fp32"]),
+        (["--weights", "/nonexistent/model.safetensors"], ["--weights /nonexistent", "no such file"]),
+        (["--host", "192.0.2.1"], ["--host 192.0.2.1", "cannot listen"]),  # TEST-NET: never local
+        (["--plans", "1,64"], ["--plans", "64 exceeds 32"]),
+        (["--tls-cert", "/etc/hostname"], ["--tls-cert and --tls-key go together"]),
+        (["--auth-tokens", "/nonexistent/tokens"], ["--auth-tokens /nonexistent/tokens", "no such file"]),
+    ],
+    ids=["fp16-on-cpu", "missing-weights", "unbindable-host", "plan-too-large", "tls-half", "no-tokens"],
+)
+def test_misconfiguration_is_one_line_and_exit_2(flags: list[str], expected: list[str]) -> None:
+    assert_one_line_usage_error(serve("--engine", "cpu", *flags), *expected)
+
+
+def test_garbage_weights_are_one_line(tmp_path: Path) -> None:
+    garbage = tmp_path / "model.safetensors"
+    garbage.write_bytes(np.random.default_rng(0).bytes(4096))
+    assert_one_line_usage_error(
+        serve("--engine", "cpu", "--weights", str(garbage)), "--weights", "not usable"
+    )
+
+
+def test_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = serve("--engine", "cpu", "--metrics-port", str(port))
+    assert_one_line_usage_error(done, f"--metrics-port {port}", "cannot listen")
+
+
+def test_gpu_engine_without_a_gpu_is_one_line() -> None:
+    from speakerd.engine.gpu import gpu_available
+
+    usable, _ = gpu_available()
+    if usable:
+        pytest.skip("this machine has a usable GPU: --engine gpu starts")
+    assert_one_line_usage_error(serve("--engine", "gpu"), "--engine gpu", "--engine cpu")
+
+
+def test_bad_environment_value_is_one_line_and_exit_2() -> None:
+    import os
+
+    env = {**os.environ, "SPEAKERD_ENGINE": "tpu"}
+    done = serve(env=env)
+    assert_one_line_usage_error(done, "SPEAKERD_ENGINE='tpu'", "expected one of auto, cpu, gpu")
+
+
+def test_serve_help_shows_the_defaults() -> None:
+    done = subprocess.run([sys.executable, "-m", "speakerd", "serve", "--help"], capture_output=True,
+                          text=True, timeout=FRONT_DOOR_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    for shown in ("(default: 127.0.0.1)", "(default: 50051)", "(default: 1,32)", "(default: 25.0)",
+                  "(default: 512)", "(default: fp32)"):  # fmt: skip
+        assert shown in text, f"{shown} missing from serve --help:\n{done.stdout}"
+
+
+# --- the client without a server ---------------------------------------------------------
+
+
+def test_client_target_defaults_to_the_servers_default_address() -> None:
+    assert f"{config.DEFAULT_HOST}:{config.DEFAULT_PORT}" == DEFAULT_TARGET
+
+
+def _placeholder_cases(directory: Path) -> Path:
+    """A file for every reference case name (zeros): `verify` reads them all before calling."""
+    directory.mkdir()
+    for name in CASE_NAMES:
+        save_file({"input/fbank": np.zeros((1, FRAMES, MEL_BINS), np.float32),
+                   "input/masks": np.ones((1, MAX_SPEAKERS, MASK_FRAMES), np.float32),
+                   "tensor/output": np.zeros((MAX_SPEAKERS, EMBEDDING_DIM), np.float32)},
+                  str(directory / f"{name}{FILE_SUFFIX}"))  # fmt: skip
+    return directory
+
+
+@pytest.mark.parametrize("command", ["info", "embed", "verify"])
+def test_client_without_server_is_one_line_exit_1(command: str, tmp_path: Path) -> None:
+    target = f"127.0.0.1:{_closed_port()}"
+    source = tmp_path / "in.npz"
+    np.savez(source, fbank=np.zeros((1, FRAMES, MEL_BINS), np.float32),
+             masks=np.ones((1, 1, MASK_FRAMES), np.float32))  # fmt: skip
+    extra = {
+        "info": [],
+        "embed": ["--input", str(source), "--output", str(tmp_path / "out.npz")],
+        "verify": ["--references", str(_placeholder_cases(tmp_path / "refs"))],
+    }[command]
+    done = subprocess.run(
+        [sys.executable, "-m", "speakerd.client", command, "--target", target, "--timeout", "5", *extra],
+        capture_output=True, text=True, timeout=FRONT_DOOR_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert target in lines[0] and "UNAVAILABLE" in lines[0], lines[0]
+
+
+def test_load_fails_when_calls_fail(capsys) -> None:
+    flags = ["--target", f"127.0.0.1:{_closed_port()}", "--streams", "1", "--seconds", "0.5", "--chunks", "1"]
+    assert client_main(["load", *flags]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["failed_calls"] >= 1, report
+    assert report["failed_calls"] == sum(report["errors"].values()), report
+
+
+# --- the CPU self-check ------------------------------------------------------------------
+
+
+def test_cpu_self_check_covers_every_plan_with_few_chunks(folded_model) -> None:
+    engine = CpuEngine(folded_model, plan_sizes=(1, 4, 32))
+    assert check_sizes(engine) == {1: 1, 4: 2, 32: 5}, check_sizes(engine)
+    ran: list[tuple[int, list[str]]] = []
+    original = engine.run_batch
+
+    def recording(fbank: np.ndarray, masks: np.ndarray):
+        run = original(fbank, masks)
+        ran.append((fbank.shape[0], run.plans))
+        return run
+
+    engine.run_batch = recording  # type: ignore[method-assign]
+    parity = check_engine(engine, folded_model)
+    assert sorted(parity) == [1, 4, 32], parity
+    plans = {plan.split("/")[0] for _, plans in ran for plan in plans}
+    assert plans == {"b1", "b4", "b32"}, ran
+    assert sum(chunks for chunks, _ in ran) <= 2 * (1 + 2 + 5), ran  # was 2 * (1 + 4 + 32)
+
+
+# --- SIGTERM -----------------------------------------------------------------------------
+
+
+def test_sigterm_during_warm_up_exits_without_waiting_for_it(weights_path) -> None:
+    server = start_server(weights_path, wait_serving=False)
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(60)
+    log = server.log()
+    assert code == 0, log
+    assert "stopping during warm-up" in log, log
+    assert "self-check passed" not in log and "SERVING speakerd" not in log, log
+    assert "Traceback" not in log, log
+
+
+def test_sigterm_with_work_in_flight_ends_within_the_drain_time(weights_path) -> None:
+    server = start_server(weights_path, "--plans", "1,32", "--drain-seconds", str(DRAIN_S))
+    rng = np.random.default_rng(0)
+    fbank = rng.standard_normal((32, FRAMES, MEL_BINS)).astype(np.float32)
+    masks = np.ones((32, MAX_SPEAKERS, TRUNK_FRAMES), np.float32)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def call() -> None:
+        with SpeakerClient(server.target, timeout_s=300, retry=NO_RETRY) as client:
+            try:
+                client.embed(fbank, masks)
+                outcome = "OK"
+            except grpc.RpcError as error:
+                outcome = error.code().name
+        with lock:
+            outcomes.append(outcome)
+
+    callers = [threading.Thread(target=call) for _ in range(HEAVY_CALLS)]
+    for caller in callers:
+        caller.start()
+    time.sleep(1.0)  # the calls reach the server and its batches start
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(120)
+    elapsed = time.monotonic() - started
+    for caller in callers:
+        caller.join(60)
+    assert code == 0, server.log()
+    assert elapsed < DRAIN_S + EXIT_SLACK_S, (
+        f"exit took {elapsed:.1f} s with --drain-seconds {DRAIN_S} (bound {DRAIN_S + EXIT_SLACK_S} s); "
+        f"the work in flight was ~{HEAVY_CALLS * 6.5:.0f} s:\n{server.log()}"
+    )
+    assert outcomes and set(outcomes) <= {"OK", "UNAVAILABLE"} and "UNAVAILABLE" in outcomes, outcomes
+    assert "Traceback" not in server.log(), server.log()
