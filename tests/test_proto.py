@@ -50,8 +50,11 @@ def test_tensor_bytes_are_little_endian() -> None:
     [
         (pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], data=b"\0" * 4), "dtype DTYPE_UNSPECIFIED"),
         (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 3], data=b"\0" * 20), "20 bytes, expected 24"),
-        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[], data=b""), "shape []"),
+        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[], data=b""), "shape of 0 dimensions, expected 1 to 4"),
+        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1] * 5, data=b"\0" * 4), "shape of 5 dimensions"),
         (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, -1], data=b""), "shape [2, -1]"),
+        # 2**32 * 2**32 elements wrap to 0 in int64: the count must not, so 0 bytes is too few
+        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2**32, 2**32], data=b""), f"0 bytes, expected {2**66}"),
         (pb.Tensor(dtype=77, shape=[1], data=b"\0"), "dtype 77"),
     ],
 )

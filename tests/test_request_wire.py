@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from speakerd.serving.wire import WireError, WireRequest, parse_request
+from speakerd.serving.request_ids import MAX_REQUEST_ID_BYTES
+from speakerd.serving.wire import MAX_FIELDS, MAX_GROUP_DEPTH, WireError, WireRequest, parse_request
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor, to_tensor
 
@@ -71,6 +72,8 @@ CASES = {
     + _field(9, b"skipped"),
     "known number, wrong wire type": b"\x18\x05" + _request(5, 1).SerializeToString(),  # masks as varint
     "unknown enum dtype": pb.EmbedRequest(masks=pb.Tensor(dtype=9, shape=[1])).SerializeToString(),
+    # field 5 as a group, nested as deep as protobuf allows
+    "groups nested 100 deep": b"\x2b" * MAX_GROUP_DEPTH + b"\x2c" * MAX_GROUP_DEPTH,
 }
 
 
@@ -105,6 +108,9 @@ MALFORMED = {
     "bad UTF-8 request id": (_field(4, b"\xc3\x28"), "request_id"),
     "truncated inside fbank": (_field(1, b"\x1a\x05ab"), "fbank"),
     "packed shape cut short": (_field(3, b"\x12\x01\xff"), "masks.shape"),
+    "groups nested 101 deep": (b"\x2b" * (MAX_GROUP_DEPTH + 1) + b"\x2c" * (MAX_GROUP_DEPTH + 1), "request"),
+    # deep enough to exhaust Python's recursion (1,000 frames) in a recursive skipper
+    "groups nested 5000 deep": (b"\x2b" * 5000 + b"\x2c" * 5000, "request"),
 }
 
 
@@ -117,3 +123,47 @@ def test_malformed_bytes_are_rejected_like_protobuf(name: str) -> None:
         parse_request(raw)
     print(f"{name:<24} {raised.value}")
     assert raised.value.field == field, f"{name}: {raised.value} names {raised.value.field}, expected {field}"
+
+
+# --- bounds protobuf does not have: refused where protobuf would accept ------------------
+
+BOUNDED = {
+    # 4 MiB of two-byte unknown fields: 2 Mi fields, seconds of pure Python without the bound
+    "4 MiB of tiny fields": (b"\x28\x00" * (2 * 1024 * 1024), "request", f"more than {MAX_FIELDS} fields"),
+    "5-dimension shape": (
+        pb.EmbedRequest(masks=pb.Tensor(dtype=1, shape=[1, 1, 1, 1, 1])).SerializeToString(),
+        "masks.shape",
+        "more than 4 dimensions",
+    ),
+    "packed shape of 1 Mi dims": (
+        pb.EmbedRequest(fbank=pb.Tensor(shape=[1] * (1 << 20))).SerializeToString(),
+        "fbank.shape",
+        "more than 4 dimensions",
+    ),
+    "long request_id": (
+        pb.EmbedRequest(request_id="x" * (MAX_REQUEST_ID_BYTES + 1)).SerializeToString(),
+        "request_id",
+        f"{MAX_REQUEST_ID_BYTES + 1} bytes, expected at most 128 characters",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BOUNDED))
+def test_work_per_request_is_bounded(name: str) -> None:
+    """Every one parses with protobuf; here each stops early with WireError naming the field,
+    so parse time is bounded by MAX_FIELDS, not by the message's size."""
+    raw, field, message = BOUNDED[name]
+    pb.EmbedRequest.FromString(raw)
+    with pytest.raises(WireError) as raised:
+        parse_request(raw)
+    print(f"{name:<26} {raised.value}")
+    assert raised.value.field == field, f"{name}: {raised.value} names {raised.value.field}, expected {field}"
+    assert message in raised.value.message, f"{name}: {raised.value.message!r} lacks {message!r}"
+
+
+def test_tiny_fields_stop_at_the_field_bound() -> None:
+    """The tiny-field flood is refused at the field past MAX_FIELDS: within the first few KB
+    of the 4 MiB, whatever follows."""
+    raw = b"\x28\x00" * (2 * 1024 * 1024)
+    with pytest.raises(WireError, match=rf"by byte {2 * MAX_FIELDS} of {len(raw)}"):
+        parse_request(raw)

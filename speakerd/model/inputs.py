@@ -13,6 +13,12 @@ from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MAX_SPEAKERS, MEL
 #: A mask needs at least one frame; more than this is surely a unit mistake (samples
 #: instead of frames): 10 s at 1 kHz frame rate.
 MAX_MASK_FRAMES = 10_000
+#: Largest |value| accepted in an fbank. A Kaldi log-mel energy lies between log(float32
+#: epsilon) = -15.9 and log((400 * 32768)^2) = 32.8 for full-scale 16-bit audio, so a
+#: mean-removed fbank stays within about +-50; 1e4 is 200x that (room for other front-ends'
+#: scaling) and 15 orders of magnitude below ~1e19, where the trunk's statistics pooling
+#: squares values past float32's range and the embedding turns NaN.
+MAX_FBANK_MAGNITUDE = 1e4
 
 
 class InputError(ValueError):
@@ -21,6 +27,7 @@ class InputError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 class InputLengthError(InputError):
@@ -49,11 +56,26 @@ def check_fbank(fbank: np.ndarray, field: str = "fbank") -> np.ndarray:
     return fbank
 
 
+def check_fbank_magnitude(fbank: np.ndarray, field: str = "fbank") -> np.ndarray:
+    """Finite fbank -> itself when every |value| <= MAX_FBANK_MAGNITUDE. Kept apart from
+    check_fbank (which engines call on every batch): a service takes only values a real
+    front-end makes, so an embedding can never overflow to NaN because of its input."""
+    if fbank.size:
+        peak = max(float(fbank.max()), -float(fbank.min()))  # no |x| temporary of 10 MB
+        if peak > MAX_FBANK_MAGNITUDE:
+            raise InputError(
+                field,
+                f"peak |x| = {peak:.4g}; a log-mel fbank lies within +-{MAX_FBANK_MAGNITUDE:g} "
+                "(a real one within about +-50)",
+            )
+    return fbank
+
+
 def check_waveform(waveform: np.ndarray, field: str = "waveform") -> np.ndarray:
     """[n, 160000] float32 in [-1, 1], finite."""
     if waveform.ndim != 2 or waveform.shape[1] != CHUNK_SAMPLES or waveform.shape[0] < 1:
         raise InputError(field, f"shape {tuple(waveform.shape)}, expected [n, {CHUNK_SAMPLES}] with n >= 1")
-    if waveform.dtype not in (np.float32, np.float16):
+    if waveform.dtype != np.float32:  # the contract: float16 audio would lose 5 bits of the signal
         raise InputError(field, f"dtype {waveform.dtype}, expected float32")
     waveform = np.ascontiguousarray(waveform, dtype=np.float32)
     _finite(field, waveform)

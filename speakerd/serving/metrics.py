@@ -45,8 +45,10 @@ METRIC_NAMES = (
 )
 
 #: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
+#: decode_budget: too many bytes of other requests were being decoded (RESOURCE_EXHAUSTED).
 REJECT_REASONS = (
-    "invalid_argument", "queue_full", "deadline_exceeded", "draining", "not_ready", "cancelled", "internal",
+    "invalid_argument", "queue_full", "decode_budget", "deadline_exceeded", "draining", "not_ready",
+    "cancelled", "internal",
 )  # fmt: skip
 
 

@@ -1,20 +1,34 @@
 """The `speakerd.v1.SpeakerEmbedding` gRPC service on grpc.aio.
 
-Embed requests reach the handlers as raw bytes (see `register`) and are parsed without
-copying their tensors (request_wire.py); each is validated off the event loop (a 32-chunk
-fbank is 10 MB to check for NaN), queued in the batcher as chunks, and answered with its
-own rows in its own order.
-Every failure maps to one gRPC code and one `speakerd_requests_rejected_total` reason, with a
-message naming the field and what was expected (SPEC 5), and is logged with the request id
-(the `x-request-id` metadata, else the request's `request_id`, else a generated one).
+Embed requests reach the handlers as raw bytes (see `register`); each is parsed without
+copying its tensors (wire.py) and validated in a decode thread, never on the event loop
+(a 32-chunk fbank is 10 MB to check for NaN, and a hostile message of tiny fields is
+thousands of Python steps), then queued in the batcher as chunks and answered with its
+own rows in its own order. Bytes being decoded at once are bounded (budget.py).
+
+Every failure maps to one gRPC code and one `speakerd_requests_rejected_total` reason,
+with a message naming the field and what was expected and, for INVALID_ARGUMENT, a
+`google.rpc.BadRequest` detail saying the same (errors.py); an unexpected exception is
+INTERNAL, never UNKNOWN. A call is logged and counted in the latency histogram under the
+code it was answered with, with its request id: the `x-request-id` metadata, else the
+request's `request_id`, else a generated one (request_ids.py says which ids are accepted).
+
+Which code for which failure:
+- INVALID_ARGUMENT: malformed bytes, shape, dtype, byte length, NaN/Inf, an fbank beyond
+  MAX_FBANK_MAGNITUDE (no real front-end makes one, and the trunk would overflow), a bad
+  request id, and a request of more chunks than the queue holds (it can never be served,
+  so it gets a code clients do not retry; the message names the limit and the size).
+- RESOURCE_EXHAUSTED: the queue or the decode budget is full now; retrying can succeed.
+- INTERNAL: the engine failed, or returned a non-finite embedding for inputs within range.
+- DEADLINE_EXCEEDED, UNAVAILABLE (draining, warming up), CANCELLED as their names say.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,10 +46,20 @@ from speakerd.model.architecture import (
     MAX_SPEAKERS,
     MEL_BINS,
 )
-from speakerd.model.inputs import InputError, check_fbank, check_masks, check_waveform
+from speakerd.model.inputs import (
+    InputError,
+    check_fbank,
+    check_fbank_magnitude,
+    check_masks,
+    check_waveform,
+)
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.serving.batcher import Batcher, DeadlinePassed, Draining, EngineFailed, QueueFull
+from speakerd.serving.budget import ByteBudget
+from speakerd.serving.errors import Rejection, abort
 from speakerd.serving.metrics import Metrics
+from speakerd.serving.recording import RecordingService
+from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.wire import WireError, WireRequest, parse_request
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
@@ -47,9 +71,17 @@ REQUEST_ID_KEY = "x-request-id"
 #: Threads decoding and validating requests: NumPy releases the GIL in isfinite and casts,
 #: so a few threads keep up with a GPU doing ~8,000 chunks/s without blocking the event loop.
 DECODE_THREADS = 4
+#: The decode byte budget in largest messages: as many as the decode threads work on at
+#: once; a message beyond those would only wait in memory for a thread.
+DECODE_BUDGET_MESSAGES = DECODE_THREADS
 #: Requests of one stream in flight at once: enough to keep a b32 plan busy from a single
 #: stream of small requests; gRPC flow control holds the client back beyond it.
 STREAM_WINDOW = 16
+#: Value for the server option `grpc.max_concurrent_streams`: calls open at once on one
+#: connection. gRPC receives a call's whole message before the handler runs, so this times
+#: the message limit bounds what one connection can make the server hold (32 x 64 MiB);
+#: 32 one-chunk calls fill a b32 batch, and EmbedChunksStream carries more per call.
+MAX_CONCURRENT_STREAMS = 32
 
 
 def package_version() -> str:
@@ -57,17 +89,6 @@ def package_version() -> str:
         return metadata.version("speakerd")
     except metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-class Rejection(Exception):
-    """A call answered with a gRPC error: code, metrics reason and a message for the client."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
-        self.request_id = ""  # set once the request's id is known
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,14 @@ class Prepared:
     masks: np.ndarray  # [n, 3, F] float32, speakers padded
     speakers: int
     active: np.ndarray  # [n, s] int32
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A parsed and validated request with its own (checked) request_id, "" when none."""
+
+    request_id: str
+    prepared: Prepared
 
 
 def _waveform_fbank() -> object | None:
@@ -105,7 +134,7 @@ def prepare(request: WireRequest, max_chunks: int, waveform_fbank: object | None
             waveform = check_waveform(from_tensor(request.waveform, "waveform"))
             fbank = waveform_fbank(waveform)  # type: ignore[operator]
         else:
-            fbank = check_fbank(from_tensor(request.fbank, "fbank"))
+            fbank = check_fbank_magnitude(check_fbank(from_tensor(request.fbank, "fbank")))
         if request.masks is None:
             raise InputError(
                 "masks", f"missing; expected [{fbank.shape[0]}, s, F] with s in 1..{MAX_SPEAKERS}"
@@ -115,9 +144,30 @@ def prepare(request: WireRequest, max_chunks: int, waveform_fbank: object | None
         raise InputError(error.field, error.message) from error
     if fbank.shape[0] > max_chunks:
         raise InputError(
-            kind, f"{fbank.shape[0]} chunks exceed the server's queue of {max_chunks}; split the request"
+            kind,
+            f"{fbank.shape[0]} chunks, expected at most {max_chunks} (this server's queue, "
+            "--queue-chunks): a larger request can never be served; split it",
         )
     return Prepared(fbank, pad_speakers(masks), int(masks.shape[1]), active_frames(masks))
+
+
+def decode(raw: bytes, max_chunks: int, waveform_fbank: object | None) -> Decoded:
+    """Decode thread: parse, check the request id, validate. Rejection (INVALID_ARGUMENT)
+    otherwise, carrying the request's own id once it was read."""
+    try:
+        request = parse_request(raw)
+    except WireError as error:
+        raise Rejection.invalid(error.field, error.message) from error
+    try:
+        request_id = check_request_id(request.request_id, "request_id")
+    except RequestIdError as error:
+        raise Rejection.invalid(error.field, error.message) from error
+    try:
+        return Decoded(request_id, prepare(request, max_chunks, waveform_fbank))
+    except InputError as error:
+        rejection = Rejection.invalid(error.field, error.message)
+        rejection.given_id = request_id
+        raise rejection from error
 
 
 class SpeakerEmbeddingService:
@@ -133,9 +183,11 @@ class SpeakerEmbeddingService:
         self.draining = False
         self._waveform_fbank = _waveform_fbank()
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="decode")
+        self._budget = ByteBudget(DECODE_BUDGET_MESSAGES * max_message_bytes)
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.recording)
 
     def attach(self, engine: Engine, batcher: Batcher) -> None:
         self.engine, self.batcher = engine, batcher
@@ -154,30 +206,80 @@ class SpeakerEmbeddingService:
 
     def close(self) -> None:
         self._decoder.shutdown(wait=False, cancel_futures=True)
+        self.recordings.close()
 
     # --- calls -------------------------------------------------------------------------
 
     async def EmbedChunks(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         """`raw`: the serialized EmbedRequest (see `register`)."""
-        return await self._observed("EmbedChunks", raw, context, lambda given: _request_id(context, given))
+        try:
+            return await self._observed(
+                "EmbedChunks", raw, context, lambda given: _request_id(context, given)
+            )
+        except Rejection as error:
+            await abort(context, error)
+            raise  # not reached: abort raises
 
     async def EmbedChunksStream(
         self, raw_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedResponse]:
-        """Answers in request order; up to STREAM_WINDOW requests are batched concurrently."""
-        stream_id = _request_id(context, "")
-        window: asyncio.Queue[asyncio.Task[pb.EmbedResponse] | None] = asyncio.Queue(STREAM_WINDOW)
+        """Answers in request order; up to STREAM_WINDOW requests are in flight at once.
+
+        A request reaches the batcher only after every earlier one on the stream passed
+        validation, and once one fails no later request is started (those in flight are
+        cancelled): the stream ends with the first failure's status, so nothing sent after
+        it may cost engine work. A request is read into the window only when there is room,
+        so a stream cancelled while its window is full leaves no request behind.
+        """
+        try:
+            stream_id = _request_id(context, "")
+        except Rejection as error:
+            self.metrics.rejected.labels(reason=error.reason).inc()
+            log.info("EmbedChunksStream: %s %s", error.code.name, error.message)
+            await abort(context, error)
+        loop = asyncio.get_running_loop()
+        room = asyncio.Semaphore(STREAM_WINDOW)
+        window: asyncio.Queue[asyncio.Task[pb.EmbedResponse] | None] = asyncio.Queue()
+        pending: dict[int, asyncio.Task[pb.EmbedResponse]] = {}
+        failed = False
+
+        def settle(index: int, task: asyncio.Task[pb.EmbedResponse]) -> None:
+            """A request failed: cancel every later one, and read no more."""
+            nonlocal failed
+            if task.cancelled() or task.exception() is None:
+                return
+            failed = True
+            for later, other in pending.items():
+                if later > index:
+                    other.cancel()
 
         async def read() -> None:
-            index = 0
+            index, after = 0, None
             try:
-                async for raw in raw_iterator:
+                while True:
+                    # room first, then read: a full window holds the client back by flow
+                    # control, and a stream cancelled while waiting leaves no request behind
+                    await room.acquire()
+                    if failed:
+                        break
+                    try:
+                        raw = await anext(raw_iterator)
+                    except StopAsyncIteration:
+                        break
+                    if failed:
+                        break
+                    validated: asyncio.Future[bool] = loop.create_future()
                     own = f"{stream_id}/{index}"
-                    call = self._observed("EmbedChunksStream", raw, context, lambda given, f=own: given or f)
-                    await window.put(asyncio.ensure_future(call))
-                    index += 1
+                    call = self._observed(
+                        "EmbedChunksStream", raw, context, lambda given, f=own: given or f, after, validated
+                    )
+                    task = asyncio.ensure_future(call)
+                    pending[index] = task
+                    task.add_done_callback(functools.partial(settle, index))
+                    window.put_nowait(task)
+                    index, after = index + 1, validated
             finally:
-                await window.put(None)
+                window.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         index = 0
@@ -186,16 +288,15 @@ class SpeakerEmbeddingService:
                 try:
                     response = await task
                 except Rejection as error:
-                    where = f"request {index} (id {error.request_id})"
-                    await context.abort(error.code, f"{where}: {error.message}")
+                    await abort(context, error, f"request {index} (id {error.request_id}): ")
+                del pending[index]
+                room.release()
                 yield response
                 index += 1
         finally:
             reader.cancel()
-            while not window.empty():
-                task = window.get_nowait()
-                if task is not None:
-                    task.cancel()
+            for task in pending.values():
+                task.cancel()
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -229,32 +330,41 @@ class SpeakerEmbeddingService:
         raw: bytes,
         context: grpc.aio.ServicerContext,
         name: Callable[[str], str],
+        after: asyncio.Future[bool] | None = None,
+        validated: asyncio.Future[bool] | None = None,
     ) -> pb.EmbedResponse:
         """Serve one serialized request with its metrics and log line; `name` turns the
-        request's own request_id into the id it is logged and answered under. Unary calls
-        abort on Rejection; stream calls re-raise it for the stream to abort."""
+        request's own request_id into the id it is logged and answered under. Failures
+        raise Rejection (the caller aborts the call with it).
+
+        Streams order submission: `after` resolves True once every earlier request of the
+        stream passed validation (False when one failed); `validated` is resolved likewise
+        for this request and those before it."""
         started = time.perf_counter()
         code = grpc.StatusCode.OK
-        request_id = name("")
+        request_id = fresh_request_id()
         self._enter()
         try:
-            try:  # a few microseconds: tensors stay views into `raw`
-                request = parse_request(raw)
-            except WireError as error:
-                raise Rejection(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(error)) from error
-            request_id = name(request.request_id)
-            response = await self._embed(request, context, request_id)
-            log.debug("%s %s: %d chunks in %.1f ms", method, request_id, response.embeddings.shape[0],
+            request_id = name("")
+            decoded = await self._decode(raw, context)
+            request_id = name(decoded.request_id)
+            # shielded: this call being cancelled must not cancel the previous one's future
+            if after is not None and not await asyncio.shield(after):
+                raise asyncio.CancelledError  # an earlier request failed: the stream ends there
+            if validated is not None and not validated.done():
+                validated.set_result(True)
+            response = await self._embed(decoded, context, request_id)
+            log.debug("%s %s: %d chunks in %.1f ms", method, request_id, decoded.prepared.fbank.shape[0],
                       1e3 * (time.perf_counter() - started))  # fmt: skip
             return response
         except Rejection as error:
             code = error.code
+            if error.given_id:
+                request_id = _or_fresh(name, error.given_id)
             error.request_id = request_id
             self.metrics.rejected.labels(reason=error.reason).inc()
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
             log.log(level, "%s %s: %s %s", method, request_id, code.name, error.message)
-            if method == "EmbedChunks":
-                await context.abort(code, error.message)
             raise
         except asyncio.CancelledError:
             remaining = context.time_remaining()
@@ -265,7 +375,18 @@ class SpeakerEmbeddingService:
                 "%s %s: %s by the client", method, request_id, "deadline passed" if expired else "cancelled"
             )
             raise
+        except Exception as error:  # a bug here, not the caller's: INTERNAL, never UNKNOWN
+            code = grpc.StatusCode.INTERNAL
+            self.metrics.rejected.labels(reason="internal").inc()
+            log.exception("%s %s: INTERNAL unexpected %s", method, request_id, type(error).__name__)
+            internal = Rejection(
+                code, "internal", f"internal error ({type(error).__name__}); see the server log"
+            )
+            internal.request_id = request_id
+            raise internal from error
         finally:
+            if validated is not None and not validated.done():
+                validated.set_result(False)
             self.metrics.request_duration.labels(method=method, code=code.name).observe(
                 time.perf_counter() - started
             )
@@ -282,29 +403,48 @@ class SpeakerEmbeddingService:
         if self._inflight == 0:
             self._idle.set()
 
-    async def _embed(
-        self, request: WireRequest, context: grpc.aio.ServicerContext, request_id: str
-    ) -> pb.EmbedResponse:
-        engine, batcher = self.engine, self.batcher
+    def _ready(self) -> Batcher:
+        """The batcher when calls are taken; Rejection (UNAVAILABLE) while warming or draining."""
         if self.draining:
             raise Rejection(
                 grpc.StatusCode.UNAVAILABLE, "draining", "the server is draining; retry elsewhere"
             )
-        if engine is None or batcher is None:
+        if self.engine is None or self.batcher is None:
             raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
+        return self.batcher
+
+    async def _decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> Decoded:
+        """Parse and validate in a decode thread, within the byte budget."""
+        batcher = self._ready()
         remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
         if remaining is not None and remaining <= 0:
             raise Rejection(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", "deadline passed on arrival"
             )
-        loop = asyncio.get_running_loop()
-        try:
-            prepared = await loop.run_in_executor(
-                self._decoder, prepare, request, batcher.queue_chunks, self._waveform_fbank
+        size = len(raw)
+        if not self._budget.take(size):
+            raise Rejection(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "decode_budget",
+                f"request: {size} bytes do not fit the decode budget now ({self._budget.used_bytes} of "
+                f"{self._budget.limit_bytes} bytes in use by other requests); retry with backoff",
             )
-        except InputError as error:
-            raise Rejection(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(error)) from error
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._decoder, decode, raw, batcher.queue_chunks, self._waveform_fbank
+            )
+        finally:
+            self._budget.give(size)
+
+    async def _embed(
+        self, decoded: Decoded, context: grpc.aio.ServicerContext, request_id: str
+    ) -> pb.EmbedResponse:
+        batcher, engine = self.batcher, self.engine  # checked by _decode: a call begun is served
+        assert batcher is not None and engine is not None
+        prepared = decoded.prepared
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         try:
             result = await batcher.submit(prepared.fbank, prepared.masks, deadline)
         except QueueFull as error:
@@ -316,6 +456,14 @@ class SpeakerEmbeddingService:
         except EngineFailed as error:
             raise Rejection(grpc.StatusCode.INTERNAL, "internal", str(error)) from error
         embeddings = result.embeddings[:, : prepared.speakers]
+        finite = np.isfinite(embeddings)
+        if not finite.all():  # inputs were finite and in range: the fault is the server's
+            raise Rejection(
+                grpc.StatusCode.INTERNAL,
+                "internal",
+                f"embeddings: the engine returned {finite.size - int(finite.sum())} non-finite values "
+                "for finite inputs within range; a server fault, reported in its log",
+            )
         return pb.EmbedResponse(
             embeddings=to_tensor(embeddings),
             empty=(prepared.active == 0).ravel().tolist(),
@@ -329,11 +477,23 @@ class SpeakerEmbeddingService:
 
 
 def _request_id(context: grpc.aio.ServicerContext, given: str) -> str:
-    """x-request-id metadata, else the request's own id, else a fresh one (16 hex digits)."""
+    """x-request-id metadata, else the request's own id (checked already), else a fresh
+    one; Rejection (INVALID_ARGUMENT) for metadata that is no usable id."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY and value:
-            return str(value)
-    return given or uuid.uuid4().hex[:16]
+            try:
+                return check_request_id(str(value), REQUEST_ID_KEY)
+            except RequestIdError as error:
+                raise Rejection.invalid(error.field, error.message) from error
+    return given or fresh_request_id()
+
+
+def _or_fresh(name: Callable[[str], str], given: str) -> str:
+    """`name(given)`, or a fresh id when even the metadata id is unusable."""
+    try:
+        return name(given)
+    except Rejection:
+        return fresh_request_id()
 
 
 def register(service: SpeakerEmbeddingService, server: grpc.aio.Server) -> None:
@@ -351,6 +511,11 @@ def register(service: SpeakerEmbeddingService, server: grpc.aio.Server) -> None:
             service.GetModelInfo,
             request_deserializer=pb.GetModelInfoRequest.FromString,
             response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+        "EmbedRecording": grpc.stream_stream_rpc_method_handler(
+            service.recordings.EmbedRecording,
+            request_deserializer=pb.EmbedRecordingRequest.FromString,
+            response_serializer=pb.EmbedRecordingResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -6,6 +6,7 @@ so a 10 MB fbank costs one memcpy per side instead of a per-float protobuf decod
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -59,11 +60,15 @@ def from_tensor(tensor: TensorFields, field: str) -> np.ndarray:
     if tensor.dtype not in DTYPES:
         name = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else str(tensor.dtype)
         raise TensorError(field, f"dtype {name}, expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_UINT8")
+    if not 1 <= len(tensor.shape) <= MAX_DIMS:  # the count only: a long shape would make a huge message
+        raise TensorError(field, f"shape of {len(tensor.shape)} dimensions, expected 1 to {MAX_DIMS}")
     shape = tuple(int(d) for d in tensor.shape)
-    if not 1 <= len(shape) <= MAX_DIMS or any(d < 0 for d in shape):
-        raise TensorError(field, f"shape {list(shape)} is not an array shape")
+    if any(d < 0 for d in shape):
+        raise TensorError(field, f"shape {list(shape)} has a negative dimension")
     dtype = DTYPES[tensor.dtype]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # Python ints, not np.prod: an int64 product wraps (2**32 * 2**32 == 0 in int64), and a
+    # wrapped count would accept 0 bytes for a 16-exbi-element shape and fail in reshape
+    expected = math.prod(shape) * dtype.itemsize
     data = tensor.data  # each read of a bytes field copies it out of the message: read once
     if len(data) != expected:
         raise TensorError(

@@ -1,0 +1,74 @@
+"""How a failed call is answered: one gRPC code, one metrics reason, a message, and for
+INVALID_ARGUMENT a `google.rpc.BadRequest` detail naming the field.
+
+The message is for people (it starts with the field's name); the detail is for programs:
+a client reads it with `grpc_status.rpc_status.from_call(error)` and finds the field
+violation without parsing text. Both say the same thing, built from one Rejection.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+#: Longest message sent to a client. gRPC carries it in a trailer, and trailers past the
+#: peer's metadata limit (8 KiB by default) end the call as RESOURCE_EXHAUSTED instead of
+#: the code meant: every message built here stays far below that, this makes sure of it.
+MAX_MESSAGE_CHARS = 1024
+
+
+class Rejection(Exception):
+    """A call answered with a gRPC error: code, metrics reason and a message for the client.
+
+    `field` (with `expected`, what the field should have been) is set for INVALID_ARGUMENT
+    and becomes the BadRequest field violation; the message is "field: expected".
+    """
+
+    def __init__(
+        self, code: grpc.StatusCode, reason: str, message: str, field: str = "", expected: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.field = field
+        self.expected = expected
+        self.given_id = ""  # the request's own request_id, when parsing got that far
+        self.request_id = ""  # the id the call is logged under, set by the service
+
+    @classmethod
+    def invalid(cls, field: str, expected: str) -> Rejection:
+        """INVALID_ARGUMENT for `field`, saying what was expected of it."""
+        return cls(
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", f"{field}: {expected}", field, expected
+        )
+
+    def status(self, prefix: str = "") -> grpc.Status:
+        """The status to abort with: `prefix` (e.g. a stream position) before the message."""
+        message = _bounded(prefix + self.message)
+        status = status_pb2.Status(code=_rpc_code(self.code), message=message)
+        if self.field:
+            violation = error_details_pb2.BadRequest.FieldViolation(
+                field=self.field, description=_bounded(self.expected)
+            )
+            detail = any_pb2.Any()
+            detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+            status.details.append(detail)
+        return rpc_status.to_status(status)
+
+
+def _rpc_code(code: grpc.StatusCode) -> int:
+    """grpc.StatusCode -> its google.rpc.Code number (the same numbering)."""
+    return code_pb2.Code.Value(code.name)
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+async def abort(context: grpc.aio.ServicerContext, rejection: Rejection, prefix: str = "") -> None:
+    """End the call with `rejection`'s status and details (raises, as context.abort does)."""
+    status = rejection.status(prefix)
+    await context.abort(status.code, status.details, status.trailing_metadata)
