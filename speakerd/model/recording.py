@@ -279,6 +279,6 @@ class RecordingDecoder:
         return self.source.finish()
 
 
-def window_starts_s(count: int, step: int = STEP_SAMPLES) -> np.ndarray:
-    """[count] float64 start time in seconds of each window (the padded one included)."""
-    return np.arange(count, dtype=np.float64) * step / SAMPLE_RATE
+def window_starts_s(start: int, stop: int, step: int = STEP_SAMPLES) -> np.ndarray:
+    """Start times in seconds of windows [start, stop) (the padded last one included), float64."""
+    return np.arange(start, stop, dtype=np.float64) * step / SAMPLE_RATE

@@ -1,0 +1,154 @@
+"""The client side of `EmbedRecording`: samples in memory -> a stream of small messages,
+the streamed answers -> one `[n, s, 256]` array with its flags and window start times.
+
+Messages stay near PIECE_BYTES (1 MiB) so that no message approaches gRPC's size limit and
+the server can decode while the rest is in flight: header, PCM pieces cut on frame
+boundaries, then the masks in pieces of whole windows.
+"""
+
+from __future__ import annotations
+
+import wave
+from collections.abc import AsyncIterable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speakerd.v1 import speakerd_pb2 as pb
+from speakerd.v1.tensors import from_tensor, to_tensor
+
+#: Bytes of PCM or masks per message: small next to the 64 MiB message limit, large enough
+#: that per-message overhead is negligible (an hour of 16 kHz s16 is 110 messages).
+PIECE_BYTES = 1 << 20
+#: pyannote's Inference step for the pipeline's segmentation: a window every second.
+DEFAULT_STEP_S = 1.0
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class RecordingEmbeddings:
+    """A recording's embeddings in window order, with what served them."""
+
+    embeddings: np.ndarray  # [n, s, 256] float32
+    empty: np.ndarray  # [n, s] bool: no mask weight; the row is the model's bias alone
+    active_frames: np.ndarray  # [n, s] int32: trunk frames (of 125) with non-zero weight
+    starts: np.ndarray  # [n] float64 seconds
+    model_id: str
+    precision: str
+    request_id: str = ""
+    plans: list[str] = field(default_factory=list)
+    fp16_fallbacks: int = 0
+
+
+def _pcm(samples: np.ndarray) -> tuple[np.ndarray, int]:
+    """[N] or [N, C] int16 or float -> (little-endian [N, C] array, wire encoding)."""
+    samples = np.asarray(samples)
+    if samples.ndim == 1:
+        samples = samples[:, None]
+    if samples.ndim != 2 or samples.shape[0] < 1:
+        raise ValueError(f"samples: shape {samples.shape}, expected [N] or [N, channels] with N >= 1")
+    if samples.dtype == np.int16:
+        return np.ascontiguousarray(samples, dtype="<i2"), pb.AUDIO_ENCODING_PCM_S16LE
+    if samples.dtype.kind == "f":
+        return np.ascontiguousarray(samples, dtype="<f4"), pb.AUDIO_ENCODING_PCM_F32LE
+    raise ValueError(f"samples: dtype {samples.dtype}, expected int16 or float32")
+
+
+def recording_requests(
+    samples: np.ndarray,
+    sample_rate: int,
+    masks: np.ndarray,
+    exclude_overlap: bool = False,
+    step_s: float = DEFAULT_STEP_S,
+    request_id: str = "",
+    piece_bytes: int = PIECE_BYTES,
+) -> Iterator[pb.EmbedRecordingRequest]:
+    """The messages of one call: samples [N] or [N, C] (int16 or float32 in [-1, 1]) at
+    `sample_rate`, masks [n, s, F] (float32 or uint8) for the recording's n windows."""
+    pcm, encoding = _pcm(samples)
+    masks = np.asarray(masks)
+    yield pb.EmbedRecordingRequest(
+        header=pb.RecordingHeader(
+            sample_rate=sample_rate,
+            channels=pcm.shape[1],
+            encoding=encoding,
+            step_s=step_s,
+            exclude_overlap=exclude_overlap,
+            request_id=request_id,
+        )
+    )
+    frames_per_piece = max(1, piece_bytes // (pcm.itemsize * pcm.shape[1]))
+    for at in range(0, pcm.shape[0], frames_per_piece):
+        yield pb.EmbedRecordingRequest(audio=pcm[at : at + frames_per_piece].tobytes())
+    windows = int(masks.shape[0])
+    rows_per_piece = max(1, piece_bytes // max(1, masks[:1].nbytes))
+    for at in range(0, max(windows, 1), rows_per_piece):
+        part = masks[at : at + rows_per_piece]
+        yield pb.EmbedRecordingRequest(masks=pb.RecordingMasks(windows=windows, masks=to_tensor(part)))
+
+
+def collect(received: Iterable[pb.EmbedRecordingResponse]) -> RecordingEmbeddings:
+    """Responses in window order -> one RecordingEmbeddings; ValueError if windows are missing."""
+    responses = list(received)
+    if not responses:
+        raise ValueError("no responses: the call returned no windows")
+    expected = 0
+    for response in responses:
+        if response.first_window != expected:
+            raise ValueError(f"response for window {response.first_window}, expected window {expected}")
+        expected += len(response.starts)
+    if expected != responses[-1].windows:
+        raise ValueError(f"{expected} windows answered of {responses[-1].windows}")
+    embeddings = np.concatenate([from_tensor(r.embeddings, "embeddings") for r in responses]).astype(
+        np.float32
+    )
+    rows = embeddings.shape[:2]
+    last = responses[-1]
+    return RecordingEmbeddings(
+        embeddings=embeddings,
+        empty=np.array([e for r in responses for e in r.empty], dtype=bool).reshape(rows),
+        active_frames=np.array([a for r in responses for a in r.active_frames], dtype=np.int32).reshape(rows),
+        starts=np.array([s for r in responses for s in r.starts], dtype=np.float64),
+        model_id=last.model_id,
+        precision=last.precision,
+        request_id=last.request_id,
+        plans=sorted({p for r in responses for p in r.plans}),
+        fp16_fallbacks=sum(r.fp16_fallbacks for r in responses),
+    )
+
+
+def embed_recording(
+    stub: Any, requests: Iterator[pb.EmbedRecordingRequest], timeout_s: float, metadata: Metadata
+) -> RecordingEmbeddings:
+    """Blocking call on a SpeakerEmbeddingStub; the reassembled RecordingEmbeddings."""
+    return collect(stub.EmbedRecording(requests, timeout=timeout_s, metadata=metadata))
+
+
+async def embed_recording_async(
+    stub: Any, requests: Iterator[pb.EmbedRecordingRequest], timeout_s: float, metadata: Metadata
+) -> RecordingEmbeddings:
+    """The same on a grpc.aio channel's SpeakerEmbeddingStub."""
+    call = stub.EmbedRecording(_aiter(requests), timeout=timeout_s, metadata=metadata)
+    return collect([response async for response in call])
+
+
+async def _aiter(items: Iterable[pb.EmbedRecordingRequest]) -> AsyncIterable[pb.EmbedRecordingRequest]:
+    for item in items:
+        yield item
+
+
+def read_audio(path: str | Path, sample_rate: int | None = None) -> tuple[np.ndarray, int]:
+    """(samples, rate) of a PCM16 WAV file, or of a .npy array [N] / [N, C] with `sample_rate`."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        if sample_rate is None:
+            raise ValueError(f"{path}: a .npy recording needs --sample-rate")
+        return np.load(path), sample_rate
+    with wave.open(str(path), "rb") as reader:
+        if reader.getsampwidth() != 2:
+            raise ValueError(f"{path}: {8 * reader.getsampwidth()}-bit WAV, expected 16-bit PCM")
+        data = np.frombuffer(reader.readframes(reader.getnframes()), dtype="<i2")
+        return data.reshape(-1, reader.getnchannels()), reader.getframerate()

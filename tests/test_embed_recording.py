@@ -1,0 +1,209 @@
+"""EmbedRecording end to end: a real `python -m speakerd serve` on loopback, CPU engine.
+
+The contract: a recording's rows equal EmbedChunks on the windows pyannote's pipeline would
+cut from it (resampled, downmixed, exclude_overlap applied), in window order with their
+start times; every bad input is INVALID_ARGUMENT naming its field; a client that cancels
+mid-recording costs no further engine work.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from speakerd.client.client import SpeakerClient
+from speakerd.client.recording import recording_requests
+from speakerd.model.audio import speaker_masks, synthetic_recording
+from speakerd.model.fbank import chunk_recording, fbank
+from speakerd.model.numerics import BOUNDS, Math, compare
+from speakerd.model.recording import exclude_overlap
+from speakerd.model.resample import resample
+from speakerd.serving.recording import BATCHES_IN_FLIGHT
+from speakerd.v1 import speakerd_pb2 as pb
+from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
+from tests.serving import start_server
+from tests.test_service import scrape
+
+#: b8 keeps a CPU batch near 1 s, so a recording spans several batches.
+PLANS = "1,8"
+MAX_BATCH = 8
+TIMEOUT_S = 600.0
+EMBEDDED = "speakerd_chunks_embedded_total{}"
+CANCELLED = "speakerd_requests_rejected_total{reason=cancelled}"
+
+
+@pytest.fixture(scope="module")
+def server(weights_path):
+    running = start_server(weights_path, "--plans", PLANS)
+    yield running
+    assert running.terminate() == 0, running.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with SpeakerClient(server.target, timeout_s=TIMEOUT_S) as speaker_client:
+        yield speaker_client
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.SpeakerEmbeddingStub(channel)
+
+
+@pytest.fixture(scope="module")
+def speech():
+    """23.5 s of 3-speaker speech-like audio: 15 windows, the last one zero-padded."""
+    return synthetic_recording(23.5, seed=11)
+
+
+def _windows_via_embed_chunks(client: SpeakerClient, samples16k: np.ndarray, masks: np.ndarray):
+    """What the pipeline computes: per-window fbank (speakerd.model.fbank) over EmbedChunks."""
+    chunks = chunk_recording(samples16k)
+    return client.embed(fbank(chunks.waveforms), masks)
+
+
+def _check_equal(result, expected, windows: int, speakers: int) -> None:
+    assert result.embeddings.shape == (windows, speakers, 256), result.embeddings.shape
+    parity = compare(result.embeddings, expected.embeddings)
+    print(
+        f"\nEmbedRecording vs EmbedChunks: min cosine {parity.min_cosine:.7f}, max abs {parity.max_abs:.2e}"
+    )
+    assert parity.min_cosine >= BOUNDS[Math.FP32].min_cosine, parity
+    np.testing.assert_array_equal(result.empty, expected.empty)
+    np.testing.assert_array_equal(result.active_frames, expected.active_frames)
+    np.testing.assert_allclose(result.starts, np.arange(windows, dtype=np.float64))
+
+
+def test_equals_embed_chunks_at_16k_with_exclude_overlap(client: SpeakerClient, speech) -> None:
+    chunks = chunk_recording(speech.samples)
+    masks = speaker_masks(speech, chunks.starts)
+    result = client.embed_recording(speech.samples, 16_000, masks, exclude_overlap=True)
+    expected = _windows_via_embed_chunks(client, speech.samples, exclude_overlap(masks))
+    _check_equal(result, expected, len(chunks), 3)
+    assert result.precision == "fp32" and result.model_id == expected.model_id
+
+
+def test_equals_embed_chunks_for_stereo_s16_at_22k(client: SpeakerClient, speech) -> None:
+    """22.05 kHz stereo int16: the server downmixes and resamples; the expected windows are
+    cut from the same decode -> downmix -> resample (speakerd.model, tested on its own)."""
+    rate = 22_050
+    left = resample(speech.samples, 16_000, rate)
+    stereo = np.stack([left, 0.5 * left[::-1]], axis=1)
+    pcm = np.round(np.clip(stereo, -1, 1) * 32767).astype(np.int16)
+    mono16k = resample(
+        (pcm.astype(np.float32) / 32768).mean(axis=1, dtype=np.float64).astype(np.float32), rate, 16_000
+    )
+    chunks = chunk_recording(mono16k)
+    masks = speaker_masks(speech, chunks.starts)[:, :2]
+    result = client.embed_recording(pcm, rate, masks)
+    expected = _windows_via_embed_chunks(client, mono16k, masks)
+    _check_equal(result, expected, len(chunks), 2)
+
+
+def _header(**fields) -> pb.EmbedRecordingRequest:
+    values = {"sample_rate": 16_000, "channels": 1, "encoding": pb.AUDIO_ENCODING_PCM_F32LE, **fields}
+    return pb.EmbedRecordingRequest(header=pb.RecordingHeader(**values))
+
+
+def _audio(values: list[float] | np.ndarray, dtype: str = "<f4") -> pb.EmbedRecordingRequest:
+    return pb.EmbedRecordingRequest(audio=np.asarray(values, dtype=dtype).tobytes())
+
+
+def _masks(shape: tuple[int, ...], windows: int = 1) -> pb.EmbedRecordingRequest:
+    tensor = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(shape), data=np.ones(shape, "<f4").tobytes())
+    return pb.EmbedRecordingRequest(masks=pb.RecordingMasks(windows=windows, masks=tensor))
+
+
+SECOND = np.full(16_000, 0.1)  # 1 s of audio: one padded window
+BAD_CALLS = {
+    "rate 0": ([_header(sample_rate=0)], r"header\.sample_rate: 0 Hz, expected 1\.\.192000"),
+    "rate negative": ([_header(sample_rate=-8000)], r"header\.sample_rate: -8000 Hz"),
+    "rate above 192k": ([_header(sample_rate=192_001)], r"header\.sample_rate: 192001 Hz"),
+    "channels 0": ([_header(channels=0)], r"header\.channels: 0, expected 1\.\.8"),
+    "channels 9": ([_header(channels=9)], r"header\.channels: 9, expected 1\.\.8"),
+    "no encoding": ([_header(encoding=0)], r"header\.encoding: AUDIO_ENCODING_UNSPECIFIED"),
+    "window 5 s": ([_header(window_s=5.0)], r"header\.window_s: 5\.0 s, expected 10"),
+    "step 12.3 ms": ([_header(step_s=0.0123)], r"header\.step_s: 0\.0123 s"),
+    "two headers": ([_header(), _header()], r"header: sent twice"),
+    "partial frame": (
+        [
+            _header(channels=2, encoding=pb.AUDIO_ENCODING_PCM_S16LE),
+            _audio([1, 2, 3], "<i2"),
+            _masks((1, 1, 589)),
+        ],
+        r"audio: 6 bytes is not a whole number of 2-channel s16 frames \(4 bytes each\)",
+    ),
+    "f32 NaN": ([_header(), _audio([0.1, np.nan])], r"audio: frame 1 holds NaN or Inf"),
+    "f32 Inf": ([_header(), _audio([np.inf])], r"audio: frame 0 holds NaN or Inf"),
+    "f32 beyond 1": ([_header(), _audio([0.1, -1.25])], r"audio: \|sample\| = 1\.25"),
+    "no audio": ([_header(), _masks((1, 1, 589))], r"audio: no samples before the masks"),
+    "window count": (
+        [_header(), _audio(SECOND), _masks((2, 1, 589), windows=2)],
+        r"masks\.windows: 2, but the 1\.000 s of audio received make 1 windows",
+    ),
+    "too many rows": (
+        [_header(), _audio(SECOND), _masks((2, 1, 589))],
+        r"masks\.masks: shape \[2, 1, 589\], expected \[k, s, F\] with 1 <= k <= 1",
+    ),
+    "four speakers": ([_header(), _audio(SECOND), _masks((1, 4, 589))], r"masks\.masks: shape \(1, 4, 589\)"),
+    "zero frames": (
+        [_header(), _audio(SECOND), _masks((1, 1, 0))],
+        r"masks\.masks: 0 frames, expected 1\.\.",
+    ),
+    "audio after masks": (
+        [_header(), _audio(SECOND[:8000]), _masks((1, 1, 589)), _audio(SECOND[:8000])],
+        r"audio: a piece after the masks",
+    ),
+    "ends before masks": (
+        [_header(), _audio(SECOND)],
+        r"masks: the call ended after 0 mask rows, expected 1",
+    ),
+    "ends before header": ([], r"header: the call ended before its header"),
+    "audio before header": ([_audio(SECOND)], r"header: the first message must be the header, got audio"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_is_invalid_argument_naming_the_field(stub, case: str) -> None:
+    messages, message = BAD_CALLS[case]
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.EmbedRecording(iter(messages), timeout=60))
+    error = raised.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, error.code(), error.details())
+    assert re.search(message, error.details()), (case, error.details())
+
+
+def _settled(server, timeout_s: float = 120.0) -> dict[str, float]:
+    """Metrics once the engine has stopped: two scrapes 2 s apart with the same chunk count."""
+    deadline, previous = time.monotonic() + timeout_s, scrape(server)
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        current = scrape(server)
+        if current.get(EMBEDDED) == previous.get(EMBEDDED):
+            return current
+        previous = current
+    raise AssertionError(f"the engine kept running for {timeout_s} s")
+
+
+def test_cancel_mid_recording_costs_no_further_engine_work(server, stub) -> None:
+    """Three minutes (171 windows); cancel after the first batch of rows: the engine runs at
+    most the batches already submitted (BATCHES_IN_FLIGHT + the one being answered)."""
+    samples = (np.random.default_rng(7).standard_normal(180 * 16_000) * 0.1).astype(np.float32)
+    windows = len(chunk_recording(samples))
+    masks = np.ones((windows, 1, 589), dtype=np.float32)
+    before = _settled(server)
+    call = stub.EmbedRecording(recording_requests(samples, 16_000, masks), timeout=TIMEOUT_S)
+    first = next(call)
+    received = len(first.starts)
+    call.cancel()
+    after = _settled(server)
+    embedded = after[EMBEDDED] - before[EMBEDDED]
+    bound = received + (BATCHES_IN_FLIGHT + 1) * MAX_BATCH
+    print(f"\n{windows} windows, cancelled after {received}: {embedded:.0f} embedded (bound {bound})")
+    assert embedded <= bound < windows, (embedded, bound, windows)
+    assert after.get(CANCELLED, 0.0) - before.get(CANCELLED, 0.0) == 1.0, after.get(CANCELLED)
