@@ -338,6 +338,8 @@ def test_bad_input_names_the_field() -> None:
         engine.windows(0, 0, out)
     with pytest.raises(InputError, match=r"^out: device pointer .* is not 16-byte aligned"):
         engine.windows(0, 1, int(out.data.ptr) + 4)
+    with pytest.raises(InputError, match=r"^out: float32 shape \(1, 998, 80\), expected .* >= 159680 values"):
+        engine.windows(0, 2, out[:1])
     with pytest.raises(InputError, match=r"^waveform: shape \(5, 160000\)"):
         engine.batch(cupy.zeros((5, CHUNK_SAMPLES), dtype=cupy.float32), out)
     with pytest.raises(InputError, match=r"^waveform: shape \(1, 1000\)"):
