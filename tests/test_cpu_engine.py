@@ -14,7 +14,7 @@ from speakerd.engine.cpu import CpuEngine
 from speakerd.engine.factory import EngineUnavailable, create_engine, resolve_kind
 from speakerd.engine.gpu import gpu_available
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
-from speakerd.model.inputs import InputError
+from speakerd.model.inputs import InputError, InputLengthError
 from speakerd.model.numerics import BOUNDS, Math, compare
 
 #: Small plans keep CPU tests fast; (1, 4) still exercises splitting and plan choice.
@@ -53,6 +53,34 @@ def test_batch_invariance_bit_for_bit(engine: CpuEngine, reference_cases) -> Non
             assert np.array_equal(batch.embeddings, alone[start : start + size]), (
                 f"chunks {start}..{start + size - 1} in a batch of {size} differ from alone by {worst:.3e}"
             )
+
+
+def test_pieces_give_the_bits_of_the_joined_batch(engine: CpuEngine, reference_cases) -> None:
+    """run_batch on lists of pieces (the batcher's requests, fbank and masks split at
+    different places) equals run_batch on the joined arrays bit for bit."""
+    mixed = reference_cases[-1]
+    fbank, masks = mixed.fbank[:4], mixed.masks[:4]
+    joined = engine.run_batch(fbank, masks)
+    pieces = engine.run_batch([fbank[:1], fbank[1:]], [masks[:3], masks[3:]])
+    worst = float(np.abs(pieces.embeddings - joined.embeddings).max())
+    assert np.array_equal(pieces.embeddings, joined.embeddings), f"pieces differ from joined by {worst:.3e}"
+    assert pieces.plans == joined.plans == ["b4/eager"], (pieces.plans, joined.plans)
+
+
+def test_pieces_are_checked(engine: CpuEngine, reference_cases) -> None:
+    """Pieces of one batch share F; a piece of the wrong shape and a short fbank are named."""
+    first = reference_cases[0]
+    frames = first.masks.shape[-1]
+    assert frames != 125, frames
+    short = np.ascontiguousarray(first.masks[..., :125])
+    with pytest.raises(InputError, match=rf"masks\[1\]: 125 mask frames where masks\[0\] has {frames}"):
+        engine.run_batch([first.fbank, first.fbank], [first.masks, short])
+    with pytest.raises(InputLengthError) as wrong:
+        engine.run_batch([first.fbank, first.fbank], [first.masks, first.masks[:, :2]])
+    assert wrong.value.field == "masks[1]" and wrong.value.given == 2 * frames, wrong.value
+    with pytest.raises(InputLengthError) as fbank:
+        engine.run_batch([first.fbank], [first.masks, first.masks])
+    assert (fbank.value.field, fbank.value.expected, fbank.value.given) == ("fbank", 2 * 998 * 80, 998 * 80)
 
 
 def test_fewer_speakers_and_any_frame_count(engine: CpuEngine, reference_cases) -> None:

@@ -8,13 +8,81 @@ only ever calls `run_batch` with n <= the largest plan; `embed` splits larger in
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from speakerd.model.architecture import EMBEDDING_DIM
-from speakerd.model.inputs import check_fbank, check_masks
+from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS
+from speakerd.model.inputs import MAX_MASK_FRAMES, InputError, InputLengthError, check_fbank, check_masks
 from speakerd.model.numerics import Math, active_frames, pad_speakers
+
+#: One array, or the pieces of several requests in order (concatenated along axis 0 they
+#: are the batch): the batcher hands an engine its requests' arrays without joining them.
+Pieces = np.ndarray | Sequence[np.ndarray]
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """A batch's fbank and masks as pieces (each a tuple of arrays, in order), with its chunk
+    count and mask frame count F, checked by `batch_inputs`."""
+
+    fbank: tuple[np.ndarray, ...]  # together chunks * 998 * 80 values
+    masks: tuple[np.ndarray, ...]  # each [k, 3, F], the k summing to `chunks`
+    chunks: int
+    frames: int
+
+    def joined(self) -> tuple[np.ndarray, np.ndarray]:
+        """(fbank [chunks, 998, 80] float32, masks [chunks, 3, F] float32) in one array each
+        (no copy for a batch of one piece already float32 and contiguous)."""
+        fbank = [np.asarray(piece, dtype=np.float32).reshape(-1) for piece in self.fbank]
+        masks = [np.asarray(piece, dtype=np.float32) for piece in self.masks]
+        fbank_one = fbank[0] if len(fbank) == 1 else np.concatenate(fbank)
+        masks_one = masks[0] if len(masks) == 1 else np.concatenate(masks, axis=0)
+        return (
+            np.ascontiguousarray(fbank_one).reshape(self.chunks, FRAMES, MEL_BINS),
+            np.ascontiguousarray(masks_one),
+        )
+
+
+def _as_pieces(value: Pieces, field: str) -> tuple[np.ndarray, ...]:
+    if isinstance(value, np.ndarray):
+        return (value,)
+    pieces = tuple(np.asarray(piece) for piece in value)
+    if not pieces:
+        raise InputError(field, "an empty list of pieces; a batch needs at least one chunk")
+    return pieces
+
+
+def batch_inputs(fbank: Pieces, masks: Pieces) -> BatchInputs:
+    """Check a batch given as arrays or lists of pieces: every masks piece [k, 3, F] with one
+    F for the whole batch (pieces of several requests share F: the batcher resizes mixed
+    ones to 125 first), and fbank's values totalling chunks * 998 * 80. InputLengthError
+    names the array (`masks[i]` for a piece of a list) and the expected and given element
+    counts; InputError a disagreeing F."""
+    fbank_pieces, mask_pieces = _as_pieces(fbank, "fbank"), _as_pieces(masks, "masks")
+    listed = not isinstance(masks, np.ndarray)
+    chunks, frames = 0, 0
+    for index, piece in enumerate(mask_pieces):
+        field = f"masks[{index}]" if listed else "masks"
+        if piece.ndim != 3 or piece.shape[1] != MAX_SPEAKERS or not 1 <= piece.shape[2] <= MAX_MASK_FRAMES:
+            width = int(piece.shape[-1]) if piece.ndim and 1 <= piece.shape[-1] <= MAX_MASK_FRAMES else 1
+            whole = max(1, int(piece.size) // (MAX_SPEAKERS * width))
+            raise InputLengthError(field, whole * MAX_SPEAKERS * width, int(piece.size))
+        if index == 0:
+            frames = int(piece.shape[2])
+        elif piece.shape[2] != frames:
+            raise InputError(
+                field,
+                f"{piece.shape[2]} mask frames where masks[0] has {frames}; pieces of one batch share F",
+            )
+        chunks += int(piece.shape[0])
+    if chunks < 1:
+        raise InputError("masks", "0 chunks; a batch needs at least one")
+    given = sum(int(piece.size) for piece in fbank_pieces)
+    if given != chunks * FRAMES * MEL_BINS:
+        raise InputLengthError("fbank", chunks * FRAMES * MEL_BINS, given)
+    return BatchInputs(fbank_pieces, mask_pieces, chunks, frames)
 
 
 def plan_for(chunks: int, plan_sizes: tuple[int, ...]) -> int:
@@ -84,12 +152,15 @@ class Engine(abc.ABC):
         return self.plan_sizes[-1]
 
     @abc.abstractmethod
-    def run_batch(self, fbank: np.ndarray, masks: np.ndarray) -> BatchRun:
+    def run_batch(self, fbank: Pieces, masks: Pieces) -> BatchRun:
         """One batch of n <= max_batch chunks, already validated.
 
         fbank [n, 998, 80] float32; masks [n, 3, F] float32 with speakers padded and any
-        F >= 1: the engine does pyannote's nearest resize onto 125 trunk frames itself (the
-        GPU in its pooling kernel, ONNX Runtime inside the graph). A batch mixing requests
+        F >= 1. Either may also be a list of pieces, the arrays of several requests in order
+        (see `batch_inputs`): the GPU engine copies each piece straight into its pinned
+        staging, so the batcher never joins a batch on the host. The engine does pyannote's
+        nearest resize onto 125 trunk frames itself (the GPU in its pooling kernel, ONNX
+        Runtime inside the graph); every piece of a batch has the same F. A batch mixing requests
         of different F is resized on the host to F = 125 first, where the nearest resize
         is the identity, so a chunk's embedding does not depend on its neighbours.
         Must be safe to call from several threads at once: the batcher overlaps batches'

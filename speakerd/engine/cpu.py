@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from speakerd.engine.base import BatchRun, Engine, check_engine_config, plan_for
+from speakerd.engine.base import BatchRun, Engine, Pieces, batch_inputs, check_engine_config, plan_for
 from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
 from speakerd.model.numerics import Math, resize_masks
 from speakerd.model.weights import FoldedModel
@@ -97,14 +97,14 @@ class CpuEngine(Engine):
             self._times_ms = {size: size * chunk_ms for size in self.plan_sizes}
         return dict(self._times_ms)
 
-    def run_batch(self, fbank: np.ndarray, masks: np.ndarray) -> BatchRun:
-        chunks = fbank.shape[0]
+    def run_batch(self, fbank: Pieces, masks: Pieces) -> BatchRun:
+        """See Engine.run_batch; pieces are joined on the host (ORT takes one array)."""
+        inputs = batch_inputs(fbank, masks)
+        chunks = inputs.chunks
         if not 1 <= chunks <= self.max_batch:
             raise ValueError(f"fbank: {chunks} chunks, expected 1..{self.max_batch} per batch")
-        if masks.shape[:2] != (chunks, MAX_SPEAKERS):
-            raise ValueError(f"masks: shape {masks.shape}, expected [{chunks}, {MAX_SPEAKERS}, F]")
         plan = plan_for(chunks, self.plan_sizes)
-        fbank = np.ascontiguousarray(fbank, dtype=np.float32)
+        fbank, masks = inputs.joined()
         masks = resize_masks(masks)  # one frame count for the graph, see the module docstring
         with self._lock:
             started = time.perf_counter()

@@ -6,19 +6,11 @@ fastest is kept (SPEC 4: the
 heuristic's first plan was up to 7x slower than the best). Buffers are bound at
 execution, so one graph serves every convolution of that shape in the trunk.
 
-Math:
-- FP32 strict: engines with the TENSOR_CORE, DOWN_CONVERT_INPUTS or
-  REDUCED_PRECISION_REDUCTION numerical notes are deselected, because an FP32-io cuDNN
-  convolution otherwise runs TF32 (measured on the H200). Only bare convolutions:
-  cuDNN's strict-FP32 fused graphs fell back to a 26-76 ms engine, so the epilogue is
-  our own kernel.
-- TF32: tensor-core engines allowed (but never FP16 down-conversion); per shape the
-  faster of the cuDNN fused graph (conv + bias [+ residual] [+ ReLU]) and the bare conv
-  + our epilogue kernel is used.
-- FP16 mixed: half X, W and Y, FP32 compute (REDUCED_PRECISION_REDUCTION, i.e. FP16
-  accumulation, deselected). Only bare convolutions: a cuDNN fused graph converts its
-  result to half inside cuDNN, where an overflow cannot be flagged; our FP16 epilogue
-  kernel checks both the conv's output and its own (SPEC 3: never a silent overflow).
+Math (the rows of maths.py): strict FP32 deselects tensor-core engines too (an FP32-io
+cuDNN convolution otherwise runs TF32), TF32 allows them (never FP16 down-conversion),
+FP16 mixed uses half X, W and Y with FP32 compute (FP16 accumulation deselected). Fused
+graphs (conv + bias [+ residual] [+ ReLU]) are built only where the math allows them
+(TF32); elsewhere our epilogue kernel follows the bare conv (autotune.py says why).
 Non-deterministic engines are always excluded, so two eager passes agree bit for bit.
 Plans are timed as they serve: one execution captured into a CUDA graph and replayed.
 A plan whose replay does not write the same bits as its eager execution is no candidate,
@@ -37,16 +29,17 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from speakerd.engine.gpu import maths
+from speakerd.engine.gpu.bitwise import replay_matches
+from speakerd.engine.gpu.epilogue import EPILOGUES
+from speakerd.engine.gpu.timing import replay_ms
 from speakerd.model.architecture import ConvSpec
 from speakerd.model.numerics import Math
 
 log = logging.getLogger(__name__)
 
-#: Epilogues a convolution of the trunk needs: stem and conv1 "bias_relu", conv2
-#: "bias_add_relu" (residual), shortcut "bias_only".
-EPILOGUES = ("bias_only", "bias_relu", "bias_add_relu")
 #: Timed repetitions per execution plan (after one warm-up run): enough to rank plans
 #: that differ by more than a few percent, cheap enough for ~25 graphs x ~10 plans.
 TIMED_RUNS = 5
@@ -69,7 +62,9 @@ MAX_WORKSPACE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class ConvKey:
-    """What makes two convolutions share a cuDNN graph."""
+    """One convolution problem: its shape, batch, math and the epilogue after it. As a
+    cuDNN graph's key, `epilogue` is what cuDNN fuses (None: the bare conv, our epilogue
+    kernel follows); as an autotune key, what every candidate must compute."""
 
     batch: int
     cin: int
@@ -84,6 +79,11 @@ class ConvKey:
     @classmethod
     def of(cls, spec: ConvSpec, batch: int, math: Math, epilogue: str | None) -> ConvKey:
         return cls(batch, spec.cin, spec.cout, spec.kernel, spec.stride, spec.h_in, spec.w_in, math, epilogue)
+
+    def bare(self) -> ConvKey:
+        """The same convolution without the epilogue (cuDNN's bare graph; our kernels'
+        refusals are kept per bare key)."""
+        return replace(self, epilogue=None)
 
     @property
     def h_out(self) -> int:
@@ -137,17 +137,8 @@ def _nhwc(graph, name: str, n: int, c: int, h: int, w: int, data_type):
 
 
 def excluded_notes(math: Math) -> list:
-    """Numerical notes whose engines may not serve `math` (see the module docstring)."""
-    import cudnn
-
-    notes = [
-        cudnn.numerical_note.NONDETERMINISTIC,
-        cudnn.numerical_note.DOWN_CONVERT_INPUTS,
-        cudnn.numerical_note.REDUCED_PRECISION_REDUCTION,
-    ]
-    if math == Math.FP32:
-        notes.append(cudnn.numerical_note.TENSOR_CORE)
-    return notes
+    """Numerical notes whose engines may not serve `math` (the maths table says which)."""
+    return maths.of(math).cudnn_notes()
 
 
 def instantiate(prototype: ConvGraph, handle) -> ConvGraph:
@@ -177,19 +168,6 @@ def instantiate(prototype: ConvGraph, handle) -> ConvGraph:
     )  # fmt: skip
 
 
-def io_type(math: Math):
-    """cuDNN's data type for a conv's X, W and Y (and Z) under `math`: FP16 mode stores
-    activations and weights as halves; the others float32. Compute is FP32 always."""
-    import cudnn
-
-    return cudnn.data_type.HALF if math == Math.FP16 else cudnn.data_type.FLOAT
-
-
-def element_bytes(math: Math) -> int:
-    """Bytes of one activation element under `math`."""
-    return 2 if math == Math.FP16 else 4
-
-
 def fp32_graph(handle, io=None):
     """An empty cuDNN graph with FP32 intermediates and compute (io FP32 unless `io` says),
     to be replayed from CUDA graphs (the frontend then only offers plans that can be)."""
@@ -205,64 +183,11 @@ def fp32_graph(handle, io=None):
     )
 
 
-#: Replays timed per candidate of our own kernels (after one warm-up), and launches captured
-#: per replay, so a b1 conv of ~15 us is timed as GPU work, not launch overhead.
-OWN_TIMED_REPLAYS = 5
-OWN_LAUNCHES_PER_REPLAY = 5
-
-
-def time_launches(launch, stream) -> float:
-    """Median GPU ms of one `launch(stream)`, from replays of a CUDA graph holding
-    OWN_LAUNCHES_PER_REPLAY of them (after one eager launch)."""
-    launch(stream)
-    stream.begin_capture()
-    try:
-        for _ in range(OWN_LAUNCHES_PER_REPLAY):
-            launch(stream)
-    finally:
-        graph = stream.end_capture()
-    graph.launch(stream)
-    per_launch = [replay_ms(graph, stream) / OWN_LAUNCHES_PER_REPLAY for _ in range(OWN_TIMED_REPLAYS)]
-    return statistics.median(per_launch)
-
-
-class OwnKernel:
-    """What our convolution kernels (igemm.IgemmConv, stem.StemConv) share: `launch(stream)`
-    enqueues the bound kernel, `time(stream)` measures it as it serves and keeps `ms`."""
-
-    ms: float
-
-    def launch(self, stream) -> None:
-        raise NotImplementedError
-
-    def time(self, stream) -> float:
-        """Median GPU ms of one launch (see time_launches)."""
-        self.ms = time_launches(self.launch, stream)
-        return self.ms
-
-
-def gpu_ms(stream, work):
-    """(GPU ms between events recorded on `stream` around `work()`, its result); waits."""
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    result = work()
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end), result
-
-
-def replay_ms(graph, stream) -> float:
-    """GPU ms of one launch of the captured CUDA `graph` on `stream` (waits for it)."""
-    return gpu_ms(stream, lambda: graph.launch(stream))[0]
-
-
 def build_graph(key: ConvKey, handle):
     """cuDNN graph for `key` with its execution plans created and filtered (not built)."""
     import cudnn
 
-    fp32, io = cudnn.data_type.FLOAT, io_type(key.math)
+    fp32, io = cudnn.data_type.FLOAT, maths.of(key.math).cudnn_io()
     graph = fp32_graph(handle, io)
     pad = key.kernel // 2
     x = _nhwc(graph, "X", key.batch, key.cin, key.h_in, key.w_in, io)
@@ -302,9 +227,9 @@ def _y_view(y_ptr: int, elements: int, math: Math):
     """A CuPy view of a convolution's output buffer (owned by the plan)."""
     import cupy
 
-    dtype = cupy.float16 if math == Math.FP16 else cupy.float32
-    memory = cupy.cuda.UnownedMemory(y_ptr, elements * element_bytes(math), owner=None)
-    return cupy.ndarray((elements,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    table = maths.of(math)
+    memory = cupy.cuda.UnownedMemory(y_ptr, elements * table.element_bytes, owner=None)
+    return cupy.ndarray((elements,), dtype=table.io_dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def _capture_one(graph, index: int, pack: dict, workspace, handle, stream, mode: int | None):
@@ -319,24 +244,6 @@ def _capture_one(graph, index: int, pack: dict, workspace, handle, stream, mode:
     finally:
         captured = stream.end_capture()
     return captured
-
-
-def replay_matches(captured, stream, y, eager) -> bool:
-    """Launch `captured` on `stream` over a NaN-filled `y`; whether it wrote exactly `eager`."""
-    import cupy
-
-    y.fill(float("nan"))
-    captured.launch(stream)
-    return bool(cupy.array_equal(bits(y), bits(eager)))
-
-
-def bits(values):
-    """`values` viewed as unsigned integers of its width: equal bits compare equal, NaNs
-    included (an FP16 plan timed on out-of-range data has NaNs, identical when the replay is
-    right)."""
-    import cupy
-
-    return values.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[values.dtype.itemsize])
 
 
 def _replays_strictly(graph, index: int, pack: dict, workspace, handle, stream, y, eager) -> bool:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speakerd.engine.gpu import kernels
-from speakerd.engine.gpu.convs import OwnKernel
+from speakerd.engine.gpu import kernels, maths
+from speakerd.engine.gpu.convs import ConvKey
+from speakerd.engine.gpu.timing import OwnKernel
 from speakerd.model.architecture import ConvSpec
 from speakerd.model.numerics import Math
 
@@ -47,34 +48,44 @@ F16_LDB = 48
 F16_OUT_PAD = 8
 #: (kernel, stride) shapes conv_f16.cu has entry points for: every trunk conv but the stem.
 F16_SHAPES = ((3, 1), (3, 2), (1, 2))
-#: Largest accepted max |ours - cuDNN| / max |cuDNN| on the same buffers, per math: both
-#: FP32-accurate paths land near 1e-6 of the output scale (H200 probe: 9e-7 against float64),
-#: TF32 results near 3e-4; two FP16 results each rounded to half once (2^-11 relative)
-#: after FP32 sums in different orders, near 1e-3.
-#: A kernel outside it is a bug and never serves.
-AGREEMENT = {Math.FP32: 2e-5, Math.TF32: 5e-3, Math.FP16: 1e-2}
+#: (kernel, stride) shapes each family has entry points for (None: any 1x1 or 3x3).
+FAMILY_SHAPES: dict[str, tuple[tuple[int, int], ...] | None] = {SOURCE: None, F16_SOURCE: F16_SHAPES}
 
 
 def kernel_name(math: Math, tile: int, kernel: int = 3, stride: int = 1) -> str:
-    if math == Math.FP16:
-        return f"conv_f16_r{kernel}s{stride}_n{tile}"
-    return f"conv_igemm_{'3xtf32' if math == Math.FP32 else 'tf32'}_n{tile}"
+    return maths.of(math).own_kernel(tile, kernel, stride)
 
 
 #: Every entry point of kernels/conv_igemm.cu this module launches, then of kernels/conv_f16.cu.
-KERNEL_NAMES = tuple(kernel_name(math, tile) for math in (Math.TF32, Math.FP32) for tile in TILE_CHANNELS)
+KERNEL_NAMES = tuple(
+    row.own_kernel(tile) for row in maths.MATHS.values() if row.own_source == SOURCE for tile in TILE_CHANNELS
+)
 F16_KERNEL_NAMES = tuple(
-    kernel_name(Math.FP16, tile, kernel, stride) for kernel, stride in F16_SHAPES for tile in TILE_CHANNELS
+    row.own_kernel(tile, kernel, stride)
+    for row in maths.MATHS.values()
+    if row.own_source == F16_SOURCE
+    for kernel, stride in F16_SHAPES
+    for tile in TILE_CHANNELS
 )
 
 
-def tiles_for(spec: ConvSpec, math: Math) -> tuple[int, ...]:
+def tiles_for(spec: ConvSpec | ConvKey, math: Math) -> tuple[int, ...]:
     """Channel tiles our kernel can run `spec` with under `math` (none: not a candidate)."""
-    if spec.kernel not in (1, 3) or spec.cin % CHANNEL_STEP:
-        return ()
-    if math == Math.FP16 and (spec.kernel, spec.stride) not in F16_SHAPES:
-        return ()
-    return tuple(tile for tile in TILE_CHANNELS if spec.cout % tile == 0)
+    return tuple(tile for tile in TILE_CHANNELS if spec.cout % tile == 0) if not why_not(spec, math) else ()
+
+
+def why_not(spec: ConvSpec | ConvKey, math: Math) -> str:
+    """Why our family of `math` has no kernel for `spec` ("" when it has)."""
+    shapes = FAMILY_SHAPES[maths.of(math).own_source]
+    if spec.kernel not in (1, 3):
+        return f"{spec.kernel}x{spec.kernel} kernels are not implemented"
+    if spec.cin % CHANNEL_STEP:
+        return f"{spec.cin} input channels are not a multiple of {CHANNEL_STEP}"
+    if shapes is not None and (spec.kernel, spec.stride) not in shapes:
+        return f"no entry point for k{spec.kernel} s{spec.stride} (has {shapes})"
+    if not any(spec.cout % tile == 0 for tile in TILE_CHANNELS):
+        return f"{spec.cout} output channels fit no tile of {TILE_CHANNELS}"
+    return ""
 
 
 #: Shared memory one block may have on Hopper.
@@ -124,11 +135,12 @@ class IgemmConv(OwnKernel):
              flag=None):  # fmt: skip
         assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
         assert (residual is not None) == (epilogue == "bias_add_relu"), (epilogue, residual is None)
-        assert (flag is not None) == (math == Math.FP16), "FP16 convs, and only they, raise the range flag"
+        table = maths.of(math)
+        assert (flag is not None) == table.range_flag, "range-flag maths' convs, and only they, take the flag"
         null = np.uint64(0)
         relu = np.int32(epilogue != "bias_only")
         residual = null if residual is None else residual
-        if math == Math.FP16:
+        if table.own_source == F16_SOURCE:
             sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
             shared = f16_shared_bytes(spec.kernel, spec.stride, tile)

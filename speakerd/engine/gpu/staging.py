@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from speakerd.engine.base import BatchInputs
 from speakerd.model.architecture import FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES
 
@@ -40,23 +41,25 @@ class InputSlot:
         self.fbank_elements = 0
         self.mask_elements = 0
 
-    def stage(self, fbank: np.ndarray, masks: np.ndarray, frames: int, stream) -> None:
-        """Copy a validated batch into pinned memory, enqueue its upload on `stream` (the
-        copy stream) and record `ready` after it. Caller checked the sizes."""
+    def stage(self, inputs: BatchInputs, stream) -> None:
+        """Copy a checked batch into pinned memory, piece by piece at its offset (no joined
+        copy of the batch on the host), enqueue its upload on `stream` (the copy stream) and
+        record `ready` after it."""
         import cupy
 
-        self.fbank_elements, self.mask_elements = int(fbank.size), int(masks.size)
+        self.fbank_elements = inputs.chunks * FRAMES * MEL_BINS
+        self.mask_elements = inputs.chunks * MAX_SPEAKERS * inputs.frames
         assert self.fbank_elements <= self.host_fbank.size and self.mask_elements <= self.host_masks.size, (
             f"batch of {self.fbank_elements} fbank / {self.mask_elements} mask values exceeds the slot "
             f"({self.host_fbank.size} / {self.host_masks.size})"
         )
-        # NumPy releases the GIL for these copies: the event loop keeps running
-        self.host_fbank[: fbank.size] = np.asarray(fbank, dtype=np.float32).reshape(-1)
-        self.host_masks[: masks.size] = np.asarray(masks, dtype=np.float32).reshape(-1)
-        self.host_frames[0] = frames
+        # NumPy releases the GIL for these copies (and casts to float32 as it copies)
+        _fill(self.host_fbank, inputs.fbank)
+        _fill(self.host_masks, inputs.masks)
+        self.host_frames[0] = inputs.frames
         copy, h2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyHostToDevice
-        copy(self.fbank.data.ptr, self.host_fbank.ctypes.data, fbank.size * 4, h2d, stream.ptr)
-        copy(self.masks.data.ptr, self.host_masks.ctypes.data, masks.size * 4, h2d, stream.ptr)
+        copy(self.fbank.data.ptr, self.host_fbank.ctypes.data, self.fbank_elements * 4, h2d, stream.ptr)
+        copy(self.masks.data.ptr, self.host_masks.ctypes.data, self.mask_elements * 4, h2d, stream.ptr)
         copy(self.frames.data.ptr, self.host_frames.ctypes.data, 4, h2d, stream.ptr)
         self.ready.record(stream)
 
@@ -76,6 +79,14 @@ class InputSlot:
 
     def pinned_bytes(self) -> int:
         return int(self.host_fbank.nbytes + self.host_masks.nbytes + self.host_frames.nbytes)
+
+
+def _fill(host: np.ndarray, pieces: tuple[np.ndarray, ...]) -> None:
+    """host[:total] = the pieces one after another, flattened (each copied once, in place)."""
+    offset = 0
+    for piece in pieces:
+        host[offset : offset + piece.size].reshape(piece.shape)[...] = piece
+        offset += piece.size
 
 
 def pinned(shape: tuple[int, ...], dtype) -> np.ndarray:

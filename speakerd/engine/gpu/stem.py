@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speakerd.engine.gpu.convs import OwnKernel
+from speakerd.engine.gpu import maths
+from speakerd.engine.gpu.convs import ConvKey
+from speakerd.engine.gpu.timing import OwnKernel
 from speakerd.model.architecture import STEM, ConvSpec
 from speakerd.model.numerics import Math
 
@@ -26,8 +28,8 @@ THREADS = 128
 EPILOGUE = "bias_relu"
 
 
-def applies(spec: ConvSpec, epilogue: str) -> bool:
-    """Whether `spec` is the stem's convolution (the only one the kernel runs)."""
+def applies(spec: ConvSpec | ConvKey, epilogue: str | None) -> bool:
+    """Whether `spec` is the stem's convolution with its epilogue (the only one the kernel runs)."""
     same = (spec.cin, spec.cout, spec.kernel, spec.stride, spec.h_in, spec.w_in)
     stem = (STEM.cin, STEM.cout, STEM.kernel, STEM.stride, STEM.h_in, STEM.w_in)
     return same == stem and epilogue == EPILOGUE
@@ -47,14 +49,16 @@ class StemConv(OwnKernel):
 
     @classmethod
     def bind(cls, batch: int, math: Math, x, w, bias, y, flag=None) -> StemConv:
-        assert (flag is not None) == (math == Math.FP16), "the FP16 stem, and only it, raises the range flag"
+        assert (flag is not None) == maths.of(math).range_flag, (
+            "range-flag maths' stems, and only they, take the flag"
+        )
         pixels = batch * STEM.h_out * STEM.w_out
         args = (x, w, bias, y, np.int32(batch)) + ((flag,) if flag is not None else ())
         return cls(batch, math, args, (-(-pixels // THREADS),))
 
     @property
     def name(self) -> str:
-        return "stem_f16" if self.math == Math.FP16 else "stem_f32"
+        return maths.of(self.math).stem_kernel
 
     def launch(self, stream) -> None:
         from speakerd.engine.gpu import kernels

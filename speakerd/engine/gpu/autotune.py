@@ -1,0 +1,489 @@
+"""Choosing what runs each convolution: every candidate that can is timed, the fastest serves.
+
+The candidates, in the order they are tried (a later one must be strictly faster to win):
+- `CudnnBare`: cuDNN's fastest execution plan of the bare convolution (convs.time_plans)
+  followed by our epilogue kernel (epilogue.py);
+- `CudnnFused`: cuDNN's fused graph, conv + bias [+ residual] [+ ReLU], where the math
+  allows one (maths.py: TF32 only);
+- `OwnStem`: our direct stem kernel (stem.py), the stem only;
+- `OwnIgemm`: our implicit-GEMM kernels (igemm.py), every channel tile the shape allows.
+
+Each answers `can_implement(key) -> (ok, reason)` before anything is built, so a refusal is
+a record (`Refusal`) with its reason, kept for conv_report and build_report, never a silent
+skip. Our kernels are also checked on the same buffers against cuDNN's bare conv + our
+epilogue; one outside the math's agreement bound is a bug of ours, and our kernels are
+refused for that shape from then on (a refusal too). The shape of this registry follows
+vLLM's mixed-precision linear kernels (`can_implement` per kernel, reasons collected).
+
+Set-up only: timing allocates (workspaces, copies); the forward path never does.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from speakerd.engine.gpu import igemm, maths, stem
+from speakerd.engine.gpu.context import DeviceContext
+from speakerd.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
+from speakerd.engine.gpu.epilogue import Epilogue
+from speakerd.engine.gpu.igemm import IgemmConv
+from speakerd.engine.gpu.stem import StemConv
+from speakerd.engine.gpu.timing import OwnKernel, fill_random, time_launches
+from speakerd.model.architecture import ConvSpec
+from speakerd.model.numerics import Math
+from speakerd.model.weights import FoldedConv
+
+log = logging.getLogger(__name__)
+
+#: Set-up only: a half conv's candidates are timed and checked on input values within this
+#: magnitude; beyond it (a model whose activations leave FP16's range, whose every batch
+#: then falls back) the input is refilled with random values, so that infinities and NaNs
+#: from earlier convolutions do not decide which kernel runs.
+HALF_TIMING_RANGE = 4096.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A candidate that may not run a convolution, and why."""
+
+    candidate: str  # e.g. "cudnn-fused", "ours:igemm"
+    key: str  # the convolution and its epilogue, e.g. "b1 32->32 80x998 k3 s1 tf32 + bias_relu"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.candidate} for {self.key}: {self.reason}"
+
+
+@dataclass
+class ConvRequest:
+    """One convolution of a plan, bound to the plan's buffers: what every candidate must
+    compute, y[:elements] = epilogue(conv(x) + bias (+ residual))."""
+
+    name: str  # e.g. "layer2.0.conv1"
+    folded: FoldedConv
+    batch: int
+    math: Math
+    x: object
+    y: object  # a view of the widest activation size; the conv writes `elements` of it
+    epilogue: str
+    residual: object | None = None
+    flag: object | None = None  # the plan's range flag, in range-flag maths
+
+    @property
+    def spec(self) -> ConvSpec:
+        return self.folded.spec
+
+    @property
+    def elements(self) -> int:
+        spec = self.spec
+        return self.batch * spec.cout * spec.h_out * spec.w_out
+
+    @property
+    def key(self) -> ConvKey:
+        return ConvKey.of(self.spec, self.batch, self.math, self.epilogue)
+
+
+@dataclass
+class ConvChoice:
+    """What runs one convolution: our kernel (`own`), or a cuDNN graph of its own, fused or
+    followed by our `epilogue`; with what every candidate measured."""
+
+    key: ConvKey  # the bare convolution
+    graph: ConvGraph | None  # cuDNN's graph that runs it; with `own`: the bare one ours beat (None: none ran)
+    pack: dict  # the variant pack: cuDNN tensor -> device pointer
+    epilogue: Epilogue | None  # ours after a bare cuDNN conv; None when cuDNN fused it or ours runs it
+    epilogue_ms: float
+    bare_ms: float | None  # bare conv + our epilogue, as measured (what a fused graph had to beat)
+    fused_ms: float | None = None  # cuDNN's fused graph, when it was a candidate and ran
+    own: OwnKernel | None = None  # our kernel, when it won
+    own_ms: float | None = None  # our fastest kernel as measured, when one was a candidate
+    refusals: tuple[Refusal, ...] = ()
+
+    @property
+    def ms(self) -> float:
+        if self.own is not None:
+            return self.own.ms
+        assert self.graph is not None, self.key.label()
+        return self.graph.ms + self.epilogue_ms
+
+    @property
+    def workspace_bytes(self) -> int:
+        """cuDNN workspace this conv needs as it runs (none when our kernel runs it)."""
+        return 0 if self.own is not None or self.graph is None else self.graph.workspace_bytes
+
+    @property
+    def fused(self) -> bool:
+        """Whether cuDNN's fused graph runs it (conv and epilogue in one cuDNN plan)."""
+        return self.own is None and self.epilogue is None
+
+    @property
+    def runner(self) -> str:
+        """What runs it, for reports and logs."""
+        if self.own is not None:
+            return f"ours:{self.own.name}"
+        assert self.graph is not None, self.key.label()
+        return f"cudnn:{self.graph.plan_name}" + ("" if self.epilogue else " fused")
+
+    @property
+    def identity(self) -> tuple:
+        """What runs it, as a value shared by every conv running the same thing (a cuDNN plan
+        of one graph key, or one tile of ours on one shape)."""
+        if self.own is not None:
+            return ("ours", self.key, self.own.tile)
+        assert self.graph is not None, self.key.label()
+        return ("cudnn", self.graph.key, self.graph.plan_index)
+
+    def enqueue(self, ctx: DeviceContext) -> None:
+        """Enqueue on ctx.stream (allocation-free, graph-capturable)."""
+        if self.own is not None:
+            self.own.launch(ctx.stream)
+            return
+        assert self.graph is not None, self.key.label()
+        self.graph.execute(self.pack, ctx.workspace.ptr, ctx.cudnn)
+        if self.epilogue is not None:
+            self.epilogue.launch(ctx.kernels, ctx.stream)
+
+
+class Candidate(abc.ABC):
+    """One way of running a convolution; `can_implement` decides before anything is built."""
+
+    name: str
+
+    def __init__(self, tuner: Autotuner) -> None:
+        self.tuner = tuner
+
+    @abc.abstractmethod
+    def can_implement(self, key: ConvKey) -> tuple[bool, str]:
+        """(True, "") when this candidate may run `key` (its epilogue included), else
+        (False, why)."""
+
+
+def _half_stem(key: ConvKey) -> bool:
+    """The stem of a half-io math: its input is the FP32 fbank, its output half."""
+    return maths.of(key.math).half_io and stem.applies(key, key.epilogue)
+
+
+class CudnnBare(Candidate):
+    name = "cudnn"
+
+    def can_implement(self, key: ConvKey) -> tuple[bool, str]:
+        if _half_stem(key):
+            return False, "cuDNN's half convolution needs a half input; the stem's is the FP32 fbank"
+        return True, ""
+
+
+class CudnnFused(Candidate):
+    name = "cudnn-fused"
+
+    def can_implement(self, key: ConvKey) -> tuple[bool, str]:
+        table = maths.of(key.math)
+        if not table.cudnn_fusion:
+            return False, table.no_fusion_reason
+        if key in self.tuner.failed:
+            return False, self.tuner.failed[key]
+        return True, ""
+
+
+class OwnFamily(Candidate):
+    """Our kernels: allowed unless turned off (--conv-kernels cudnn) or refused for the shape."""
+
+    #: our kernels take float32 weights even in a half-io math (the stem) or the io dtype
+    io_weights = True
+
+    def can_implement(self, key: ConvKey) -> tuple[bool, str]:
+        if not self.tuner.own_kernels:
+            return False, "--conv-kernels cudnn"
+        refused = self.tuner.own_refused.get(key.bare())
+        if refused is not None:
+            return False, f"turned off: {refused}"
+        return self.fits(key)
+
+    @abc.abstractmethod
+    def fits(self, key: ConvKey) -> tuple[bool, str]:
+        """Whether a kernel of this family exists for the shape and epilogue."""
+
+    @abc.abstractmethod
+    def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
+        """This family's kernels for `request`, bound to its buffers."""
+
+
+class OwnStem(OwnFamily):
+    """The stem kernel computes in FP32 in every math (FP32 weights, FP32 input)."""
+
+    name = "ours:stem"
+    io_weights = False
+
+    def fits(self, key: ConvKey) -> tuple[bool, str]:
+        if not stem.applies(key, key.epilogue):
+            return False, f"runs only the stem ({stem.EPILOGUE}); this is not it"
+        return True, ""
+
+    def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
+        return [StemConv.bind(request.batch, request.math, request.x, weight, bias, request.y, request.flag)]
+
+
+class OwnIgemm(OwnFamily):
+    name = "ours:igemm"
+
+    def fits(self, key: ConvKey) -> tuple[bool, str]:
+        why = igemm.why_not(key, key.math)
+        return (not why, why)
+
+    def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
+        r = request
+        return [
+            IgemmConv.bind(
+                r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag
+            )
+            for tile in igemm.tiles_for(r.spec, r.math)
+        ]
+
+
+class Autotuner:
+    """Chooses every convolution of an engine's plans and remembers what it learned: one
+    timed cuDNN graph per key (shared by plans), fusions cuDNN cannot build or that replayed
+    wrongly, banned plans, shapes our kernels may not run, and every refusal."""
+
+    def __init__(self, ctx: DeviceContext, own_kernels: bool = True) -> None:
+        self.ctx = ctx
+        self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
+        self.graphs: dict[ConvKey, ConvGraph] = {}
+        self.failed: dict[ConvKey, str] = {}  # fused keys cuDNN cannot serve, or turned off
+        self.banned: dict[ConvKey, set[int]] = {}  # plans that replayed wrongly in a forward
+        self.own_refused: dict[ConvKey, str] = {}  # bare keys our kernels may not run, and why
+        self.instances: list[ConvGraph] = []
+        self._refusals: dict[tuple[str, str, str], Refusal] = {}
+        self.bare, self.fusion = CudnnBare(self), CudnnFused(self)
+        self.own: tuple[OwnFamily, ...] = (OwnStem(self), OwnIgemm(self))
+        self.candidates: tuple[Candidate, ...] = (self.bare, self.fusion, *self.own)
+
+    # ----- choosing ---------------------------------------------------------------------
+    def choose(self, request: ConvRequest) -> ConvChoice:
+        """Time every candidate that can run `request` and keep the fastest (module docstring)."""
+        key, table = request.key, maths.of(request.math)
+        refusals: list[Refusal] = []
+        able: list[Candidate] = []
+        for candidate in self.candidates:
+            ok, why = candidate.can_implement(key)
+            if ok:
+                able.append(candidate)
+            else:
+                refusals.append(Refusal(candidate.name, _label(key), why))
+        own = [family for family in self.own if family in able]
+        if self.bare not in able and not own:
+            raise RuntimeError(
+                f"b{request.batch} {request.math} {request.name}: nothing can run {key.label()}: "
+                + "; ".join(f"{r.candidate}: {r.reason}" for r in refusals)
+            )
+        if request.x.dtype.itemsize == 2:
+            self._within_timing_range(request.x, request.batch * request.spec.cin * request.spec.h_in
+                                      * request.spec.w_in)  # fmt: skip
+            if request.residual is not None:
+                self._within_timing_range(request.residual, request.elements)
+        best: ConvChoice | None = None
+        buffers: dict[str, int] = {}
+        fused, fused_buffers = None, {}  # fused_buffers: X, W, Y, B [, Z]
+        if self.bare in able:
+            weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io)
+            buffers = {"X": request.x.data.ptr, "W": weight.data.ptr, "Y": request.y.data.ptr}
+            fused_buffers = dict(buffers, B=bias.data.ptr)
+            bare = self.conv_graph(key.bare(), buffers)
+            assert bare is not None, key.label()
+            epilogue = Epilogue.bind(
+                request.epilogue, request.y, bias, request.residual, request.spec.cout, request.elements,
+                request.flag if request.y.dtype.itemsize == 2 else None, self.ctx.sm_count,
+            )  # fmt: skip
+            epilogue_ms = self._time_epilogue(epilogue)
+            best = ConvChoice(
+                key.bare(), bare, bare.pack(buffers), epilogue, epilogue_ms, bare.ms + epilogue_ms
+            )
+        if self.fusion in able and best is not None:
+            if request.residual is not None:
+                fused_buffers["Z"] = request.residual.data.ptr
+            fused = self.conv_graph(key, fused_buffers, required=False)
+            if fused is None:
+                refusals.append(Refusal(self.fusion.name, _label(key), self.failed[key]))
+            elif best is not None:
+                best.fused_ms = fused.ms
+        ours = None
+        if own:
+            kernels: list[OwnKernel] = []
+            for family in own:
+                weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io and family.io_weights)
+                kernels += family.bind(request, weight, bias)
+            ours, refusal = self._fastest_own(request, kernels, best, buffers)
+            if refusal is not None:
+                refusals.append(refusal)
+        for refusal in refusals:
+            self._refusals.setdefault((refusal.candidate, refusal.key, refusal.reason), refusal)
+        return self._pick(request, best, buffers, fused, fused_buffers, ours, tuple(refusals))
+
+    def _pick(
+        self, request: ConvRequest, best: ConvChoice | None, buffers: dict[str, int], fused: ConvGraph | None,
+        fused_buffers: dict[str, int], ours: OwnKernel | None, refusals: tuple[Refusal, ...],
+    ) -> ConvChoice:  # fmt: skip
+        """Ours when strictly faster than cuDNN's best, else the fused graph when strictly
+        faster than bare + our epilogue, else bare + our epilogue."""
+        if best is None:  # nothing of cuDNN's could run it: ours, checked by the GPU tests
+            assert ours is not None, request.name
+            return ConvChoice(request.key.bare(), None, {}, None, 0.0, None, own=ours, own_ms=ours.ms,
+                              refusals=refusals)  # fmt: skip
+        best.refusals = refusals
+        assert best.bare_ms is not None, request.name
+        cudnn_ms = min(best.bare_ms, fused.ms if fused is not None else best.bare_ms)
+        if ours is not None:
+            best.own_ms = ours.ms
+            log.info("b%d %s %s: ours %s %.4f ms, cuDNN %.4f ms", request.batch, request.math, request.name,
+                     ours.name, ours.ms, cudnn_ms)  # fmt: skip
+            if ours.ms < cudnn_ms:
+                return dataclasses.replace(best, own=ours, epilogue=None, epilogue_ms=0.0, pack={})
+        if fused is not None and fused.ms < best.bare_ms:
+            instance = self.instance(fused)
+            return dataclasses.replace(
+                best, graph=instance, epilogue=None, epilogue_ms=0.0, pack=instance.pack(fused_buffers)
+            )
+        assert best.graph is not None, request.name
+        instance = self.instance(best.graph)
+        return dataclasses.replace(best, graph=instance, pack=instance.pack(buffers))
+
+    def _fastest_own(
+        self, request: ConvRequest, kernels: list[OwnKernel], bare: ConvChoice | None, buffers: dict[str, int]
+    ) -> tuple[OwnKernel | None, Refusal | None]:
+        """(our fastest kernel, None), or (None, the refusal) when one disagrees with cuDNN's
+        bare conv + our epilogue on the same buffers by more than the math's agreement bound
+        (then ours is turned off for the shape, with a warning: that is a bug of ours). With
+        no cuDNN to compare with (the half stem) ours are timed unchecked here; the GPU
+        tests check them against float64, and the start-up self-check the whole network."""
+        import cupy
+
+        if not kernels:
+            return None, None
+        stream, y = self.ctx.stream, request.y[: request.elements]
+        reference = None
+        if bare is not None:
+            assert bare.graph is not None and bare.epilogue is not None, request.name
+            workspace = cupy.empty((max(1, bare.graph.workspace_bytes),), dtype=cupy.uint8)
+            with stream:
+                bare.graph.execute(bare.graph.pack(buffers), workspace.data.ptr, self.ctx.cudnn)
+                bare.epilogue.launch(self.ctx.kernels, stream)
+                reference = y.copy()
+        bound = maths.of(request.math).agreement
+        fastest = None
+        for kernel in kernels:
+            if reference is not None:
+                with stream:
+                    y.fill(float("nan"))
+                    kernel.launch(stream)
+                    difference = igemm.relative_difference(y, reference)
+                if not difference <= bound:
+                    reason = (
+                        f"{kernel.name} differs from cuDNN by {difference:.3g} of the output scale "
+                        f"(bound {bound:g})"
+                    )
+                    self.refuse_own(request.key.bare(), reason)
+                    return None, Refusal(f"ours:{kernel.name}", _label(request.key), reason)
+            kernel.time(stream)
+            if fastest is None or kernel.ms < fastest.ms:
+                fastest = kernel
+        return fastest, None
+
+    def _time_epilogue(self, epilogue: Epilogue) -> float:
+        """GPU ms of our epilogue kernel on its buffers, from graph replays as it serves
+        (timed eagerly, a b1 epilogue of ~3 us measured its ~10 us launch)."""
+        stream = self.ctx.stream
+        with stream:
+            return time_launches(lambda s: epilogue.launch(self.ctx.kernels, s), stream)
+
+    def _within_timing_range(self, values, count: int) -> None:
+        """Refill values[:count] with random halves when any is beyond HALF_TIMING_RANGE or
+        not finite (set-up only, see HALF_TIMING_RANGE)."""
+        import cupy
+
+        view = values[:count]
+        with self.ctx.stream:
+            largest = float(cupy.abs(view.astype(cupy.float32)).max().get())
+            if not largest <= HALF_TIMING_RANGE:
+                fill_random(view, cupy.random.RandomState(count))
+
+    # ----- cuDNN graphs -----------------------------------------------------------------
+    def conv_graph(self, key: ConvKey, buffers: dict[str, int], required: bool = True) -> ConvGraph | None:
+        """The cuDNN graph for `key`, built and its plans timed on first request (again after
+        a ban). A graph cuDNN cannot serve raises when `required`, else gives None (a fused
+        candidate; the reason is kept in `failed`)."""
+        if key in self.failed and not required:
+            return None
+        if key not in self.graphs:
+            try:
+                banned = frozenset(self.banned.get(key, ()))
+                self.graphs[key] = time_plans(key, self.ctx.cudnn, self.ctx.stream, buffers, banned)
+            except Exception as error:
+                if required:
+                    raise
+                self.failed[key] = f"{type(error).__name__}: {error}"
+                log.info("no fused cuDNN graph for %s: %s", key.label(), str(error)[:300])
+                return None
+        return self.graphs[key]
+
+    def instance(self, prototype: ConvGraph) -> ConvGraph:
+        """A graph of its own for one convolution, with the plan timed on `prototype`
+        (see convs.instantiate for why convolutions never share one)."""
+        own = instantiate(prototype, self.ctx.cudnn)
+        self.instances.append(own)
+        return own
+
+    # ----- what a captured forward taught ------------------------------------------------
+    def reject(self, choice: ConvChoice, reason: str) -> None:
+        """Never run what runs `choice` again for its key: our kernel is turned off for the
+        shape, a cuDNN plan is banned (see ban)."""
+        if choice.own is not None:
+            self.refuse_own(choice.key, reason)
+        else:
+            assert choice.graph is not None, choice.key.label()
+            self.ban(choice.graph.key, choice.graph.plan_index)
+
+    def ban(self, key: ConvKey, plan_index: int) -> None:
+        """Never use plan `plan_index` for `key` again (it replayed wrongly inside a captured
+        forward). A fused key loses fusion altogether: its convolutions run bare with our
+        epilogue, which is how every strict-FP32 graph runs. Why not try the next fused plan:
+        on the H200 the TF32 b1 layer3.0.shortcut had seven fused plans, all variants of one
+        engine (eng51), and every one of them replayed wrongly inside the forward. A bare
+        key times its remaining plans at the next conv_graph(key)."""
+        if key.epilogue is not None:
+            self.failed[key] = f"fused plan {plan_index} replayed wrongly inside a captured forward"
+            log.warning("%s: fusion off (%s)", key.label(), self.failed[key])
+        self.banned.setdefault(key, set()).add(plan_index)
+        self.graphs.pop(key, None)
+
+    def refuse_own(self, key: ConvKey, reason: str) -> None:
+        """Never run our kernels for `key` (bare) again (one disagreed with cuDNN or replayed
+        wrongly)."""
+        self.own_refused[key] = reason
+        log.warning("%s: our convolution kernel turned off: %s", key.label(), reason)
+
+    # ----- reports ----------------------------------------------------------------------
+    def refusals(self) -> list[Refusal]:
+        """Every distinct refusal so far, in the order first met."""
+        return list(self._refusals.values())
+
+    def report(self) -> dict:
+        return {
+            "cudnn_graphs": len(self.graphs),
+            "cudnn_build_s": round(sum(g.build_s for g in self.graphs.values()), 2),
+            "conv_instances": len(self.instances),
+            "instance_build_s": round(sum(g.build_s for g in self.instances), 2),
+            "fusions_unsupported": sorted(key.label() for key in self.failed),  # or turned off
+            "own_kernel_refused": {key.label(): why for key, why in self.own_refused.items()},
+            "refusals": [str(refusal) for refusal in self.refusals()],
+        }
+
+    def close(self) -> None:
+        self.graphs.clear()
+        self.instances.clear()
+
+
+def _label(key: ConvKey) -> str:
+    """`key` for a refusal: the bare convolution and the epilogue every candidate must add."""
+    return f"{key.bare().label()} + {key.epilogue}"
