@@ -301,10 +301,11 @@ def benchmark_hour(repeats: int = 5, seed: int = 0) -> dict:
 
     Timed: the frames once (`load`); the windows as the engine would ask for them, in calls
     of DEFAULT_MAX_WINDOWS into one reused buffer, eagerly (host launch overhead included)
-    and as one captured CUDA graph replay (GPU time); all windows in one call (the kernels'
-    throughput); the batch API at DEFAULT_MAX_WINDOWS chunks; and, for the design's record,
-    cuFFT's batched 512-point real FFT of the same number of frames (the FFT alone, frames
-    already cut, float32 and float64) next to our whole frames kernel.
+    and as one captured CUDA graph replay (GPU time); one window's graph (a b1 batch); all
+    windows in one call (the kernels' throughput); the batch API at DEFAULT_MAX_WINDOWS
+    chunks; and, for the design's record, cuFFT's batched 512-point real FFT of the same
+    number of frames (the FFT alone, frames already cut, float32 and float64) next to our
+    whole frames kernel.
 
     The audio is uniform noise in [-0.5, 0.5]: the kernels' time does not depend on content.
     Needs ~2.5 GB of device memory (the one-call output is 1.15 GB)."""
@@ -332,6 +333,12 @@ def benchmark_hour(repeats: int = 5, seed: int = 0) -> dict:
         finally:
             graph = stream.end_capture()
         graph_ms = _elapsed_ms(stream, lambda: graph.launch(stream), repeats)
+        stream.begin_capture()
+        try:
+            fbank.windows(layout.windows // 2, 1, batch_out, stream)  # one window: a b1 batch's fbank
+        finally:
+            single = stream.end_capture()
+        single_ms = _elapsed_ms(stream, lambda: single.launch(stream), repeats)
         one_call_ms = _elapsed_ms(stream, lambda: fbank.windows(0, layout.windows, all_out, stream), repeats)
         chunks = samples[: DEFAULT_MAX_WINDOWS * CHUNK_SAMPLES].reshape(DEFAULT_MAX_WINDOWS, CHUNK_SAMPLES)
         batch_ms = _elapsed_ms(stream, lambda: fbank.batch(chunks, batch_out, stream), repeats)
@@ -351,6 +358,7 @@ def benchmark_hour(repeats: int = 5, seed: int = 0) -> dict:
         "frames_gb_per_s": round((4 * HOUR_SAMPLES + 4 * layout.frames * MEL_BINS) / frames_ms / 1e6, 1),
         f"windows_by_{DEFAULT_MAX_WINDOWS}_eager_ms": round(batched_ms, 4),
         f"windows_by_{DEFAULT_MAX_WINDOWS}_graph_ms": round(graph_ms, 4),
+        "window_b1_graph_ms": round(single_ms, 4),
         "windows_one_call_ms": round(one_call_ms, 4),
         "windows_one_call_gb_written_per_s": round(written / one_call_ms / 1e6, 1),
         "hour_frames_plus_windows_graph_ms": round(frames_ms + graph_ms, 4),
