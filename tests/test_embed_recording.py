@@ -8,14 +8,17 @@ mid-recording costs no further engine work.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+import wave
 
 import grpc
 import numpy as np
 import pytest
 
-from speakerd.client.client import SpeakerClient
+from speakerd.client.cli import main as cli_main
+from speakerd.client.client import AsyncSpeakerClient, SpeakerClient
 from speakerd.client.recording import recording_requests
 from speakerd.model.audio import speaker_masks, synthetic_recording
 from speakerd.model.fbank import chunk_recording, fbank
@@ -207,3 +210,42 @@ def test_cancel_mid_recording_costs_no_further_engine_work(server, stub) -> None
     print(f"\n{windows} windows, cancelled after {received}: {embedded:.0f} embedded (bound {bound})")
     assert embedded <= bound < windows, (embedded, bound, windows)
     assert after.get(CANCELLED, 0.0) - before.get(CANCELLED, 0.0) == 1.0, after.get(CANCELLED)
+
+
+def test_async_client_and_cli_give_the_same_rows(server, client: SpeakerClient, speech, tmp_path) -> None:
+    """AsyncSpeakerClient.embed_recording and `client embed --audio WAV --masks NPY` (16-bit
+    stereo WAV at 44.1 kHz) agree with the blocking client on the same recording."""
+    rate = 44_100
+    pcm = np.round(np.stack([resample(speech.samples, 16_000, rate)] * 2, axis=1) * 32767).astype(np.int16)
+    windows = len(chunk_recording(resample(pcm[:, 0].astype(np.float32) / 32768, rate, 16_000)))
+    masks = np.ones((windows, 1, 589), dtype=np.float32)
+    blocking = client.embed_recording(pcm, rate, masks)
+
+    async def embed_async():
+        async with AsyncSpeakerClient(server.target, timeout_s=TIMEOUT_S) as aio:
+            return await aio.embed_recording(pcm, rate, masks)
+
+    via_async = asyncio.run(embed_async())
+    np.testing.assert_array_equal(via_async.embeddings, blocking.embeddings)
+    wav, masks_path, out = tmp_path / "rec.wav", tmp_path / "masks.npy", tmp_path / "out.npz"
+    with wave.open(str(wav), "wb") as writer:
+        writer.setnchannels(2)
+        writer.setsampwidth(2)
+        writer.setframerate(rate)
+        writer.writeframes(pcm.astype("<i2").tobytes())
+    np.save(masks_path, masks)
+    argv = [
+        "embed",
+        "--target",
+        server.target,
+        "--audio",
+        str(wav),
+        "--masks",
+        str(masks_path),
+        "--output",
+        str(out),
+    ]
+    assert cli_main(argv) == 0
+    with np.load(out) as saved:
+        np.testing.assert_array_equal(saved["embeddings"], blocking.embeddings)
+        np.testing.assert_array_equal(saved["starts"], blocking.starts)

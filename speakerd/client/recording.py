@@ -8,6 +8,8 @@ boundaries, then the masks in pieces of whole windows.
 
 from __future__ import annotations
 
+import argparse
+import json
 import wave
 from collections.abc import AsyncIterable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -152,3 +154,26 @@ def read_audio(path: str | Path, sample_rate: int | None = None) -> tuple[np.nda
             raise ValueError(f"{path}: {8 * reader.getsampwidth()}-bit WAV, expected 16-bit PCM")
         data = np.frombuffer(reader.readframes(reader.getnframes()), dtype="<i2")
         return data.reshape(-1, reader.getnchannels()), reader.getframerate()
+
+
+def configure(embed: argparse.ArgumentParser) -> None:
+    """`client embed --audio FILE --masks FILE.npy`: the recording form of the embed command."""
+    embed.add_argument("--audio", help="a whole recording: 16-bit PCM WAV, or .npy with --sample-rate")
+    embed.add_argument("--masks", help="with --audio: .npy [n, s, F] masks of the recording's n windows")
+    embed.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
+    embed.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
+    embed.add_argument("--step", type=float, default=DEFAULT_STEP_S, help="window step in seconds")
+
+
+def run(args: argparse.Namespace, client: Any) -> int:
+    """Embed `args.audio` under `args.masks` with `client` (a SpeakerClient); write `args.output`."""
+    if not args.masks:
+        raise SystemExit("embed --audio needs --masks FILE.npy ([n, s, F] for the recording's n windows)")
+    samples, rate = read_audio(args.audio, args.sample_rate)
+    result = client.embed_recording(samples, rate, np.load(args.masks), args.exclude_overlap, args.step)
+    np.savez(args.output, embeddings=result.embeddings, empty=result.empty,
+             active_frames=result.active_frames, starts=result.starts)  # fmt: skip
+    summary = {"output": args.output, "shape": list(result.embeddings.shape), "model_id": result.model_id,
+               "precision": result.precision, "empty_rows": int(result.empty.sum())}  # fmt: skip
+    print(json.dumps(summary))
+    return 0
