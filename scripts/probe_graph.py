@@ -54,57 +54,62 @@ def churn() -> None:
     del keep
 
 
-def replay_diffs(plan, replays: int) -> list[int]:
+def replay_diffs(capture, replays: int) -> list[int]:
     """Values of output/active differing from eager on each replay (realistic inputs)."""
     import cupy
 
-    plan._random_inputs(realistic=True)
+    plan, stream = capture.plan, capture.stream
+    capture._random_inputs(realistic=True)
     counts = []
-    with plan.stream:
+    with stream:
         plan.forward()
         eager, active = plan.output.copy(), plan.active.copy()
         for _ in range(replays):
             plan.output.fill(float("nan"))
-            plan.graph.launch(plan.stream)
+            capture.graph.launch(stream)
             counts.append(
                 int(cupy.count_nonzero(plan.output != eager).get())
                 + int(cupy.count_nonzero(plan.active != active).get())
             )
-    plan.stream.synchronize()
+    stream.synchronize()
     return counts
 
 
-def survey(plan, label: str, out: Path) -> None:
+def survey(capture, label: str, out: Path) -> None:
     import cupy
 
-    graph = plan._capture()
-    dot = dot_of(graph)
+    plan, stream = capture.plan, capture.stream
+    capture.graph = capture._record()
+    dot = dot_of(capture.graph)
     (out / f"{label}.dot").write_text(dot)
     say(probe=label, nodes=node_types(dot), dot_bytes=len(dot))
-    before = replay_diffs(plan, 10)
+    before = replay_diffs(capture, 10)
     churn()
     for _ in range(3):  # eager forwards in between, as the self-check and bench do
         plan.forward()
-    plan.stream.synchronize()
-    after = replay_diffs(plan, 10)
+    stream.synchronize()
+    after = replay_diffs(capture, 10)
     say(probe=label, replay_diffs_before_churn=before, replay_diffs_after_churn=after)
     alone = {}
-    for choice in plan.convs:
-        with plan.stream:
-            plan.stream.begin_capture()
+    for step in plan.convs:
+        choice = step.choice
+        if choice.graph is None or choice.own is not None:
+            continue  # ours: one kernel launch, nothing of cuDNN's to survey
+        with stream:
+            stream.begin_capture()
             try:
-                choice.graph.execute(choice.pack, plan.engine.workspace.data.ptr, plan.engine.handle)
+                choice.graph.execute(choice.pack, plan.ctx.workspace.ptr, plan.ctx.cudnn)
             finally:
-                captured = plan.stream.end_capture()
+                captured = stream.end_capture()
         kinds = node_types(dot_of(captured))
         if set(kinds) - {"KERNEL"} or kinds.get("KERNEL", 0) != 1:
-            alone[choice.name] = {
+            alone[step.name] = {
                 "nodes": kinds,
                 "plan": choice.graph.plan_name,
                 "fused": choice.fused,
                 "workspace": choice.graph.workspace_bytes,
             }
-        if choice.name == "layer3.0.shortcut":
+        if step.name == "layer3.0.shortcut":
             (out / f"{label}-layer3.0.shortcut.dot").write_text(dot_of(captured))
     say(probe=label, convs_not_one_kernel=alone)
     cupy.cuda.Device().synchronize()
@@ -122,42 +127,39 @@ def main() -> int:
     from speakerd.model.weights import load_model
 
     engine = GpuEngine(load_model(resolve_weights(None)), args.math, (args.batch,), graphs=False)
-    plan = engine.plans[args.batch]
+    plan, capture = engine.plans[args.batch], engine.captures[args.batch]
     say(
         probe="choices",
-        convs=[[c.name, c.runner, c.graph.workspace_bytes] for c in plan.convs],
+        convs=[[c.name, c.runner, c.choice.workspace_bytes] for c in plan.convs],
     )
-    survey(plan, f"{args.math}-b{args.batch}-as-chosen", out)
+    survey(capture, f"{args.math}-b{args.batch}-as-chosen", out)
 
-    for i, (kind, c) in enumerate(plan.steps):  # every fused conv -> bare conv + our epilogue
-        if kind == "conv" and c.fused:
-            engine._failed[c.graph.key] = "probe: fusion off"
-            plan.steps[i] = ("conv", plan._choose(c.name, c.folded, c.x, c.y, c.epilogue, c.residual))
-    plan.convs = [c for kind, c in plan.steps if kind == "conv"]
-    engine.ensure_workspace(max(c.graph.workspace_bytes for c in plan.convs))
-    say(
-        probe="bare choices", convs=[[c.name, c.graph.plan_name, c.graph.workspace_bytes] for c in plan.convs]
-    )
-    survey(plan, f"{args.math}-b{args.batch}-bare", out)
+    for step in plan.convs:  # every fused conv -> bare conv + our epilogue
+        if step.fused:
+            assert step.choice.graph is not None
+            engine.tuner.failed[step.choice.graph.key] = "probe: fusion off"
+    plan.rechoose(lambda choice: choice.fused)
+    say(probe="bare choices", convs=[[c.name, c.runner, c.choice.workspace_bytes] for c in plan.convs])
+    survey(capture, f"{args.math}-b{args.batch}-bare", out)
     engine.close()
 
     # the engine's own capture path (re-choices, fusion turned off where it replays wrongly)
     engine = GpuEngine(load_model(resolve_weights(None)), args.math, (args.batch,), graphs=True)
-    plan = engine.plans[args.batch]
+    plan, capture = engine.plans[args.batch], engine.captures[args.batch]
     say(
         probe="engine capture",
-        graph=plan.graph is not None,
-        check=plan.graph_check,
+        graph=capture.graph is not None,
+        check=capture.check,
         build=engine.build_report(),
         fused=[c.name for c in plan.convs if c.fused],
     )
-    if plan.graph is not None:
-        before = replay_diffs(plan, 10)
+    if capture.graph is not None:
+        before = replay_diffs(capture, 10)
         churn()
         say(
             probe="engine capture",
             replay_diffs_before_churn=before,
-            replay_diffs_after_churn=replay_diffs(plan, 10),
+            replay_diffs_after_churn=replay_diffs(capture, 10),
         )
     return 0
 

@@ -7,9 +7,10 @@ Two kernel families, both NHWC with the block's epilogue (bias, residual, ReLU) 
   (each input pixel copied to shared memory once per block, read by all r x r taps), and
   the range check of FP16 mode (a flag raised by any output outside FP16's range).
 
-A Plan times them per convolution against cuDNN (bare conv + our epilogue, and cuDNN's
-fused graph where allowed) and keeps whichever is fastest, after checking the output
-against cuDNN's on the same buffers.
+The autotuner (autotune.py) times them per convolution against cuDNN (bare conv + our
+epilogue, and cuDNN's fused graph where the math allows) and keeps whichever is fastest,
+after checking the output against cuDNN's on the same buffers (the math's agreement
+bound, maths.py). Which family and entry points a math uses is the maths table's too.
 """
 
 from __future__ import annotations
