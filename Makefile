@@ -28,13 +28,17 @@ venv: $(BIN)/.installed
 
 serve: venv
 	@echo "speakerd: gRPC on 127.0.0.1:$(PORT), Prometheus metrics on http://127.0.0.1:$(METRICS_PORT)/metrics"
-	@echo "  The first start makes the default model in $(SPEAKERD_CACHE) (about 15 s on 2 cores); every"
-	@echo "  start then builds the engine and runs the parity self-check. Health is NOT_SERVING until the"
-	@echo "  log says SERVING. From another shell in this directory:"
-	@echo "    $(BIN)/python -m speakerd.client health --wait 600 --target 127.0.0.1:$(PORT)"
-	@echo "    $(BIN)/python -m speakerd.client info --target 127.0.0.1:$(PORT)"
+	@echo "  Start-up: health is NOT_SERVING until the log says 'SERVING ... after N s of start-up'."
+	@echo "  On 2 idle CPU cores that is about 10 s (engine build and parity self-check); the first"
+	@echo "  start also makes the default model in $(SPEAKERD_CACHE) (about 15 s more). A GPU start"
+	@echo "  compiles kernels and captures graphs: about a minute."
+	@echo "  The console scripts are in $(BIN) only (not on PATH): $(BIN)/speakerd and"
+	@echo "  $(BIN)/speakerd-client (the same as $(BIN)/python -m speakerd / -m speakerd.client)."
+	@echo "  From another shell in this directory:"
+	@echo "    $(BIN)/speakerd-client health --wait 600 --target 127.0.0.1:$(PORT)"
+	@echo "    $(BIN)/speakerd-client info --target 127.0.0.1:$(PORT)"
 	@echo "    curl -s http://127.0.0.1:$(METRICS_PORT)/metrics | grep '^speakerd_'"
-	@echo "  Ctrl-C (SIGINT) or SIGTERM drains the calls in progress, then stops."
+	@echo "  Ctrl-C (SIGINT) or SIGTERM drains the calls in progress (up to --drain-seconds), then stops."
 	SPEAKERD_CACHE="$(SPEAKERD_CACHE)" $(BIN)/python -m speakerd serve --port $(PORT) --metrics-port $(METRICS_PORT)
 
 lint: venv

@@ -37,6 +37,14 @@ def _closed_port() -> int:
         return probe.getsockname()[1]
 
 
+def test_commands_default_to_the_servers_address(capsys) -> None:
+    """--target is optional: the server's default 127.0.0.1:50051 (nothing listens there in
+    tests, or something else does: either way the one-line error names that target)."""
+    code = main(["health", "--timeout", "1"])
+    captured = capsys.readouterr()
+    assert code == 0 or "127.0.0.1:50051" in captured.err, (code, captured.err)
+
+
 def test_health_exit_codes(server: ServerProcess, capsys) -> None:
     assert main(["health", "--target", server.target]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
@@ -73,6 +81,10 @@ def test_load_generator_reports_json(server: ServerProcess, capsys) -> None:
     report = json.loads(capsys.readouterr().out)
     print(report)
     assert report["requests_ok"] >= 1 and report["errors"] == {} and report["chunks_per_s"] > 0
+    assert report["ok"] is True and report["failed_calls"] == 0, report
+    # the JSON agrees with itself: rounding chunks/s to 2 decimals broke this at low rates
+    rate = report["requests_ok"] * 2 / report["seconds"]
+    assert report["chunks_per_s"] == pytest.approx(rate, rel=1e-4), (report["chunks_per_s"], rate)
     assert report["latency_p50_ms"] <= report["latency_p90_ms"] <= report["latency_p99_ms"]
     assert 0 < report["batch_fill_mean"] <= 1 and report["batch_size_mean_chunks"] >= 1
 

@@ -70,7 +70,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", type=Path, default=None, help="safetensors weights (default: synthetic)")
 
 
+#: What a full set takes on disk (every b1 case keeps every tap): said before writing it.
+REFERENCE_SET_MB = 930
+
+
 def run(args: argparse.Namespace) -> int:
+    size = f"about {REFERENCE_SET_MB} MB"
+    print(f"writing {len(CASE_NAMES)} reference cases, {size}, to {args.out}", flush=True)
     started = time.perf_counter()
     paths = make_references(args.out, args.weights)
     elapsed = time.perf_counter() - started

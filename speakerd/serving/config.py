@@ -138,7 +138,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("plans", DEFAULT_PLANS, f"batch sizes to preallocate, each 1..{MAX_PLAN_SIZE}", type=parse_plans)
     add("max-delay-ms", DEFAULT_MAX_DELAY_MS, "longest wait for a batch to fill", type=_non_negative_float)
     add("queue-chunks", DEFAULT_QUEUE_CHUNKS, "queued chunks before RESOURCE_EXHAUSTED", type=_positive_int)
-    add("drain-seconds", DEFAULT_DRAIN_SECONDS, "SIGTERM grace for in-flight calls", type=_non_negative_float)
+    add(
+        "drain-seconds",
+        DEFAULT_DRAIN_SECONDS,
+        "after SIGTERM, time for calls in progress; the rest get UNAVAILABLE",
+        type=_non_negative_float,
+    )
     add("max-message-mb", DEFAULT_MAX_MESSAGE_MB, "largest gRPC message in MiB", type=_positive_int)
     add("log-level", "INFO", "log level", choices=LOG_LEVELS, type=str.upper)
     add("conv-kernels", "auto", "GPU convolutions: auto (ours where faster), cudnn", choices=CONV_KERNELS)
