@@ -9,6 +9,7 @@ mid-recording costs no further engine work.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import wave
@@ -249,3 +250,14 @@ def test_async_client_and_cli_give_the_same_rows(server, client: SpeakerClient, 
     with np.load(out) as saved:
         np.testing.assert_array_equal(saved["embeddings"], blocking.embeddings)
         np.testing.assert_array_equal(saved["starts"], blocking.starts)
+
+
+def test_load_generator_recording_mode(server, capsys) -> None:
+    """`client load --recording 12`: 12 s make 3 windows; the JSON counts them per second."""
+    argv = ["load", "--target", server.target, "--recording", "12", "--seconds", "0.5", "--streams", "1",
+            "--timeout", "300"]  # fmt: skip
+    assert cli_main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["ok"] and report["failed_calls"] == 0, report
+    assert report["windows_per_recording"] == 3 and report["recordings_ok"] >= 1, report
+    assert report["windows_per_s"] > 0, report
