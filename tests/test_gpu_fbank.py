@@ -172,8 +172,9 @@ def _recording_windows(
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
-    device = cupy.asarray(samples)
     engine = GpuFbank(max(samples.shape[0], CHUNK_SAMPLES), max_windows)
+    with stream:  # the upload on the stream the kernels run on (a non-blocking one)
+        device = cupy.asarray(samples)
     layout = engine.load(device, stream, step)
     out = cupy.empty((layout.windows, FRAMES, MEL_BINS), dtype=cupy.float32)
     for first in range(0, layout.windows, max_windows):
@@ -190,10 +191,11 @@ def _diff(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def speech() -> np.ndarray:
-    """23.5 s of 3-speaker speech: 14 full windows and a padded 15th (8,000 real samples)."""
+    """23.5 s of 3-speaker speech: 14 full windows and a padded 15th starting at 14 s
+    (152,000 real samples, then 8,000 zeros)."""
     samples = synthetic_recording(23.5, seed=11).samples
     layout = RecordingLayout.of(samples.shape[0])
-    assert (layout.full_windows, layout.padded, layout.padded_length) == (14, True, 8000), layout
+    assert (layout.full_windows, layout.padded, layout.padded_length) == (14, True, 152_000), layout
     return samples
 
 
@@ -279,17 +281,19 @@ def test_graph_replay_is_eager_bit_for_bit_and_calls_allocate_nothing(speech: np
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
-    samples = cupy.asarray(speech)
-    waveforms = cupy.asarray(chunk_recording(speech).waveforms[:3])
+    windows = RecordingLayout.of(speech.shape[0]).windows  # 15: every row of `out` is written
     engine = GpuFbank(speech.shape[0], 16)
-    out = cupy.zeros((16, FRAMES, MEL_BINS), dtype=cupy.float32)
-    batch_out = cupy.zeros((3, FRAMES, MEL_BINS), dtype=cupy.float32)
+    with stream:  # uploads and fills ordered with the kernels (a non-blocking stream)
+        samples = cupy.asarray(speech)
+        waveforms = cupy.asarray(chunk_recording(speech).waveforms[:3])
+        out = cupy.zeros((windows, FRAMES, MEL_BINS), dtype=cupy.float32)
+        batch_out = cupy.zeros((3, FRAMES, MEL_BINS), dtype=cupy.float32)
     pool = cupy.get_default_memory_pool()
 
     def work() -> None:
-        layout = engine.load(samples, stream)
+        engine.load(samples, stream)
         engine.windows(0, 10, out, stream)
-        engine.windows(10, layout.windows - 10, out[10:], stream)
+        engine.windows(10, windows - 10, out[10:], stream)  # the full windows 10-13 and the padded one
         engine.batch(waveforms, batch_out, stream)
 
     work()
