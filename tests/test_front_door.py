@@ -11,6 +11,7 @@ with UNAVAILABLE).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -112,8 +113,6 @@ def test_gpu_engine_without_a_gpu_is_one_line() -> None:
 
 
 def test_bad_environment_value_is_one_line_and_exit_2() -> None:
-    import os
-
     env = {**os.environ, "SPEAKERD_ENGINE": "tpu"}
     done = serve(env=env)
     assert_one_line_usage_error(done, "SPEAKERD_ENGINE='tpu'", "expected one of auto, cpu, gpu")
@@ -247,3 +246,14 @@ def test_sigterm_with_work_in_flight_ends_within_the_drain_time(weights_path) ->
     )
     assert outcomes and set(outcomes) <= {"OK", "UNAVAILABLE"} and "UNAVAILABLE" in outcomes, outcomes
     assert "Traceback" not in server.log(), server.log()
+
+
+def test_failed_warm_up_exits_1_without_draining(tmp_path: Path) -> None:
+    """A warm-up that fails (here: the default model cannot be made, its cache is a file) is
+    exit code 1, and the log does not speak of draining a server that never served."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    done = serve("--engine", "cpu", env={**os.environ, "SPEAKERD_CACHE": str(blocker / "cache")})
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    assert "start-up failed" in done.stderr and "never served" in done.stderr, done.stderr[-3000:]
+    assert "draining" not in done.stderr, done.stderr[-3000:]

@@ -396,14 +396,15 @@ class SpeakerServer:
             if self._building is not None and not self._building.done():
                 self._building.cancel()
                 self.abandoned_work = True
-        if self.engine is None:  # never served: no calls to drain
-            if self._server is not None:
-                await self._server.stop(None)
-        else:
+        served = self.engine is not None
+        if served:
             await self._drain(started)
+        elif self._server is not None:  # never served: no calls to drain
+            await self._server.stop(None)
         self.service.close()
         self.metrics.close()
-        log.info("stopped %.2f s after the stop was asked", time.monotonic() - started)
+        log.info("stopped %.2f s after the stop was asked%s", time.monotonic() - started,
+                 "" if served else " (it never served)")  # fmt: skip
         self._stop.set()
 
     async def _drain(self, started: float) -> None:
