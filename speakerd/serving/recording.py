@@ -137,6 +137,13 @@ class RecordingService:
             log.info("%s %s: %s after %d windows sent", METHOD, call.request_id,
                      "deadline passed" if expired else "cancelled by the client", call.sent)  # fmt: skip
             raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # a server bug: INTERNAL, not an UNKNOWN status
+            code = grpc.StatusCode.INTERNAL
+            host.metrics.rejected.labels(reason="internal").inc()
+            log.exception("%s %s: failed", METHOD, call.request_id)
+            await context.abort(code, f"server error: {error}")
         finally:
             host.metrics.request_duration.labels(method=METHOD, code=code.name).observe(
                 time.perf_counter() - started
@@ -186,6 +193,8 @@ class _Call:
             reader.cancel()
             for task in self.tasks:
                 task.cancel()  # their batcher jobs leave the queue before any engine work
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: a failure after the call ended is not logged twice
 
     async def _unless_failed(self, awaitable: asyncio.Future):  # type: ignore[type-arg]
         """The awaitable's result, unless the reader failed first: then its Rejection."""
