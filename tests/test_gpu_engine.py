@@ -234,6 +234,26 @@ def test_wrong_input_lengths_are_rejected(engines) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+def test_pieces_are_staged_as_the_joined_batch(engines, reference_cases) -> None:
+    """run_batch on lists of pieces (the batcher's requests; fbank and masks split at
+    different places) gives the joined batch's bits: each piece is copied straight into
+    the pinned staging slot at its offset. Pieces disagreeing on F are refused by name."""
+    engine = engines[Math.TF32]
+    case = _by_name(reference_cases)["mixed_b32"]
+    fbank, masks = case.fbank[:7], case.masks[:7]
+    joined = engine.run_batch(fbank, masks)
+    pieces = engine.run_batch([fbank[:2], fbank[2:3], fbank[3:]], [masks[:4], masks[4:]])
+    assert pieces.plans == joined.plans == ["b32/graph"], (pieces.plans, joined.plans)
+    differ = int(np.count_nonzero(pieces.embeddings != joined.embeddings))
+    assert differ == 0, f"pieces differ from the joined batch in {differ} values"
+    frames = masks.shape[-1]
+    assert frames != 125, frames
+    with pytest.raises(InputError, match=rf"masks\[1\]: 125 mask frames where masks\[0\] has {frames}"):
+        engine.run_batch([fbank[:2]], [masks[:1], np.ascontiguousarray(masks[1:2, :, :125])])
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_two_threads_at_once_get_their_own_rows(engines, reference_cases) -> None:
     engine = engines[Math.TF32]
     cases = _by_name(reference_cases)
@@ -309,3 +329,55 @@ def test_activation_buffers_hold_every_conv_output() -> None:
         buffer = "shortcut" if spec.kernel == 1 else "out"
         assert 3 * spec.cout * spec.h_out * spec.w_out <= sizes[buffer], (spec.name, sizes)
     assert sizes["x"] == 3 * STEM.cout * STEM.h_out * STEM.w_out == 3 * BLOCKS[0].conv1.cout * 80 * 998
+
+
+def test_the_maths_table_has_a_row_per_math() -> None:
+    """Every math has one row; its parity bound is the model's, a range-flag math falls back
+    to a math without one, strict FP32 alone excludes tensor-core engines."""
+    from speakerd.engine.gpu import maths
+
+    assert list(maths.MATHS) == list(Math), list(maths.MATHS)
+    for math, row in maths.MATHS.items():
+        assert row.math == math and row.parity == BOUNDS[math], row
+        assert row.element_bytes == row.io_dtype.itemsize == (2 if row.half_io else 4), row
+        assert set(maths.ALWAYS_EXCLUDED) <= set(row.excluded_notes), row.excluded_notes
+        assert row.cudnn_fusion == (row.no_fusion_reason == ""), row
+        assert 0 < row.agreement < 0.1, row.agreement
+        if row.range_flag:
+            assert row.fallback is not None and not maths.of(row.fallback).range_flag, row
+        else:
+            assert row.fallback is None, row
+    tensor_core = [math for math, row in maths.MATHS.items() if "TENSOR_CORE" in row.excluded_notes]
+    assert tensor_core == [Math.FP32], tensor_core
+    with pytest.raises(ValueError, match="math: 'bf16', expected one of fp32, tf32, fp16"):
+        maths.of("bf16")
+
+
+def test_no_math_comparisons_outside_the_maths_table() -> None:
+    """The GPU engine reads what a math means from maths.py; no module compares Math values."""
+    import re
+    from pathlib import Path
+
+    from speakerd.engine import gpu
+
+    comparison = re.compile(r"(==|!=|\bis|\bin)\s*\(?\s*Math\.|Math\.\w+\s*(==|!=)")
+    found = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted(Path(gpu.__file__).parent.glob("*.py"))
+        if path.name != "maths.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if comparison.search(line)
+    ]
+    assert not found, found
+
+
+def test_refusals_are_summarized_by_candidate_and_reason() -> None:
+    from speakerd.engine.gpu.autotune import Refusal, summarize
+
+    refusals = [
+        Refusal("ours:stem", "b1 32->32 + bias_relu", "runs only the stem"),
+        Refusal("cudnn-fused", "b1 32->32 + bias_relu", "strict FP32"),
+        Refusal("ours:stem", "b1 32->64 + bias_relu", "runs only the stem"),
+    ]
+    assert summarize(refusals) == {"ours:stem: runs only the stem": 2, "cudnn-fused: strict FP32": 1}
+    assert str(refusals[1]) == "cudnn-fused for b1 32->32 + bias_relu: strict FP32"

@@ -476,7 +476,7 @@ class Autotuner:
             "instance_build_s": round(sum(g.build_s for g in self.instances), 2),
             "fusions_unsupported": sorted(key.label() for key in self.failed),  # or turned off
             "own_kernel_refused": {key.label(): why for key, why in self.own_refused.items()},
-            "refusals": [str(refusal) for refusal in self.refusals()],
+            "refusals": summarize(self.refusals()),
         }
 
     def close(self) -> None:
@@ -487,3 +487,13 @@ class Autotuner:
 def _label(key: ConvKey) -> str:
     """`key` for a refusal: the bare convolution and the epilogue every candidate must add."""
     return f"{key.bare().label()} + {key.epilogue}"
+
+
+def summarize(refusals: list[Refusal]) -> dict[str, int]:
+    """ "candidate: reason" -> how many convolution keys it refused, in the order first met:
+    build_report's view (conv_report lists each convolution's own refusals)."""
+    counts: dict[str, int] = {}
+    for refusal in refusals:
+        line = f"{refusal.candidate}: {refusal.reason}"
+        counts[line] = counts.get(line, 0) + 1
+    return counts
