@@ -30,6 +30,7 @@ from speakerd.serving.recording import BATCHES_IN_FLIGHT
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from tests.serving import start_server
+from tests.test_bad_inputs import field_violations
 from tests.test_service import scrape
 
 #: b8 keeps a CPU batch near 1 s, so a recording spans several batches.
@@ -169,6 +170,7 @@ BAD_CALLS = {
     ),
     "ends before header": ([], r"header: the call ended before its header"),
     "audio before header": ([_audio(SECOND)], r"header: the first message must be the header, got audio"),
+    "request id with a newline": ([_header(request_id="a\nb")], r"header\.request_id: control or separator"),
 }
 
 
@@ -180,6 +182,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, case: str) -> None
     error = raised.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, error.code(), error.details())
     assert re.search(message, error.details()), (case, error.details())
+    field = message.split(":")[0].replace("\\", "")
+    assert [f for f, _ in field_violations(error)] == [field], (case, field_violations(error))
 
 
 def _settled(server, timeout_s: float = 120.0) -> dict[str, float]:

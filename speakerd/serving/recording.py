@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -46,7 +45,9 @@ from speakerd.serving.batcher import (
     EngineFailed,
     QueueFull,
 )
+from speakerd.serving.errors import Rejection, abort
 from speakerd.serving.metrics import Metrics
+from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
 
@@ -81,16 +82,9 @@ class Host(Protocol):
     def _leave(self) -> None: ...
 
 
-class Rejection(Exception):
-    """The call ends with this gRPC code; `reason` labels speakerd_requests_rejected_total."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-
-
-def _invalid(error: InputError | TensorError) -> Rejection:
-    return Rejection(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(error))
+def _invalid(error: InputError | TensorError | RequestIdError) -> Rejection:
+    """INVALID_ARGUMENT with a BadRequest violation for the error's field."""
+    return Rejection.invalid(error.field, str(error).removeprefix(f"{error.field}: "))
 
 
 BATCHER_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str]] = {
@@ -128,7 +122,7 @@ class RecordingService:
             host.metrics.rejected.labels(reason=error.reason).inc()
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
             log.log(level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
-            await context.abort(code, error.message)
+            await abort(context, error)
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
@@ -143,7 +137,7 @@ class RecordingService:
             code = grpc.StatusCode.INTERNAL
             host.metrics.rejected.labels(reason="internal").inc()
             log.exception("%s %s: failed", METHOD, call.request_id)
-            await context.abort(code, f"server error: {error}")
+            await abort(context, Rejection(code, "internal", f"server error: {error}"))
         finally:
             host.metrics.request_duration.labels(method=METHOD, code=code.name).observe(
                 time.perf_counter() - started
@@ -159,7 +153,7 @@ class _Call:
         self.service = service
         self.host = service.host
         self.context = context
-        self.request_id = _metadata_id(context) or uuid.uuid4().hex[:16]
+        self.request_id = fresh_request_id()  # until the metadata or header give one
         remaining = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
         self.decoder: RecordingDecoder | None = None
@@ -225,7 +219,7 @@ class _Call:
                 else:
                     raise InputError("part", "an empty message; set header, audio or masks")
             await self._end()
-        except (InputError, TensorError) as error:
+        except (InputError, TensorError, RequestIdError) as error:
             self._fail(_invalid(error))
         except Rejection as error:
             self._fail(error)
@@ -242,8 +236,8 @@ class _Call:
             )
         if self.host.engine is None or self.host.batcher is None:
             raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
-        if header.request_id and not _metadata_id(self.context):
-            self.request_id = header.request_id
+        given = _metadata_id(self.context) or check_request_id(header.request_id, "header.request_id")
+        self.request_id = given or self.request_id
         if header.encoding not in ENCODINGS:
             known = header.encoding in pb.AudioEncoding.values()
             name = pb.AudioEncoding.Name(header.encoding) if known else str(header.encoding)
@@ -373,7 +367,8 @@ class _Call:
 
 
 def _metadata_id(context: grpc.aio.ServicerContext) -> str:
+    """The x-request-id metadata ("" when absent); RequestIdError when unusable."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY and value:
-            return str(value)
+            return check_request_id(str(value), REQUEST_ID_KEY)
     return ""
