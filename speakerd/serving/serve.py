@@ -403,8 +403,8 @@ class SpeakerServer:
             await self._server.stop(None)
         self.service.close()
         self.metrics.close()
-        log.info("stopped %.2f s after the stop was asked%s", time.monotonic() - started,
-                 "" if served else " (it never served)")  # fmt: skip
+        log.info("stopped after %.2f s %s", time.monotonic() - started,
+                 "of draining" if served else "(it never served: nothing to drain)")  # fmt: skip
         self._stop.set()
 
     async def _drain(self, started: float) -> None:
