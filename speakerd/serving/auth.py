@@ -53,7 +53,7 @@ class TokenFile:
                     if self._signature is not None:
                         log.info("auth tokens reloaded from %s: %d tokens", self.path, len(self._tokens))
                     self._signature = signature
-            except OSError as error:
+            except (OSError, UnicodeDecodeError) as error:
                 if self._signature is None:
                     raise
                 log.warning("auth tokens not reloaded from %s, keeping the last ones: %s", self.path, error)
