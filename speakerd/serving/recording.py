@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -32,7 +32,9 @@ from speakerd.model.inputs import InputError, check_masks
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.model.recording import (
     Encoding,
+    FbankSource,
     RecordingDecoder,
+    SharedFrames,
     exclude_overlap,
     step_samples,
     window_starts_s,
@@ -98,9 +100,17 @@ BATCHER_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str]] = {
 class RecordingService:
     """The EmbedRecording method of `host` (registered by speakerd.serving.service.register)."""
 
-    def __init__(self, host: Host, max_seconds: float = MAX_RECORDING_S) -> None:
+    def __init__(
+        self,
+        host: Host,
+        max_seconds: float = MAX_RECORDING_S,
+        fbank_source: Callable[[int], FbankSource] = SharedFrames,
+    ) -> None:
+        """`fbank_source(step samples)` makes each call's FbankSource: the host's shared
+        frames by default; an engine computing fbank on its device passes its own."""
         self.host = host
         self.max_seconds = max_seconds
+        self.fbank_source = fbank_source
         self.pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="recording")
 
     def close(self) -> None:
@@ -252,6 +262,7 @@ class _Call:
             header.sample_rate,
             header.channels,
             ENCODINGS[header.encoding],
+            source=self.service.fbank_source(self.step),
             step=self.step,
             max_seconds=self.service.max_seconds,
         )
