@@ -32,6 +32,8 @@ class ServerProcess:
     health_seen: list[str] = field(default_factory=list)
     #: SpeakerClient keyword arguments that reach this server (TLS files, token)
     client_options: dict[str, object] = field(default_factory=dict)
+    #: the thread copying stderr into `lines`; it may lag behind the process's exit
+    pump: threading.Thread | None = None
 
     def client(self, **overrides: object) -> SpeakerClient:
         """A client of this server with its TLS and token options (overridable)."""
@@ -52,12 +54,19 @@ class ServerProcess:
         """Position of the first log line containing `text` (-1 when absent)."""
         return next((i for i, line in enumerate(self.lines) if text in line), -1)
 
+    def wait(self, timeout_s: float) -> int:
+        """The exit code, once every line the server wrote is in `lines`."""
+        code = self.process.wait(timeout_s)
+        if self.pump is not None:
+            self.pump.join(timeout_s)  # the pipe's last lines arrive after the exit
+        return code
+
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM (the server drains), then wait for its exit code."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout_s)
+            return self.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             raise
@@ -83,7 +92,8 @@ def start_server(
                 server.port, server.metrics_port = int(match["port"]), int(match["metrics"])
                 listening.set()
 
-    threading.Thread(target=pump, daemon=True).start()
+    server.pump = threading.Thread(target=pump, daemon=True)
+    server.pump.start()
     deadline = time.monotonic() + START_TIMEOUT_S
     while not listening.wait(0.1):
         if process.poll() is not None or time.monotonic() > deadline:

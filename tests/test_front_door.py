@@ -203,7 +203,7 @@ def test_cpu_self_check_covers_every_plan_with_few_chunks(folded_model) -> None:
 def test_sigterm_during_warm_up_exits_without_waiting_for_it(weights_path) -> None:
     server = start_server(weights_path, wait_serving=False)
     server.process.send_signal(signal.SIGTERM)
-    code = server.process.wait(60)
+    code = server.wait(60)
     log = server.log()
     assert code == 0, log
     assert "stopping during warm-up" in log, log
@@ -235,7 +235,7 @@ def test_sigterm_with_work_in_flight_ends_within_the_drain_time(weights_path) ->
     time.sleep(1.0)  # the calls reach the server and its batches start
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
-    code = server.process.wait(120)
+    code = server.wait(120)
     elapsed = time.monotonic() - started
     for caller in callers:
         caller.join(60)
