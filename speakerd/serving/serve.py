@@ -392,10 +392,11 @@ class SpeakerServer:
         self.service.begin_drain()
         if self._warm_up is not None and not self._warm_up.done():
             log.info("stopping during warm-up: not waiting for it (it ends with the process)")
+            # cancelling the task cancels the future it awaits, not the thread behind it: the
+            # thread runs on in native code (ONNX Runtime, CUDA), which the interpreter's exit
+            # must not wait for, nor tear down under it
             self._warm_up.cancel()
-            if self._building is not None and not self._building.done():
-                self._building.cancel()
-                self.abandoned_work = True
+            self.abandoned_work = True
         served = self.engine is not None
         if served:
             await self._drain(started)
