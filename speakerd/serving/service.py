@@ -237,6 +237,7 @@ class SpeakerEmbeddingService:
             self.metrics.rejected.labels(reason=error.reason).inc()
             log.info("EmbedChunksStream: %s %s", error.code.name, error.message)
             await abort(context, error)
+            return  # not reached: abort raises
         loop = asyncio.get_running_loop()
         room = asyncio.Semaphore(STREAM_WINDOW)
         window: asyncio.Queue[asyncio.Task[pb.EmbedResponse] | None] = asyncio.Queue()
