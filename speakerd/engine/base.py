@@ -10,16 +10,34 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES, InputError, InputLengthError, check_fbank, check_masks
 from speakerd.model.numerics import Math, active_frames, pad_speakers
+from speakerd.model.recording import FbankSource, SharedFrames
+
+
+@runtime_checkable
+class DeviceFbank(Protocol):
+    """fbank rows [k, 998, 80] that are not in host memory (a GPU recording's windows, see
+    engine/gpu/recording.py): an engine with a device asks them to write themselves into its
+    own buffer; any other code gets a host copy through `np.asarray`. Sliced along rows."""
+
+    shape: tuple[int, int, int]
+    size: int
+
+    def write_device(self, pointer: int, stream) -> None: ...
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray: ...
+
 
 #: One array, or the pieces of several requests in order (concatenated along axis 0 they
 #: are the batch): the batcher hands an engine its requests' arrays without joining them.
-Pieces = np.ndarray | Sequence[np.ndarray]
+#: An fbank piece may be DeviceFbank rows.
+Pieces = np.ndarray | DeviceFbank | Sequence[np.ndarray | DeviceFbank]
 
 
 @dataclass(frozen=True)
@@ -27,7 +45,7 @@ class BatchInputs:
     """A batch's fbank and masks as pieces (each a tuple of arrays, in order), with its chunk
     count and mask frame count F, checked by `batch_inputs`."""
 
-    fbank: tuple[np.ndarray, ...]  # together chunks * 998 * 80 values
+    fbank: tuple[np.ndarray | DeviceFbank, ...]  # together chunks * 998 * 80 values
     masks: tuple[np.ndarray, ...]  # each [k, 3, F], the k summing to `chunks`
     chunks: int
     frames: int
@@ -45,10 +63,10 @@ class BatchInputs:
         )
 
 
-def _as_pieces(value: Pieces, field: str) -> tuple[np.ndarray, ...]:
-    if isinstance(value, np.ndarray):
+def _as_pieces(value: Pieces, field: str) -> tuple[np.ndarray | DeviceFbank, ...]:
+    if isinstance(value, np.ndarray | DeviceFbank):
         return (value,)
-    pieces = tuple(np.asarray(piece) for piece in value)
+    pieces = tuple(piece if isinstance(piece, DeviceFbank) else np.asarray(piece) for piece in value)
     if not pieces:
         raise InputError(field, "an empty list of pieces; a batch needs at least one chunk")
     return pieces
@@ -166,6 +184,11 @@ class Engine(abc.ABC):
         Must be safe to call from several threads at once: the batcher overlaps batches'
         assembly and host-to-device copies with the previous batch's compute that way.
         """
+
+    def fbank_source(self, step: int) -> FbankSource:
+        """Where a recording's fbank is computed for this engine (EmbedRecording): on the
+        host by default; an engine with a device returns a source whose windows stay there."""
+        return SharedFrames(step)
 
     def plan_times_ms(self) -> dict[int, float]:
         """Measured wall time of one run of each plan, for the batcher's cost model."""

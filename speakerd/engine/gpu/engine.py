@@ -42,6 +42,7 @@ from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, Workspace
 from speakerd.engine.gpu.convs import ConvKey
 from speakerd.engine.gpu.cublas import Cublas
 from speakerd.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
+from speakerd.engine.gpu.recording import GpuRecordingFrames
 from speakerd.engine.gpu.staging import INPUT_SLOTS, InputSlot
 from speakerd.engine.gpu.timing import fill_random, gpu_ms, median_ms
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, TAP_NAMES
@@ -309,6 +310,12 @@ class GpuEngine(Engine):
         return self.captures[batch].graph is not None
 
     # ----- reports ----------------------------------------------------------------------
+    def fbank_source(self, step: int) -> GpuRecordingFrames:
+        """A recording's fbank on this GPU: frames computed once on the device, each batch's
+        windows written straight into its staging slot (engine/gpu/recording.py)."""
+        self._check_open()
+        return GpuRecordingFrames(step)
+
     def plan_times_ms(self) -> dict[int, float]:
         return dict(self._times)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from speakerd.engine.base import BatchInputs
+from speakerd.engine.base import BatchInputs, DeviceFbank
 from speakerd.model.architecture import FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES
 
@@ -54,11 +54,18 @@ class InputSlot:
             f"({self.host_fbank.size} / {self.host_masks.size})"
         )
         # NumPy releases the GIL for these copies (and casts to float32 as it copies)
-        _fill(self.host_fbank, inputs.fbank)
+        host_runs = _fill(self.host_fbank, inputs.fbank)
         _fill(self.host_masks, inputs.masks)
         self.host_frames[0] = inputs.frames
         copy, h2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyHostToDevice
-        copy(self.fbank.data.ptr, self.host_fbank.ctypes.data, self.fbank_elements * 4, h2d, stream.ptr)
+        for start, stop in host_runs:  # host pieces' values (usually the whole batch: one run)
+            copy(self.fbank.data.ptr + 4 * start, self.host_fbank.ctypes.data + 4 * start,
+                 4 * (stop - start), h2d, stream.ptr)  # fmt: skip
+        offset = 0
+        for piece in inputs.fbank:  # device pieces write themselves in place, on this stream
+            if isinstance(piece, DeviceFbank):
+                piece.write_device(self.fbank.data.ptr + 4 * offset, stream)
+            offset += piece.size
         copy(self.masks.data.ptr, self.host_masks.ctypes.data, self.mask_elements * 4, h2d, stream.ptr)
         copy(self.frames.data.ptr, self.host_frames.ctypes.data, 4, h2d, stream.ptr)
         self.ready.record(stream)
@@ -81,12 +88,21 @@ class InputSlot:
         return int(self.host_fbank.nbytes + self.host_masks.nbytes + self.host_frames.nbytes)
 
 
-def _fill(host: np.ndarray, pieces: tuple[np.ndarray, ...]) -> None:
-    """host[:total] = the pieces one after another, flattened (each copied once, in place)."""
-    offset = 0
+def _fill(host: np.ndarray, pieces: tuple[np.ndarray | DeviceFbank, ...]) -> list[tuple[int, int]]:
+    """host[:total] = the host pieces one after another, flattened (each copied once, in
+    place; a DeviceFbank piece keeps its place but is not copied). Returns the [start, stop)
+    element runs that host pieces filled, adjacent ones merged."""
+    offset, runs = 0, []
     for piece in pieces:
-        host[offset : offset + piece.size].reshape(piece.shape)[...] = piece
-        offset += piece.size
+        stop = offset + piece.size
+        if not isinstance(piece, DeviceFbank):
+            host[offset:stop].reshape(piece.shape)[...] = piece
+            if runs and runs[-1][1] == offset:
+                runs[-1] = (runs[-1][0], stop)
+            else:
+                runs.append((offset, stop))
+        offset = stop
+    return runs
 
 
 def pinned(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -1,0 +1,129 @@
+"""EmbedRecording's fbank on the GPU (engine/gpu/recording.py) against the host's.
+
+What a newcomer should read here: a recording pushed in uneven pieces gives the same
+windows on the device as the host's shared frames (within float32's own error); windows
+that stay on the device and are written into the engine's staging slot give the very bits
+of the same values staged from the host, mixed with host pieces in one batch; and a whole
+recording embedded through the decoder with the GPU source matches the host source within
+each math's bound. Each test prints its table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
+from speakerd.model.audio import speaker_masks, synthetic_recording
+from speakerd.model.fbank import STEP_SAMPLES, chunk_starts
+from speakerd.model.numerics import BOUNDS, Math, compare
+from speakerd.model.recording import Encoding, RecordingDecoder, SharedFrames
+from tests.test_gpu_engine import GPU_DETAIL, GPU_USABLE
+
+needs_gpu = pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU for the CuPy engine: {GPU_DETAIL}")
+#: A 23.5 s three-speaker recording: 14 full windows and a padded last one (7.5 s real).
+SECONDS = 23.5
+SEED = 7
+#: Uneven push sizes (samples), so pieces split frames and windows anywhere.
+PIECES = (1, 399, 16_001, 50_000, 123_457)
+#: Device and host fbank differ by float32 rounding of the same arithmetic: the host's
+#: float32 NumPy pipeline is within ~4e-4 of float64 on real-looking audio, the device's
+#: float64 kernel within ~2e-6.
+FBANK_MAX_ABS = 4e-4
+
+
+def _pushed(source, samples: np.ndarray):
+    at, index = 0, 0
+    while at < samples.shape[0]:
+        size = PIECES[index % len(PIECES)]
+        source.push(samples[at : at + size])
+        at, index = at + size, index + 1
+    return source.finish()
+
+
+@pytest.fixture(scope="module")
+def recording():
+    rec = synthetic_recording(SECONDS, SEED)
+    masks = speaker_masks(rec, chunk_starts(rec.samples.shape[0]), MASK_FRAMES)
+    return rec, masks
+
+
+@pytest.fixture(scope="module")
+def engines(folded_model):
+    from speakerd.engine.gpu.engine import GpuEngine
+
+    built = {math: GpuEngine(folded_model, math, (32,)) for math in (Math.FP32, Math.FP16)}
+    yield built
+    for engine in built.values():
+        engine.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_device_windows_equal_the_host_shared_frames(recording, capsys) -> None:
+    from speakerd.engine.gpu.recording import GpuRecordingFrames
+
+    rec, _ = recording
+    host, device = SharedFrames(STEP_SAMPLES), GpuRecordingFrames(STEP_SAMPLES)
+    count = _pushed(host, rec.samples)
+    assert _pushed(device, rec.samples) == count == chunk_starts(rec.samples.shape[0]).shape[0], count
+    expected = host.windows(0, count)
+    got = np.asarray(device.windows(0, count))
+    sliced = np.asarray(device.windows(0, count)[count - 3 : count])  # the padded window among them
+    diff = np.abs(got - expected)
+    with capsys.disabled():
+        print(f"\nGPU recording fbank, {count} windows: max abs {diff.max():.3e}, mean abs {diff.mean():.3e} "
+              f"(bound {FBANK_MAX_ABS})", flush=True)  # fmt: skip
+    assert diff.max() < FBANK_MAX_ABS, f"max abs {diff.max():.3e} >= {FBANK_MAX_ABS}"
+    assert np.array_equal(sliced, got[count - 3 :]), "a slice of the rows is not the same rows"
+
+
+@pytest.mark.parametrize("math", [Math.FP32, Math.FP16], ids=str)
+@pytest.mark.gpu
+@needs_gpu
+def test_device_rows_stage_the_bits_of_the_same_host_rows(engines, recording, math, capsys) -> None:
+    """A batch of device rows, a host piece and more device rows (the padded window among
+    them) gives the bits of the same batch staged entirely from the host."""
+    rec, masks = recording
+    engine = engines[math]
+    source = engine.fbank_source(STEP_SAMPLES)
+    count = _pushed(source, rec.samples)
+    rows = source.windows(0, count)
+    other = np.asarray(rows[3:4]) + np.float32(0.25)  # a host piece from "another request"
+    pieces = [rows[:5], other, rows[5:count]]
+    host_pieces = [np.asarray(rows[:5]), other, np.asarray(rows[5:count])]
+    mask_pieces = [masks[:5], masks[3:4], masks[5:count]]
+    device_run = engine.run_batch(pieces, mask_pieces)
+    host_run = engine.run_batch(host_pieces, mask_pieces)
+    differ = int(np.count_nonzero(device_run.embeddings != host_run.embeddings))
+    with capsys.disabled():
+        print(
+            f"\n{math} b32 device rows vs host rows ({count + 1} chunks): {differ} values differ", flush=True
+        )
+    assert differ == 0, f"{differ} of {device_run.embeddings.size} values differ"
+
+
+@pytest.mark.parametrize("math", [Math.FP32, Math.FP16], ids=str)
+@pytest.mark.gpu
+@needs_gpu
+def test_a_recording_decoded_onto_the_gpu_matches_the_host_path(engines, recording, math, capsys) -> None:
+    """PCM16 stereo at 16 kHz through the decoder, fbank on the device vs on the host, the
+    same engine: within the math's parity bound (they differ only by fbank rounding)."""
+    rec, masks = recording
+    engine = engines[math]
+    pcm = np.round(np.clip(rec.samples, -1, 1) * 32767).astype("<i2")
+    stereo = np.stack([pcm, pcm], axis=1).tobytes()
+    results = {}
+    for name, source in (("gpu", engine.fbank_source(STEP_SAMPLES)), ("host", SharedFrames(STEP_SAMPLES))):
+        decoder = RecordingDecoder(16_000, 2, Encoding.S16, source=source)
+        for at in range(0, len(stereo), 1 << 20):
+            decoder.push(stereo[at : at + (1 << 20)])
+        count = decoder.finish()
+        assert count == masks.shape[0], (count, masks.shape)
+        results[name] = engine.embed(np.asarray(source.windows(0, count)), masks).embeddings
+    parity = compare(results["gpu"], results["host"].reshape(-1, results["host"].shape[-1]))
+    bound = BOUNDS[math]
+    with capsys.disabled():
+        print(f"\n{math} recording gpu fbank vs host fbank, {masks.shape[0]} x {MAX_SPEAKERS} rows: "
+              f"min cosine {parity.min_cosine:.9f}, max abs {parity.max_abs:.3e}", flush=True)  # fmt: skip
+    assert parity.min_cosine >= bound.min_cosine, f"min cosine {parity.min_cosine:.9f} < {bound.min_cosine}"
