@@ -104,14 +104,22 @@ class RecordingService:
         self,
         host: Host,
         max_seconds: float = MAX_RECORDING_S,
-        fbank_source: Callable[[int], FbankSource] = SharedFrames,
+        fbank_source: Callable[[int], FbankSource] | None = None,
     ) -> None:
-        """`fbank_source(step samples)` makes each call's FbankSource: the host's shared
-        frames by default; an engine computing fbank on its device passes its own."""
+        """`fbank_source(step samples)` makes each call's FbankSource; by default the
+        serving engine's own (`Engine.fbank_source`: on the device for the GPU engine, the
+        host's shared frames for the CPU engine), asked per call since the engine is built
+        after the server starts listening."""
         self.host = host
         self.max_seconds = max_seconds
         self.fbank_source = fbank_source
         self.pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="recording")
+
+    def source_for(self, step: int) -> FbankSource:
+        if self.fbank_source is not None:
+            return self.fbank_source(step)
+        engine = self.host.engine
+        return engine.fbank_source(step) if engine is not None else SharedFrames(step)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -262,7 +270,7 @@ class _Call:
             header.sample_rate,
             header.channels,
             ENCODINGS[header.encoding],
-            source=self.service.fbank_source(self.step),
+            source=self.service.source_for(self.step),
             step=self.step,
             max_seconds=self.service.max_seconds,
         )
