@@ -295,3 +295,26 @@ def test_exclude_overlap_counts_three_speakers_and_soft_masks() -> None:
     np.testing.assert_array_equal(out[0, 0], np.r_[np.zeros(10), np.ones(10)])
     np.testing.assert_array_equal(out[0, 1], masks[0, 1])  # clean weight 2 x 0.5 = 1, not > 2
     np.testing.assert_array_equal(out[0, 2], masks[0, 2])  # nothing clean: full mask
+
+
+def test_client_reads_audio_files_through_libsndfile(tmp_path) -> None:
+    """`client embed --audio`: a 16-bit WAV comes back as the same int16 samples (sent as s16),
+    a 24-bit FLAC as float32 within one 24-bit step of what was written (sent as f32)."""
+    import soundfile
+
+    from speakerd.client.recording import read_audio
+
+    rng = np.random.default_rng(3)
+    stereo = np.clip(rng.standard_normal((44_100, 2)) * 0.2, -1, 1)
+    wav, flac = tmp_path / "rec.wav", tmp_path / "rec.flac"
+    soundfile.write(wav, stereo, 44_100, subtype="PCM_16")
+    soundfile.write(flac, stereo, 48_000, subtype="PCM_24")
+    samples, rate = read_audio(wav)
+    written16, _ = soundfile.read(wav, dtype="int16", always_2d=True)
+    assert rate == 44_100 and samples.dtype == np.int16 and np.array_equal(samples, written16)
+    samples, rate = read_audio(flac)
+    assert rate == 48_000 and samples.dtype == np.float32 and samples.shape == (44_100, 2), samples.shape
+    step = 2.0**-23
+    assert np.max(np.abs(samples - stereo)) <= step, (
+        f"max abs {np.max(np.abs(samples - stereo)):.3e} > {step:.3e}"
+    )

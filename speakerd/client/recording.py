@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import wave
 from collections.abc import AsyncIterable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,23 +141,34 @@ async def _aiter(items: Iterable[pb.EmbedRecordingRequest]) -> AsyncIterable[pb.
         yield item
 
 
+#: soundfile subtypes whose samples are exactly 16-bit integers: sent as PCM s16 (half the
+#: bytes of f32, and bit-exact); any other file is read as float32 and sent as f32.
+INT16_SUBTYPES = frozenset({"PCM_16"})
+
+
 def read_audio(path: str | Path, sample_rate: int | None = None) -> tuple[np.ndarray, int]:
-    """(samples, rate) of a PCM16 WAV file, or of a .npy array [N] / [N, C] with `sample_rate`."""
+    """(samples [N, C], rate) of any file libsndfile reads (WAV, FLAC, OGG, ...), or of a .npy
+    array [N] / [N, C] with `sample_rate`. 16-bit files stay int16; others become float32
+    in [-1, 1], the samples pyannote's `Audio` reads."""
     path = Path(path)
     if path.suffix == ".npy":
         if sample_rate is None:
             raise ValueError(f"{path}: a .npy recording needs --sample-rate")
         return np.load(path), sample_rate
-    with wave.open(str(path), "rb") as reader:
-        if reader.getsampwidth() != 2:
-            raise ValueError(f"{path}: {8 * reader.getsampwidth()}-bit WAV, expected 16-bit PCM")
-        data = np.frombuffer(reader.readframes(reader.getnframes()), dtype="<i2")
-        return data.reshape(-1, reader.getnchannels()), reader.getframerate()
+    import soundfile  # the client's audio reader (libsndfile), loaded only for --audio
+
+    info = soundfile.info(str(path))
+    dtype = "int16" if info.subtype in INT16_SUBTYPES else "float32"
+    samples, rate = soundfile.read(str(path), dtype=dtype, always_2d=True)
+    return samples, int(rate)
 
 
 def configure(embed: argparse.ArgumentParser) -> None:
     """`client embed --audio FILE --masks FILE.npy`: the recording form of the embed command."""
-    embed.add_argument("--audio", help="a whole recording: 16-bit PCM WAV, or .npy with --sample-rate")
+    embed.add_argument(
+        "--audio",
+        help="a whole recording: WAV, FLAC or any file libsndfile reads, or .npy with --sample-rate",
+    )
     embed.add_argument("--masks", help="with --audio: .npy [n, s, F] masks of the recording's n windows")
     embed.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
     embed.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
