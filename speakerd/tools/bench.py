@@ -58,6 +58,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="WARNING", help="logging level on stderr (INFO shows start-up)"
     )
+    parser.add_argument(
+        "--recording", type=float, default=None, metavar="SECONDS",
+        help="instead: a whole recording of SECONDS through the GPU engine (EmbedRecording's path)",
+    )  # fmt: skip
+    parser.add_argument("--sample-rate", type=int, default=16_000, help="with --recording: its PCM rate")
+    parser.add_argument("--channels", type=int, default=1, help="with --recording: its channel count")
 
 
 def say(**fields) -> None:
@@ -282,6 +288,17 @@ def run(args: argparse.Namespace) -> int:
         model_id=model.model_id[:16],
         gflop_per_chunk=round(TRUNK_FLOPS_PER_CHUNK / 1e9, 2),
     )
+    if args.recording is not None:
+        from speakerd.engine.gpu.engine import GpuEngine
+        from speakerd.tools.bench_recording import bench as bench_recording
+
+        for math in maths:
+            engine = GpuEngine(model, math, (1, 32), own_kernels=args.conv_kernels == "auto")
+            try:
+                say(**bench_recording(engine, args.recording, args.sample_rate, args.channels, args.runs))
+            finally:
+                engine.close()
+        return 0
     cases = _cases(batches, args.references, model)
     results = {math: bench_ours(math, model, cases, args) for math in maths}
     if args.no_torch:
