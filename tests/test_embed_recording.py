@@ -265,3 +265,6 @@ def test_load_generator_recording_mode(server, capsys) -> None:
     assert report["ok"] and report["failed_calls"] == 0, report
     assert report["windows_per_recording"] == 3 and report["recordings_ok"] >= 1, report
     assert report["windows_per_s"] > 0, report
+    # the audio travels once: binary masks go as uint8, so the call sends at most 1.1x the PCM
+    assert report["pcm_bytes"] == 12 * 16_000 * 2, report
+    assert report["bytes_sent_over_pcm"] <= 1.1, report

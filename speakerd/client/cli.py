@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from speakerd.client import loadgen, verify
+from speakerd.client import loadgen, recording, verify
 from speakerd.client.client import SpeakerClient
 from speakerd.client.options import add_connection_flags, client_kwargs
 
@@ -26,6 +26,11 @@ USAGE_EXIT = 2
 
 
 def _embed(args: argparse.Namespace) -> int:
+    if args.audio:  # a whole recording over EmbedRecording
+        with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
+            return recording.run(args, client)
+    if not args.input:
+        raise SystemExit("embed: give --input FILE.npz, or --audio FILE with --masks FILE.npy")
     with np.load(args.input) as data:
         masks = data["masks"]
         with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
@@ -78,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m speakerd.client", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", help="embed an .npz holding fbank or waveform, and masks")
-    embed.add_argument("--input", required=True)
+    embed.add_argument("--input", help=".npz holding fbank or waveform, and masks")
+    recording.configure(embed)
     embed.add_argument("--output", required=True)
     embed.set_defaults(func=_embed)
     info = sub.add_parser("info", help="print GetModelInfo as JSON")

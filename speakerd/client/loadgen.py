@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from speakerd.client import recording_load
 from speakerd.client.client import (
     DEFAULT_MAX_MESSAGE_MB,
     Security,
@@ -51,6 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", type=int, default=1, help="processes the streams share")
     parser.add_argument("--seconds", type=float, default=10.0, help="run time")
     parser.add_argument("--chunks", type=int, default=4, help="chunks per request")
+    parser.add_argument("--recording", type=float, default=0.0, help="seconds: EmbedRecording calls instead")
     parser.add_argument("--metrics-url", default="", help="the server's /metrics URL, for batch fill")
     add_connection_flags(parser, timeout_s=30.0)
 
@@ -144,6 +146,8 @@ def _shares(streams: int, processes: int) -> list[int]:
 
 
 def generate(args: argparse.Namespace) -> dict[str, object]:
+    if args.recording:
+        return recording_load.generate(args)
     if args.streams < 1 or args.chunks < 1 or args.processes < 1:
         raise SystemExit("--streams, --chunks and --processes must be >= 1")
     before = scrape(args.metrics_url) if args.metrics_url else {}

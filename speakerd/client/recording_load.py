@@ -19,6 +19,7 @@ import numpy as np
 
 from speakerd.client.client import AsyncSpeakerClient, RetryPolicy
 from speakerd.client.options import client_kwargs
+from speakerd.client.recording import recording_requests
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
 from speakerd.model.recording import window_count
 
@@ -62,6 +63,7 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
 def generate(args: argparse.Namespace) -> dict[str, object]:
     """The JSON report of a recording load run."""
     pcm, masks = synthetic(args.recording)
+    sent = sum(message.ByteSize() for message in recording_requests(pcm, 16_000, masks))
     started = time.monotonic()
     out = asyncio.run(_run(args, pcm, masks))
     elapsed = max(time.monotonic() - started, 1e-3)
@@ -72,6 +74,8 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         "streams": args.streams, "seconds": round(elapsed, 3), "recordings_ok": int(latencies.size),
         "windows_per_s": round(latencies.size * masks.shape[0] / elapsed, 3),
         "errors": dict(out["errors"]), "failed_calls": failed, "ok": failed == 0 and latencies.size > 0,
+        "pcm_bytes": int(pcm.nbytes), "bytes_sent_per_recording": int(sent),
+        "bytes_sent_over_pcm": round(sent / pcm.nbytes, 4),
     }  # fmt: skip
     for p in PERCENTILES:
         report[f"latency_p{p}_ms"] = round(float(np.percentile(latencies, p)), 3) if latencies.size else None
