@@ -2,36 +2,76 @@
 
 Why: one b32 plan run costs far less than 32 b1 runs on a GPU (SPEC 4), but a diarization
 client sends a handful of chunks at a time. The batcher queues requests as chunks, and
-whenever an engine worker is free it takes up to `max_batch` chunks in arrival order,
-across requests, splitting a large request over several batches. A batch that is not full
-waits at most `max_delay_s` (from its oldest chunk's arrival) for more chunks.
+whenever an engine worker is free it takes up to `max_batch` chunks across requests,
+splitting a large request over several batches. A batch that is not full waits at most
+`max_delay_s` (from its longest-queued chunk's arrival) for more chunks.
+
+What is queued, in which order, which pieces a batch takes and which requests leave with
+which error is `QueueState` (queue.py), plain data tested on its own; this module is the
+plumbing around it: futures, deadline timers, the dispatcher task and the engine threads.
+Every change of the state goes through this module's event-loop thread and is followed by
+setting the queue-depth gauge, so the gauge is always the chunks really waiting.
 
 PIPELINE_DEPTH workers run batches at once (`Engine.run_batch` is thread-safe): on the GPU
-one batch computes while the next ones are assembled, staged and uploaded. A batch is
-formed only when a worker is free, so while all are busy the queue grows and the next
-batch leaves fuller.
+one batch computes while the next ones are staged and uploaded. A batch is formed only
+when a worker is free, so while all are busy the queue grows and the next batch leaves
+fuller. A batch reaches the engine as lists of its requests' arrays (no joined copy on the
+host); the engine copies each piece into its own staging.
 
-All queue state lives on the event loop thread; workers only read the requests' arrays
-(never changed once queued) to assemble their batch, so no lock is needed. Requests whose
-deadline has passed or whose caller has gone are dropped when a batch is formed, before
-any engine work on them.
+A request leaves the queue, before any engine work on its queued chunks, when its caller
+cancels (the awaiting task is cancelled: `Cancelled`, the caller is gone), when its
+deadline passes (a timer at the deadline: DeadlinePassed), or when a drain runs out of
+time (Draining). Workers skip the plan runs of a batch whose requests have all left.
+
+Drain (`drain(timeout_s)`): no new requests (Draining), queued and running work gets up to
+`timeout_s`; then everything still queued fails with Draining and the drain waits only for
+the batches already handed to the engine threads (at most PIPELINE_DEPTH batches of at
+most max_batch chunks each; their plan runs serving only failed requests are skipped). It
+never blocks the event loop, and the engine threads are daemons that the process does not
+join at exit, so a caller may bound that last wait too (asyncio.wait_for) and leave.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from speakerd.engine.base import BatchRun, Engine, plan_for
-from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, TRUNK_FRAMES
+from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.numerics import resize_masks
 from speakerd.serving.metrics import Metrics
+from speakerd.serving.queue import (
+    Batch,
+    BatcherError,
+    Cancelled,
+    DeadlinePassed,
+    Draining,
+    EngineFailed,
+    QueueFull,
+    QueueState,
+    Removal,
+)
+from speakerd.serving.workers import EngineThreads
+
+__all__ = [
+    "PIPELINE_DEPTH",
+    "Batcher",
+    "BatcherError",
+    "Cancelled",
+    "DeadlinePassed",
+    "DrainReport",
+    "Draining",
+    "EngineFailed",
+    "JobResult",
+    "QueueFull",
+    "cheapest_pieces",
+    "plan_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,26 +79,6 @@ log = logging.getLogger(__name__)
 #: were not enough on the H200: assembling and staging a b32 batch (~8 ms of host work
 #: under load) outlasts its ~7 ms TF32 compute, so the GPU waited between batches.
 PIPELINE_DEPTH = 3
-
-
-class BatcherError(Exception):
-    """A request the batcher could not serve; subclasses map to one gRPC code each."""
-
-
-class QueueFull(BatcherError):
-    """The queue holds too many chunks to take this request now (RESOURCE_EXHAUSTED)."""
-
-
-class DeadlinePassed(BatcherError):
-    """The request's deadline passed before its chunks reached the engine (DEADLINE_EXCEEDED)."""
-
-
-class Draining(BatcherError):
-    """The server is shutting down and takes no new work (UNAVAILABLE)."""
-
-
-class EngineFailed(BatcherError):
-    """The engine raised while running a batch holding this request's chunks (INTERNAL)."""
 
 
 def cheapest_pieces(chunks: int, plan_sizes: tuple[int, ...], times_ms: dict[int, float]) -> list[int]:
@@ -98,21 +118,37 @@ class JobResult:
     queue_wait_s: float
 
 
-@dataclass
-class _Job:
-    """One request in the queue: chunks [taken, n) still wait for a batch."""
+@dataclass(frozen=True)
+class DrainReport:
+    """How a drain ended, for the caller's log line."""
+
+    #: everything queued and running finished within the timeout
+    finished: bool
+    #: requests and chunks still queued at the timeout, failed with Draining
+    failed_requests: int
+    failed_chunks: int
+    #: batches on the engine threads at the timeout, waited for (0 when finished)
+    running_batches: int
+    seconds: float
+
+
+@dataclass(eq=False)  # identity: a request holds arrays, never compare two
+class _Request:
+    """The arrays and the caller's future of one queued job (its chunk bookkeeping is the
+    QueueState's). Workers write their rows of `out` and read `abandoned`; the rest is
+    touched on the event loop only."""
 
     fbank: np.ndarray  # [n, 998, 80] float32
     masks: np.ndarray  # [n, 3, F] float32
-    deadline: float | None  # time.monotonic() seconds
     future: asyncio.Future[JobResult]
-    enqueued: float
     out: np.ndarray = field(init=False)
-    taken: int = 0
     done: int = 0
     plans: list[str] = field(default_factory=list)
     fp16_fallbacks: int = 0
     queue_wait_s: float = 0.0
+    timer: asyncio.TimerHandle | None = None
+    #: the caller will not read a result (cancelled or failed): its pending runs are skipped
+    abandoned: bool = False
 
     def __post_init__(self) -> None:
         self.out = np.empty((self.chunks, MAX_SPEAKERS, EMBEDDING_DIM), dtype=np.float32)
@@ -121,200 +157,207 @@ class _Job:
     def chunks(self) -> int:
         return int(self.fbank.shape[0])
 
-    @property
-    def waiting(self) -> int:
-        return self.chunks - self.taken
-
-    @property
-    def finished(self) -> bool:
-        return self.future.done()
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Chunks [start, stop) of a job, at `offset` in the batch."""
-
-    job: _Job
-    start: int
-    stop: int
-    offset: int
-
 
 @dataclass
-class _BatchOutcome:
-    embeddings: np.ndarray  # [n, 3, 256]
-    runs: list[tuple[int, BatchRun]]  # (plan size, run) per plan run
+class _Outcome:
+    """A batch's plan runs: (plan size, chunks run, run) each; `skipped` chunks belonged
+    only to requests that had left and were not run."""
+
+    runs: list[tuple[int, int, BatchRun]]
+    skipped: int
 
 
 class Batcher:
     """Queues requests as chunks and feeds the engine batches of up to its largest plan."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_delay_s: float, queue_chunks: int) -> None:
-        if queue_chunks < engine.max_batch:
-            raise ValueError(f"queue of {queue_chunks} chunks cannot hold one batch of {engine.max_batch}")
         self.engine = engine
         self.metrics = metrics
         self.max_delay_s = max_delay_s
         self.queue_chunks = queue_chunks
+        self._state = QueueState(queue_chunks, engine.max_batch)  # ValueError: no room for a batch
         self._times = engine.plan_times_ms()
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._queued_chunks = 0
+        self._requests: dict[int, _Request] = {}
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(PIPELINE_DEPTH)
-        self._executor = ThreadPoolExecutor(PIPELINE_DEPTH, thread_name_prefix="engine")
+        self._threads: EngineThreads | None = None
         self._running: set[asyncio.Task[None]] = set()
-        self._closing = False
         self._dispatcher: asyncio.Task[None] | None = None
+        self._stopped = False  # a drain ran out of time: no batch is formed any more
 
     @property
     def queued_chunks(self) -> int:
-        return self._queued_chunks
+        """Chunks of live requests waiting for a batch."""
+        return self._state.queued_chunks
 
     def start(self) -> None:
-        self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(), name="batcher")
+        loop = asyncio.get_running_loop()
+        self._threads = EngineThreads(PIPELINE_DEPTH, loop)
+        self._dispatcher = loop.create_task(self._dispatch(), name="batcher")
 
     async def submit(self, fbank: np.ndarray, masks: np.ndarray, deadline: float | None = None) -> JobResult:
         """Embed fbank [n, 998, 80] f32 with masks [n, 3, F] f32 (validated, speakers padded).
 
-        Raises QueueFull, DeadlinePassed, Draining or EngineFailed. Cancelling the awaiting
-        task drops the request's chunks that have not reached the engine yet.
+        `deadline`: time.monotonic() seconds. Raises QueueFull, DeadlinePassed, Draining or
+        EngineFailed. Cancelling the awaiting task takes the request's chunks that have not
+        reached the engine out of the queue at once.
         """
-        if self._closing:
-            raise Draining("the server is draining and takes no new requests")
-        chunks = int(fbank.shape[0])
-        if self._queued_chunks + chunks > self.queue_chunks:
-            raise QueueFull(
-                f"queue holds {self._queued_chunks} of {self.queue_chunks} chunks; "
-                f"{chunks} more do not fit, retry with backoff"
-            )
+        loop = asyncio.get_running_loop()
         now = time.monotonic()
-        if deadline is not None and deadline <= now:
-            raise DeadlinePassed("deadline passed before the request was queued")
-        job = _Job(fbank, masks, deadline, asyncio.get_running_loop().create_future(), now)
-        self._queue.append(job)
-        self._set_queued(self._queued_chunks + chunks)
-        self._wakeup.set()
+        job = self._state.admit(int(fbank.shape[0]), int(masks.shape[-1]), now, deadline)
+        request = _Request(fbank, masks, loop.create_future())
+        self._requests[job] = request
+        request.future.add_done_callback(lambda _: self._forget(job))
+        if deadline is not None:
+            request.timer = loop.call_later(max(0.0, deadline - now), self._expire, deadline)
+        self._changed()
         try:
-            return await asyncio.shield(job.future)
+            return await asyncio.shield(request.future)
         except asyncio.CancelledError:
-            self._drop(job)
+            self._apply([self._state.cancel(job)])
+            request.future.cancel()
             raise
 
-    def _set_queued(self, chunks: int) -> None:
-        self._queued_chunks = chunks
-        self.metrics.queue_depth.set(chunks)
+    # --- state changes (event loop only; each publishes the queue depth) ---------------
 
-    def _drop(self, job: _Job) -> None:
-        """Forget a job whose caller went away: its waiting chunks leave the queue now."""
-        if not job.finished:
-            job.future.cancel()
-        if job in self._queue:
-            self._queue.remove(job)
-            self._set_queued(self._queued_chunks - job.waiting)
-            job.taken = job.chunks
+    def _changed(self) -> None:
+        self.metrics.queue_depth.set(self._state.queued_chunks)
+        self._wakeup.set()
 
-    def _fail(self, job: _Job, error: BatcherError) -> None:
-        if not job.finished:
-            job.future.set_exception(error)
-        self._drop(job)
+    def _apply(self, removals: list[Removal | None]) -> None:
+        """Tell the callers of removed jobs (their futures) and publish the new depth."""
+        for removal in removals:
+            if removal is None:
+                continue
+            request = self._requests.get(removal.job)
+            if request is not None and not request.future.done():
+                if isinstance(removal.error, Cancelled):
+                    request.future.cancel()
+                else:
+                    request.future.set_exception(removal.error)
+        self._changed()
 
-    async def _wait_for_work(self) -> bool:
-        """Block until something is queued; False when closing with nothing left to do."""
-        while not self._queue:
-            if self._closing:
-                return False
-            self._wakeup.clear()
-            await self._wakeup.wait()
-        return True
+    def _expire(self, deadline: float) -> None:
+        """The timer of a job due at `deadline` fired: remove every queued job whose
+        deadline has passed (timers may fire a clock tick early, hence the max)."""
+        self._apply(list(self._state.expire(max(time.monotonic(), deadline))))
 
-    async def _wait_for_fill(self) -> None:
-        """Hold a partial batch until it fills or its oldest chunk has waited max_delay_s."""
-        while self._queue and self._queued_chunks < self.engine.max_batch and not self._closing:
-            remaining = self._queue[0].enqueued + self.max_delay_s - time.monotonic()
-            if remaining <= 0:
-                return
-            self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except TimeoutError:
-                return
+    def _forget(self, job: int) -> None:
+        """The job's future is done: drop its arrays; runs still pending for it are skipped."""
+        request = self._requests.pop(job)
+        if request.timer is not None:
+            request.timer.cancel()
+        request.abandoned = request.future.cancelled() or request.future.exception() is not None
+        assert job not in self._state, f"job {job} answered while {self._state.waiting(job)} chunks queued"
+
+    def _fail(self, job: int, error: BatcherError) -> None:
+        """Fail a job that has chunks on the engine: its queued rest leaves the queue too."""
+        request = self._requests.get(job)
+        if request is not None and not request.future.done():
+            request.future.set_exception(error)
+        self._apply([self._state.remove(job, error)])
+
+    # --- dispatch ----------------------------------------------------------------------
 
     async def _dispatch(self) -> None:
-        while await self._wait_for_work():
+        while True:
             await self._slots.acquire()
-            await self._wait_for_fill()
-            pieces = self._take()
-            if not pieces:
+            batch = await self._next_batch()
+            if batch is None:
                 self._slots.release()
-                continue
-            task = asyncio.get_running_loop().create_task(self._run(pieces))
+                return
+            # looked up in the step that took the batch: every job in it is live right now
+            requests = {job: self._requests[job] for job in batch.jobs}
+            task = asyncio.get_running_loop().create_task(self._run(batch, requests))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    def _take(self) -> list[_Piece]:
-        """Up to max_batch waiting chunks in arrival order; expired or abandoned jobs are dropped."""
-        pieces: list[_Piece] = []
-        room, now = self.engine.max_batch, time.monotonic()
-        while self._queue and room > 0:
-            job = self._queue[0]
-            if job.finished:  # cancelled by its caller
-                self._drop(job)
+    async def _next_batch(self) -> Batch | None:
+        """The next batch once one is due; None when draining with nothing left, or stopped."""
+        while not self._stopped:
+            self._wakeup.clear()
+            now = time.monotonic()
+            due = self._state.due_in(now, self.max_delay_s)
+            if due is None:
+                if self._state.closed:
+                    return None
+                await self._wakeup.wait()
                 continue
-            if job.deadline is not None and job.deadline <= now:
-                waited = now - job.enqueued
-                self._fail(job, DeadlinePassed(f"deadline passed after {waited:.3f} s in the queue"))
+            if due > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), due)
                 continue
-            if job.taken == 0:
-                job.queue_wait_s = now - job.enqueued
-                self.metrics.queue_wait.observe(job.queue_wait_s)
-            count = min(room, job.waiting)
-            offset = self.engine.max_batch - room
-            pieces.append(_Piece(job, job.taken, job.taken + count, offset))
-            job.taken += count
-            room -= count
-            self._set_queued(self._queued_chunks - count)
-            if job.waiting == 0:
-                self._queue.popleft()
-        return pieces
+            batch, removals = self._state.next_batch(now)
+            self._apply(list(removals))
+            if batch is not None:
+                return batch
+        return None
 
-    async def _run(self, pieces: list[_Piece]) -> None:
+    async def _run(self, batch: Batch, requests: dict[int, _Request]) -> None:
         try:
-            chunks = sum(piece.stop - piece.start for piece in pieces)
-            loop = asyncio.get_running_loop()
+            for job, waited in batch.started:
+                requests[job].queue_wait_s = waited
+                self.metrics.queue_wait.observe(waited)
+            assert self._threads is not None, "start() first"
             try:
-                outcome = await loop.run_in_executor(self._executor, self._compute, pieces)
+                outcome = await self._threads.run(lambda: self._compute(batch, requests))
             except Exception as error:
-                log.exception("engine failed on a batch of %d chunks", chunks)
-                for piece in pieces:
-                    self._fail(piece.job, EngineFailed(f"engine error: {error}"))
+                log.exception("engine failed on a batch of %d chunks", batch.chunks)
+                for job in batch.jobs:
+                    self._fail(job, EngineFailed(f"engine error: {error}"))
                 return
-            self._record(chunks, outcome)
-            self.metrics.batch_requests.observe(len({id(piece.job) for piece in pieces}))
-            self._scatter(pieces, outcome)
+            self._record(batch, outcome)
+            plans = [plan for _, _, run in outcome.runs for plan in run.plans]
+            fallbacks = sum(run.fp16_fallbacks for _, _, run in outcome.runs)
+            for piece in batch.pieces:
+                request = requests[piece.job]
+                if request.future.done():  # cancelled or failed while this batch ran
+                    continue
+                request.done += piece.chunks
+                request.plans += plans
+                request.fp16_fallbacks += fallbacks
+                if request.done == request.chunks:
+                    request.future.set_result(
+                        JobResult(request.out, request.plans, request.fp16_fallbacks, request.queue_wait_s)
+                    )
         finally:
             self._slots.release()
             self._wakeup.set()
 
-    def _compute(self, pieces: list[_Piece]) -> _BatchOutcome:
-        """Worker thread: assemble the batch (a 10 MB copy for b32: kept off the event loop)
-        and run it as its cheapest sequence of plan runs."""
-        fbank, masks = _assemble(pieces)
+    def _compute(self, batch: Batch, requests: dict[int, _Request]) -> _Outcome:
+        """Engine thread: run the batch as its cheapest sequence of plan runs, each given its
+        requests' rows as pieces, and write each run's rows into their requests' outputs
+        (rows of one piece belong to one request only: no two threads write the same rows)."""
         sizes = self.engine.plan_sizes
-        out = np.empty((fbank.shape[0], MAX_SPEAKERS, EMBEDDING_DIM), dtype=np.float32)
-        runs, start = [], 0
-        for count in cheapest_pieces(fbank.shape[0], sizes, self._times):
-            run = self.engine.run_batch(fbank[start : start + count], masks[start : start + count])
-            out[start : start + count] = run.embeddings
-            runs.append((plan_for(count, sizes), run))
+        runs, skipped, start = [], 0, 0
+        for count in cheapest_pieces(batch.chunks, sizes, self._times):
+            parts = batch.rows(start, start + count)
             start += count
-        return _BatchOutcome(out, runs)
+            if all(requests[job].abandoned for job, _, _ in parts):
+                skipped += count
+                continue
+            fbank = [requests[job].fbank[low:high] for job, low, high in parts]
+            masks = [requests[job].masks[low:high] for job, low, high in parts]
+            if batch.resize:
+                masks = [resize_masks(piece, batch.frames) for piece in masks]
+            run = self.engine.run_batch(fbank, masks)
+            row = 0
+            for job, low, high in parts:
+                requests[job].out[low:high] = run.embeddings[row : row + high - low]
+                row += high - low
+            runs.append((plan_for(count, sizes), count, run))
+        return _Outcome(runs, skipped)
 
-    def _record(self, chunks: int, outcome: _BatchOutcome) -> None:
+    def _record(self, batch: Batch, outcome: _Outcome) -> None:
+        chunks = sum(count for _, count, _ in outcome.runs)
+        if not chunks:
+            return
         m = self.metrics
         m.batch_size.observe(chunks)
-        m.batch_fill.observe(chunks / sum(size for size, _ in outcome.runs))
+        m.batch_fill.observe(chunks / sum(size for size, _, _ in outcome.runs))
+        m.batch_requests.observe(len(batch.jobs))
         m.chunks_embedded.inc(chunks)
-        for size, run in outcome.runs:
+        for size, _, run in outcome.runs:
             m.batch_compute.labels(plan=f"b{size}").observe(run.compute_s)
             m.host_to_device.observe(run.h2d_s)
             m.device_to_host.observe(run.d2h_s)
@@ -325,48 +368,64 @@ class Batcher:
             if run.fp16_fallbacks:
                 m.fp16_fallbacks.inc(run.fp16_fallbacks)
 
-    def _scatter(self, pieces: list[_Piece], outcome: _BatchOutcome) -> None:
-        plans = [plan for _, run in outcome.runs for plan in run.plans]
-        fallbacks = sum(run.fp16_fallbacks for _, run in outcome.runs)
-        for piece in pieces:
-            job = piece.job
-            if job.finished:  # cancelled or failed while this batch ran: its rows are dropped
-                continue
-            count = piece.stop - piece.start
-            job.out[piece.start : piece.stop] = outcome.embeddings[piece.offset : piece.offset + count]
-            job.done += count
-            job.plans += plans
-            job.fp16_fallbacks += fallbacks
-            if job.done == job.chunks:
-                job.future.set_result(JobResult(job.out, job.plans, job.fp16_fallbacks, job.queue_wait_s))
+    # --- shutdown ----------------------------------------------------------------------
+
+    async def drain(self, timeout_s: float | None = None) -> DrainReport:
+        """Take no new requests; give queued and running work up to `timeout_s` (None: no
+        limit); then fail what is still queued with Draining and wait only for the batches
+        already on the engine threads (module docstring: the bound). Cancelling the drain
+        does the failing at once and leaves those batches unawaited. A second call finds
+        nothing queued."""
+        started = time.monotonic()
+        self._state.close()
+        self._changed()
+        settled = asyncio.ensure_future(self._settled())
+        failed: list[Removal] = []
+        why = "the drain was cancelled"
+        try:
+            done, _ = await asyncio.wait({settled}, timeout=timeout_s)
+            finished = bool(done) or (not len(self._state) and not self._running)
+            why = "all work finished" if finished else f"the drain's {timeout_s:.1f} s passed"
+            failed = self._stop(why)
+            running = len(self._running)
+            if self._running:
+                await asyncio.gather(*list(self._running), return_exceptions=True)
+        finally:  # also when cancelled: nothing stays queued, no thread is waited for
+            if not settled.done():
+                settled.cancel()
+            if not self._stopped:
+                self._stop(why)
+            if self._threads is not None:
+                self._threads.stop()
+        chunks = sum(removal.chunks for removal in failed)
+        seconds = time.monotonic() - started
+        return DrainReport(finished, len(failed), chunks, running, seconds)
+
+    def _stop(self, why: str) -> list[Removal]:
+        """Form no more batches and fail every queued request with Draining."""
+        self._stopped = True
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        failed = self._state.fail_all("the server stopped before this request reached the engine")
+        self._apply(list(failed))
+        if failed or self._running:
+            log.warning(
+                "drain: %s; %d queued requests (%d chunks) failed with UNAVAILABLE, %d batches "
+                "already on the engine", why, len(failed), sum(r.chunks for r in failed), len(self._running),
+            )  # fmt: skip
+        return failed
 
     async def close(self, timeout_s: float | None = None) -> None:
-        """Take no new requests, finish the queued and running ones, then stop the workers."""
-        self._closing = True
-        self._wakeup.set()
-        if self._dispatcher is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._dispatcher), timeout_s)
-            except TimeoutError:
-                log.warning("drain timed out with %d chunks queued; failing them", self._queued_chunks)
-                self._dispatcher.cancel()
-                for job in list(self._queue):
-                    self._fail(job, Draining("the server stopped before this request reached the engine"))
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        """`drain(timeout_s)`, for callers that need no report."""
+        await self.drain(timeout_s)
 
-
-def _assemble(pieces: list[_Piece]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate the pieces' chunks; masks of different F are resized to the 125 trunk frames.
-
-    The nearest resize of 125 frames onto 125 is the identity, so resizing on the host gives
-    the same weights the engine would compute from each request's own F: a chunk's embedding
-    does not depend on its neighbours.
-    """
-    fbank = np.concatenate([p.job.fbank[p.start : p.stop] for p in pieces], axis=0)
-    frames = {p.job.masks.shape[-1] for p in pieces}
-    masks = [p.job.masks[p.start : p.stop] for p in pieces]
-    if len(frames) > 1:
-        masks = [resize_masks(m, TRUNK_FRAMES) for m in masks]
-    return fbank, np.concatenate(masks, axis=0)
+    async def _settled(self) -> None:
+        """Until nothing is queued or running (the dispatcher ends once closed and empty;
+        without one, started never, queued work could not run: wait for the timeout)."""
+        if self._dispatcher is None:
+            if len(self._state):
+                await asyncio.Event().wait()
+        else:
+            await asyncio.shield(self._dispatcher)
+        while self._running:
+            await asyncio.gather(*list(self._running), return_exceptions=True)
