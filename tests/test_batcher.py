@@ -444,3 +444,87 @@ def test_a_drain_bounded_by_its_caller_lets_the_process_exit_while_a_batch_runs(
     assert done.returncode == 0, done.stderr
     assert "drain bounded by its caller" in done.stdout, (done.stdout, done.stderr)
     assert elapsed < 30.0, f"the process took {elapsed:.1f} s to exit; it waited for the 60 s batches"
+
+
+# --- through the gRPC service (issue 14's symptoms as a client saw them) -----------------
+
+
+def rejected(metrics: Metrics, reason: str) -> float:
+    value = metrics.registry.get_sample_value("speakerd_requests_rejected_total", {"reason": reason})
+    return value or 0.0
+
+
+def test_calls_expired_or_cancelled_in_the_queue_are_counted_and_free_it() -> None:
+    """A real SpeakerEmbeddingService on loopback over the held stand-in engine: 60 calls
+    whose deadline passes while queued end DEADLINE_EXCEEDED and are counted as dropped (they
+    used to be counted as internal, after a ValueError, and stay queued), the queue is empty
+    afterwards, a cancelled stream's queued requests never run, and a new call is served."""
+    grpc = pytest.importorskip("grpc")
+    from speakerd.client.client import NO_RETRY, AsyncSpeakerClient, build_request
+    from speakerd.serving.service import SpeakerEmbeddingService, register
+
+    async def scenario() -> None:
+        engine = ArithmeticEngine()
+        metrics = Metrics()
+        batcher = Batcher(engine, metrics, max_delay_s=0.002, queue_chunks=64)
+        batcher.start()
+        service = SpeakerEmbeddingService(metrics, max_message_bytes=64 << 20)
+        service.attach(engine, batcher)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        register(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with AsyncSpeakerClient(f"127.0.0.1:{port}", retry=NO_RETRY) as client:
+                engine.hold()
+                busy_inputs = [request(engine.max_batch) for _ in range(PIPELINE_DEPTH)]
+                running = [asyncio.ensure_future(client.embed(*i, timeout_s=4 * SOON_S)) for i in busy_inputs]
+                await until(lambda: engine.inside == PIPELINE_DEPTH, "the engine busy")
+
+                expiring = [request(1) for _ in range(60)]
+                calls = [asyncio.ensure_future(client.embed(*i, timeout_s=2.0)) for i in expiring]
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                codes = {o.code().name if isinstance(o, grpc.aio.AioRpcError) else repr(o) for o in outcomes}
+                assert codes == {"DEADLINE_EXCEEDED"}, codes
+                # the client's deadline cancels the call a moment before the server's copy
+                # of it passes, so the service may count some of them as cancelled
+                dropped = ("deadline_exceeded", "cancelled")
+                await until(lambda: sum(rejected(metrics, r) for r in dropped) == 60, "60 rejections")
+                assert rejected(metrics, "internal") == 0
+                assert batcher.queued_chunks == 0 and depth(metrics) == 0, (
+                    batcher.queued_chunks,
+                    depth(metrics),
+                )
+
+                streamed = [request(2) for _ in range(4)]
+                call = client.stream(_requests([build_request(m, fbank=f) for f, m in streamed]))
+                await until(lambda: batcher.queued_chunks == 8, "the stream's 8 chunks queued")
+                call.cancel()
+                await until(lambda: sum(rejected(metrics, r) for r in dropped) == 64, "4 more rejections")
+                assert batcher.queued_chunks == 0 and depth(metrics) == 0, (
+                    batcher.queued_chunks,
+                    depth(metrics),
+                )
+
+                fresh = request(3)
+                late = asyncio.ensure_future(client.embed(*fresh, timeout_s=4 * SOON_S))
+                await until(lambda: batcher.queued_chunks == 3, "a new call queued, not RESOURCE_EXHAUSTED")
+                engine.release()
+                result = await late
+                np.testing.assert_allclose(result.embeddings, arithmetic_embeddings(*fresh), rtol=1e-6)
+                await asyncio.gather(*running)
+                never = set().union(*(tags(f) for f, _ in expiring + streamed))
+                assert not never & engine.ran(), "an expired or cancelled request reached the engine"
+        finally:
+            engine.release()
+            await server.stop(None)
+            await batcher.drain(SOON_S)
+            service.close()
+
+    run(scenario)
+
+
+async def _requests(items):  # type: ignore[no-untyped-def]
+    for item in items:
+        yield item
+    await asyncio.Event().wait()  # the stream stays open until the call is cancelled
