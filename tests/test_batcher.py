@@ -262,6 +262,29 @@ def test_cancelling_a_request_queued_behind_others_removes_it_and_it_never_runs(
     run(scenario)
 
 
+def test_a_request_cancelled_after_its_batch_formed_skips_its_pending_plan_runs() -> None:
+    """A batch of two 1-chunk requests runs as two b1 runs; the second request, cancelled
+    while the first run is inside the engine, never reaches it."""
+
+    async def scenario() -> None:
+        engine = ArithmeticEngine()
+        batcher, _ = make(engine)
+        engine.hold()
+        first, second = request(1), request(1)
+        tasks = [asyncio.ensure_future(batcher.submit(*i)) for i in (first, second)]
+        await until(lambda: engine.inside == 1, "the first b1 run inside the engine")
+        tasks[1].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[1]
+        await asyncio.sleep(0)  # the request's done callback, scheduled before the task ended
+        engine.release()
+        np.testing.assert_allclose((await tasks[0]).embeddings, arithmetic_embeddings(*first), rtol=1e-6)
+        await batcher.drain(SOON_S)
+        assert engine.runs == [sorted(tags(first[0]))], engine.runs
+
+    run(scenario)
+
+
 def test_sixty_requests_expired_in_the_queue_free_it_at_their_deadline() -> None:
     """Issue 14: after 60 one-chunk calls expired while queued, the queue-depth gauge stayed
     at 64 of 64 and every new call got RESOURCE_EXHAUSTED. Now each fails with
@@ -298,7 +321,8 @@ def test_a_split_request_whose_deadline_passes_loses_its_queued_rest() -> None:
         batcher, metrics = make(engine)
         engine.hold()
         fbank, masks = request(20)
-        task = asyncio.ensure_future(batcher.submit(fbank, masks, time.monotonic() + 0.5))
+        # 3 s: ample for three batches to form, even on a loaded machine
+        task = asyncio.ensure_future(batcher.submit(fbank, masks, time.monotonic() + 3.0))
         await until(lambda: engine.inside == PIPELINE_DEPTH, "three batches of the request inside")
         with pytest.raises(DeadlinePassed, match="8 of 20 chunks not yet in a batch"):
             await task

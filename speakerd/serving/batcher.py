@@ -349,6 +349,8 @@ class Batcher:
         return _Outcome(runs, skipped)
 
     def _record(self, batch: Batch, outcome: _Outcome) -> None:
+        if outcome.skipped:
+            log.debug("%d of %d chunks not run: their requests had left", outcome.skipped, batch.chunks)
         chunks = sum(count for _, count, _ in outcome.runs)
         if not chunks:
             return
