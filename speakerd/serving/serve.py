@@ -49,7 +49,13 @@ from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.batcher import Batcher
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.security import TlsFileError, TlsFiles, server_credentials
-from speakerd.serving.service import SERVICE_NAME, SpeakerEmbeddingService, package_version, register
+from speakerd.serving.service import (
+    MAX_CONCURRENT_STREAMS,
+    SERVICE_NAME,
+    SpeakerEmbeddingService,
+    package_version,
+    register,
+)
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +297,9 @@ class SpeakerServer:
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
+            # advertised in HTTP/2 SETTINGS: a client opens at most this many calls at once per
+            # connection, so one connection cannot queue unbounded work (service.py says why 32)
+            ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
         ]
         interceptors = [] if self.prepared.tokens is None else [TokenAuthInterceptor(self.prepared.tokens)]
         self._server = grpc.aio.server(options=options, interceptors=interceptors)
