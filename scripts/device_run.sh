@@ -2,8 +2,8 @@
 # The H200 benchmark run (scripts/device_tests.sh runs the tests): references, the engine
 # benchmark for every math with its per-conv table and PyTorch in the same run, then a GPU
 # server (SERVE_MATH, fp16 by default) checked by `client verify` and loaded by `client load`.
-# Run from the repo root on the device with the wheels of ../shared/device/prepare-wheels.sh
-# (plus grpcio>=1.85) in .whl/ carried along.
+# Run from the repo root on the device with the wheels scripts/device_env.sh names in .whl/
+# carried along.
 set -o pipefail
 source scripts/device_env.sh
 python3 -m speakerd make-references --out /tmp/refs > $OUT/refs.log 2>&1; echo "refs at $SECONDS s"

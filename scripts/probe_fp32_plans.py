@@ -1,6 +1,6 @@
 """Device probe: every cuDNN execution plan of the thin trunk convolutions in FP32 io, with
 its time and its error against a float64 convolution, so "strict FP32" is measured, not
-assumed from numerical notes (issue 3: our strict b32 is 87 ms, SPEC 4's probe saw 2.09 ms
+assumed from numerical notes (issue 3: our strict b32 is 87 ms, docs/performance.md's probe saw 2.09 ms
 for layer1's conv where ours takes 4.9 ms).
 
 Prints one JSON line per plan: shape, heuristic modes, index, name, whether our strict

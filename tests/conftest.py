@@ -65,7 +65,7 @@ def folded_model(weights_path):
 
 @pytest.fixture(scope="session")
 def references_dir(tmp_path_factory: pytest.TempPathFactory, weights_path):
-    """Every reference case of SPEC 2 written by `make-references` for the default model."""
+    """Every reference case of docs/model.md written by `make-references` for the default model."""
     from speakerd.reference.references import make_references
 
     directory = tmp_path_factory.mktemp("references")

@@ -1,7 +1,7 @@
 """CpuEngine (ONNX Runtime CPU) behind the engine interface, and the engine factory.
 
 The CPU engine serves the same ONNX graph the references come from, so it must agree
-with them at the FP32 bound of SPEC 3 on every case, and a chunk's embedding must be bit
+with them at the FP32 bound of docs/parity.md on every case, and a chunk's embedding must be bit
 for bit the same alone or among neighbours (the batcher relies on that).
 """
 

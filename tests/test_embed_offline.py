@@ -14,7 +14,7 @@ from speakerd.model.fbank import chunk_recording, fbank
 from speakerd.model.numerics import active_frames
 from speakerd.model.weights import file_sha256, load_model
 
-#: SPEC 3 FP32 bounds against the ONNX Runtime CPU references.
+#: docs/parity.md FP32 bounds against the ONNX Runtime CPU references.
 FP32_MIN_COSINE = 0.99999
 FP32_REL_MAX_ABS = 1e-4
 
@@ -131,7 +131,7 @@ def test_waveform_input_on_cpu_engine(
 def test_fbank_input_matches_reference_case(
     tmp_path: Path, weights_path: Path, reference_cases: list
 ) -> None:
-    """The offline path reproduces the ORT CPU reference of first_b1 within SPEC 3's FP32 bounds."""
+    """The offline path reproduces the ORT CPU reference of first_b1 within docs/parity.md's FP32 bounds."""
     print("\ncase              math  min_cosine   max_abs/max|ref|")
     checked = 0
     for case in reference_cases:

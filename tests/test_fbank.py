@@ -20,7 +20,7 @@ from speakerd.model.fbank import (
 )
 from speakerd.model.inputs import InputError
 
-#: SPEC / issue bound on |numpy - kaldi-native-fbank| of the mean-normalised features.
+#: The bound on |numpy - kaldi-native-fbank| of the mean-normalised features.
 KNF_BOUND = 1e-3
 #: kaldi-native-fbank computes in float32. A mel bin 80 dB or more below its frame's strongest
 #: bin is a spectral null (the low filters hold one FFT bin, whose power is exponentially

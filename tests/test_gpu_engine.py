@@ -1,7 +1,7 @@
 """GPU engine (CuPy + cuDNN frontend) against the ONNX Runtime CPU references.
 
-Mirrors the speakrs GPU parity suite (shared/seed/000_f095c1edfeb63311.txt): the b1 cases
-and the b32 case at FP32 (strict), TF32 and FP16 mixed within SPEC 3's bounds, a per-layer
+Mirrors the GPU parity suite of speakrs (a Rust system this one is modelled on): the b1 cases
+and the b32 case at FP32 (strict), TF32 and FP16 mixed within docs/parity.md's bounds, a per-layer
 table against the reference taps (every tap fires once), FP32 strict (it differs from
 TF32), two eager passes and a graph replay bit-identical, the FP16 residual stream (every
 block passes halves) against FP32 activations, wrong input lengths rejected. FP16's range

@@ -1,4 +1,4 @@
-"""FP16 mixed mode: our FP16 kernels against float64, and SPEC 3's range rule.
+"""FP16 mixed mode: our FP16 kernels against float64, and docs/parity.md's range rule.
 
 - conv_f16.cu (halo implicit GEMM, FP16 MMAs accumulating in FP32) on every trunk shape
   class, both channel tiles, every epilogue, against a float64 conv of the same half
@@ -7,7 +7,7 @@
 - The stem kernels (FP32 arithmetic; FP32 or FP16 out) against float64.
 - The range flag: raised by an FP16 kernel whose output leaves FP16's range (weights scaled
   up) or meets a NaN, never on normal data.
-- The engine's fallback (SPEC 3: a batch with an out-of-range value is recomputed without
+- The engine's fallback (docs/parity.md: a batch with an out-of-range value is recomputed without
   FP16): a model whose layer1.0.bn1 is scaled by OVERFLOW_SCALE overflows FP16 in the
   trunk; the FP16 engine must flag the batch, recompute it in TF32, count it, and still
   meet the FP16 bound against the float64 forward of the same scaled model.

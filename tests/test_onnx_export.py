@@ -1,4 +1,4 @@
-"""The ONNX export: valid by the ONNX checker, with SPEC 2's inputs and 38 named tap outputs."""
+"""The ONNX export: valid by the ONNX checker, with docs/model.md's inputs and 38 named tap outputs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Reference cases (SPEC 2): the files every engine is judged against.
+"""Reference cases (docs/model.md): the files every engine is judged against.
 
-They must be exactly reproducible (two runs, the same bytes), hold what SPEC 2 says, and
+They must be exactly reproducible (two runs, the same bytes), hold what docs/model.md says, and
 be internally consistent: a b1 case is the same chunk inside mixed_b32, an empty mask's
 row is seg_1.bias alone.
 """

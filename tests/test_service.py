@@ -1,6 +1,6 @@
 """The gRPC service end to end: a real `python -m speakerd serve` on loopback, CPU engine.
 
-Read as the service contract (SPEC 5): rows come back equal to the engine's own output and
+Read as the service contract (docs/service.md): rows come back equal to the engine's own output and
 in each request's order whatever its neighbours; concurrent requests share batches (every
 bad input class, with its code and details, is test_bad_inputs.py's table); a full queue
 is RESOURCE_EXHAUSTED; an expired deadline costs no engine work; SIGTERM drains; health
@@ -169,7 +169,7 @@ def test_verify_passes_against_the_server(server: ServerProcess, references_dir,
     assert verify_main(["--target", server.target, "--references", str(references_dir)]) == 0
     table = capsys.readouterr().out
     print(table)
-    assert "7/7 cases within SPEC 3" in table and "FAIL" not in table
+    assert "7/7 cases within the parity bounds (docs/parity.md)" in table and "FAIL" not in table
 
 
 def test_load_generator_reports_throughput_latency_and_batch_fill(server: ServerProcess) -> None:

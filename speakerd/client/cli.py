@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     load = sub.add_parser("load", help="load generator: JSON with chunks/s, latency, errors, batch fill")
     loadgen.configure(load)
     load.set_defaults(func=loadgen.run)
-    check = sub.add_parser("verify", help="SPEC 3 parity of a server against reference cases")
+    check = sub.add_parser("verify", help="parity (docs/parity.md) of a server against reference cases")
     verify.configure(check)
     check.set_defaults(func=verify.run)
     return parser

@@ -1,4 +1,4 @@
-"""`python -m speakerd.client.verify --target HOST:PORT --references DIR`: SPEC 3 parity over gRPC.
+"""`python -m speakerd.client.verify --target HOST:PORT --references DIR`: docs/parity.md parity over gRPC.
 
 Sends every reference case to a running server, compares the embeddings with the ONNX
 Runtime CPU reference rows and the empty flags with the masks, prints a table and exits 1
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{f'>={bound.min_cosine} <{bound.max_relative_abs}':>22} {'ok' if flags_ok else 'BAD':>5}  "
                 f"{'PASS' if ok else 'FAIL'}"
             )
-    print(f"{precision}: {len(cases) - failed}/{len(cases)} cases within SPEC 3")
+    print(f"{precision}: {len(cases) - failed}/{len(cases)} cases within the parity bounds (docs/parity.md)")
     return 1 if failed else 0
 
 

@@ -2,7 +2,7 @@
 
 Every other module (weights, ONNX export, NumPy reference, GPU plans) walks these
 tables instead of re-deriving the network, so a shape or tap name is defined once.
-Semantics follow pyannote.audio 4.0.7 `WeSpeakerResNet34` (see SPEC.md section 1).
+Semantics follow pyannote.audio 4.0.7 `WeSpeakerResNet34` (see docs/model.md).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ CONVS: tuple[ConvSpec, ...] = (
     STEM,
     *(conv for block in BLOCKS for conv in (block.conv1, block.conv2, block.shortcut) if conv is not None),
 )
-#: 45.23 GFLOP per chunk (SPEC 4), the denominator of every TFLOP/s figure.
+#: 45.23 GFLOP per chunk (docs/performance.md), the denominator of every TFLOP/s figure.
 TRUNK_FLOPS_PER_CHUNK = sum(conv.flops_per_chunk for conv in CONVS)
 SEG_WEIGHT = "resnet.seg_1.weight"
 SEG_BIAS = "resnet.seg_1.bias"
@@ -141,9 +141,9 @@ def _taps() -> tuple[str, ...]:
     return tuple(names)
 
 
-#: The 38 taps of SPEC 2 in forward order (a shortcut is computed before its block's out).
+#: The 38 taps of docs/model.md in forward order (a shortcut is computed before its block's out).
 TAP_NAMES = _taps()
-assert len(TAP_NAMES) == 38, f"{len(TAP_NAMES)} taps, SPEC 2 defines 38"
+assert len(TAP_NAMES) == 38, f"{len(TAP_NAMES)} taps, docs/model.md defines 38"
 
 
 def tap_shape(name: str, chunks: int) -> tuple[int, ...]:

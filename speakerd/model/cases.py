@@ -1,4 +1,4 @@
-"""Reference cases (SPEC 2): their inputs, and reading the files that hold ONNX Runtime's outputs.
+"""Reference cases (docs/model.md): their inputs, and reading the files that hold ONNX Runtime's outputs.
 
 The inputs are pure functions of fixed seeds (NumPy only), so the thin client's `verify`,
 the server's self-check and the tests all build the same chunks; `speakerd.reference`

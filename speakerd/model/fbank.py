@@ -2,7 +2,7 @@
 
 pyannote's `BaseWeSpeakerResNet.compute_fbank` calls `torchaudio.compliance.kaldi.fbank` on
 `waveform * 32768` (25 ms frames, 10 ms shift, snip_edges, Hamming, 80 mel bins, dither 0,
-no energy term) and then subtracts each mel bin's mean over the chunk's frames (SPEC 1).
+no energy term) and then subtracts each mel bin's mean over the chunk's frames (docs/model.md).
 This module reproduces that in NumPy so that neither the service nor its tests need torch.
 The arithmetic runs in float64 and is rounded once to float32 at the end, so the only
 difference from torchaudio's float32 pipeline is torchaudio's own rounding (~1e-5).
@@ -50,7 +50,7 @@ def num_frames(samples: int) -> int:
 
 
 assert num_frames(CHUNK_SAMPLES) == FRAMES, (
-    f"{num_frames(CHUNK_SAMPLES)} frames per chunk, SPEC says {FRAMES}"
+    f"{num_frames(CHUNK_SAMPLES)} frames per chunk, the model needs {FRAMES}"
 )
 
 

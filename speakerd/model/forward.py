@@ -1,8 +1,8 @@
-"""An independent NumPy float64 forward of the multi-mask model, with every tap of SPEC 2.
+"""An independent NumPy float64 forward of the multi-mask model, with every tap of docs/model.md.
 
 This is the yardstick for the ONNX export: it starts from the UNFOLDED state dict and
 applies BatchNorm explicitly in eval mode, convolves by im2col + matmul instead of a
-runtime's conv kernels, and pools with SPEC 1's formula in float64. Agreement with ONNX
+runtime's conv kernels, and pools with docs/model.md's formula in float64. Agreement with ONNX
 Runtime to float32 rounding therefore checks the BatchNorm fold, the NCHW layout, the
 strides and paddings, the residual wiring, the in-graph mask resize and the pooling all
 at once.
@@ -116,7 +116,7 @@ def trunk_float64(
 
 
 def stats_pool_float64(trunk: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """SPEC 1 weighted StatsPool: [n, 256, 10, 125] and [n, 3, F] -> [n * 3, 5120] float64."""
+    """docs/model.md weighted StatsPool: [n, 256, 10, 125] and [n, 3, F] -> [n * 3, 5120] float64."""
     n = trunk.shape[0]
     x = trunk.reshape(n, 1, POOL_FEATURES, TRUNK_FRAMES)  # row = channel * 10 + mel
     w = resize_masks(masks).astype(np.float64)[:, :, None, :]  # [n, 3, 1, 125]
@@ -129,7 +129,7 @@ def stats_pool_float64(trunk: np.ndarray, masks: np.ndarray) -> np.ndarray:
 
 
 def forward_float64(state_dict: StateDict, fbank: np.ndarray, masks: np.ndarray) -> dict[str, np.ndarray]:
-    """Every tap of SPEC 2 in float64: trunk taps [n, C, H, W], `pooled` and `output` by rows."""
+    """Every tap of docs/model.md in float64: trunk taps [n, C, H, W], `pooled` and `output` by rows."""
     if masks.shape[:2] != (fbank.shape[0], MAX_SPEAKERS):
         raise ValueError(f"masks shape {masks.shape}, expected [{fbank.shape[0]}, {MAX_SPEAKERS}, F]")
     taps: dict[str, np.ndarray] = {}

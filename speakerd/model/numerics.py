@@ -55,13 +55,13 @@ def pad_speakers(masks: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Bound:
-    """SPEC 3: minimum per-row cosine vs the FP32 reference and max |diff| / max |reference|."""
+    """docs/parity.md: minimum per-row cosine vs the FP32 reference and max |diff| / max |reference|."""
 
     min_cosine: float
     max_relative_abs: float
 
 
-#: SPEC 3's table, by the math the engine's trunk uses.
+#: docs/parity.md's table, by the math the engine's trunk uses.
 BOUNDS: dict[Math, Bound] = {
     Math.FP32: Bound(0.99999, 1e-4),
     Math.TF32: Bound(0.999, 1e-1),

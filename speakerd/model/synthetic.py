@@ -7,7 +7,7 @@ BatchNorm running statistics CALIBRATED layer by layer on fbank of speech-like a
 BatchNorm, sets running_mean / running_var to the statistics of the batch arriving there,
 so every pre-activation is N(beta, gamma^2) per channel on speech, as in a trained
 network: activations neither explode nor vanish across the 36 convs, ReLUs are partly
-active, and the parity bounds of SPEC 3 are exercised at realistic magnitudes (which
+active, and the parity bounds of docs/parity.md are exercised at realistic magnitudes (which
 matters for FP16, whose range a random un-normalised network would overflow).
 
 Same seed -> byte-identical file: weights come from numpy's PCG64 stream, and the
@@ -162,7 +162,7 @@ def calibrate(state: StateDict, audio: CalibrationAudio) -> list[TapRange]:
     pooled = stats_pool_float64(trunk, audio.masks)
     ranges.append(_summary("pooled", pooled))
     ranges.append(_summary("output", pooled @ state[SEG_WEIGHT].astype(np.float64).T + state[SEG_BIAS]))
-    assert [r.name for r in ranges] == list(TAP_NAMES), "calibration saw the taps out of SPEC order"
+    assert [r.name for r in ranges] == list(TAP_NAMES), "calibration saw the taps out of order"
     return ranges
 
 

@@ -1,7 +1,7 @@
 """The multi-mask WeSpeaker ResNet34 as an ONNX graph, built from folded weights without torch.
 
 ONNX Runtime CPU runs this graph to produce the reference outputs every engine is judged
-against (SPEC 2) and to serve on machines without a GPU. Building it node by node from
+against (docs/model.md) and to serve on machines without a GPU. Building it node by node from
 `speakerd.model.architecture` (instead of tracing pyannote's torch module) keeps the graph, the
 NumPy float64 forward and the GPU plans walking the same tables, and keeps torch out of
 the service.
@@ -14,7 +14,7 @@ Graph layout:
   value named exactly as the tap, so a tap is addressable by name in any ONNX tool;
 - masks are resized onto the 125 trunk frames in-graph: index = floor(t * F / 125) in
   int64 (Range, Mul, Div: integer Div floors for non-negative operands), then Gather;
-- pooling is pyannote's weighted StatsPool, operation for operation (SPEC 1), then the
+- pooling is pyannote's weighted StatsPool, operation for operation (docs/model.md), then the
   `seg_1` Gemm: `pooled` [n*3, 5120] and `output` [n*3, 256], row = chunk * 3 + speaker.
 """
 

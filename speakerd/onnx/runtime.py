@@ -1,4 +1,4 @@
-"""ONNX Runtime CPU on the project's ONNX export: the deterministic FP32 reference of SPEC 2.
+"""ONNX Runtime CPU on the project's ONNX export: the deterministic FP32 reference of docs/model.md.
 
 One intra-op and one inter-op thread with sequential execution make every reduction run
 in one fixed order, so the same inputs give the same bits on every run; that is what

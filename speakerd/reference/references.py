@@ -1,8 +1,8 @@
-"""Reference cases (SPEC 2): ONNX Runtime CPU outputs every engine is judged against.
+"""Reference cases (docs/model.md): ONNX Runtime CPU outputs every engine is judged against.
 
 `python -m speakerd make-references --out DIR [--weights FILE]` writes one safetensors file
 per case: `input/fbank` [n, 998, 80], `input/masks` [n, 3, 589], `tensor/<tap>` for every
-tap of SPEC 2 in b1 cases, and `tensor/output` [n * 3, 256] in all of them.
+tap of docs/model.md in b1 cases, and `tensor/output` [n * 3, 256] in all of them.
 
 The inputs and the reader live in `speakerd.model.cases`; this module runs ONNX Runtime on
 them and writes the files (`make-references`). A full set is about 930 MB: every b1 case

@@ -3,7 +3,7 @@
 Why at start-up: a GPU engine can build and warm up fine and still compute wrong numbers
 (a bad kernel for one plan, a driver's TF32 default, a corrupt weights file folded fine).
 The server says SERVING only after every plan has reproduced the FP32 reference within the
-SPEC 3 bound of the engine's math, on a built-in case, with the same bits on every run, so
+docs/parity.md bound of the engine's math, on a built-in case, with the same bits on every run, so
 a load balancer never routes to a replica that would return wrong embeddings.
 
 Every plan runs a batch of the built-in chunk, the speaker masks rotated by the chunk's

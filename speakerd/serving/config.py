@@ -21,7 +21,7 @@ ENV_PREFIX = "SPEAKERD_"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
-#: The plans every engine preallocates: single-chunk latency and the b32 throughput plan (SPEC 5).
+#: The plans every engine preallocates: single-chunk latency and the b32 throughput plan (docs/service.md).
 DEFAULT_PLANS = "1,32"
 #: The service contract packs at most 32 chunks into one batch: the GPU plans, their graphs
 #: and the batcher's cost model are sized and measured for that, so a larger plan is refused.

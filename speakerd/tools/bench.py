@@ -8,7 +8,7 @@ importable, the same network in PyTorch (cudnn.benchmark, channels_last, CUDA gr
 same math, our folded weights) timed the same way, and our/PyTorch ratios; and a per-tap
 GPU time profile of one b32 forward (CUDA events at every tap).
 
-Why PyTorch in the same run: SPEC 4's goals are ratios measured in the same run as the
+Why PyTorch in the same run: docs/performance.md's goals are ratios measured in the same run as the
 anchor, since clocks and driver state differ between machines and days.
 Speed is shown here, never in a unit test.
 """
@@ -29,7 +29,7 @@ from speakerd.model.architecture import MAX_SPEAKERS, TRUNK_FLOPS_PER_CHUNK
 from speakerd.model.numerics import Math, compare, pad_speakers
 from speakerd.serving.config import CONV_KERNELS, env_default
 
-#: The reference case each benchmarked batch size runs (SPEC 2 names).
+#: The reference case each benchmarked batch size runs (docs/model.md names).
 CASE_FOR_BATCH = {1: "first_b1", 32: "mixed_b32"}
 #: Defaults mirror the seed suite's benchmark: 5 warm-up runs, 30 timed.
 DEFAULT_WARMUP = 5

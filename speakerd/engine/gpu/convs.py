@@ -2,7 +2,7 @@
 
 Each distinct (shape, batch, math, fusion) gets one cuDNN graph whose execution plans
 are built one by one and timed once on real buffers, replayed from CUDA graphs; the
-fastest is kept (SPEC 4: the
+fastest is kept (docs/performance.md: the
 heuristic's first plan was up to 7x slower than the best). Buffers are bound at
 execution, so one graph serves every convolution of that shape in the trunk.
 
@@ -48,7 +48,7 @@ TIMED_RUNS = 5
 HOPELESS = 3.0
 #: Execution plans that build and are timed per graph, in heuristic order (deselected ones
 #: do not count: in strict FP32 the first dozen are all tensor-core plans). The best of every
-#: trunk shape (../shared/measurements/2026-12-02-h200-cudnn-*.jsonl) was within the first 12, and
+#: trunk shape (measured on an H200 on 2026-12-02: docs/performance.md) was within the first 12, and
 #: each runtime-compiled plan costs an NVRTC build at start-up.
 MAX_PLANS = 12
 #: Plans needing more workspace than this are not candidates. Strict FP32's fastest plans

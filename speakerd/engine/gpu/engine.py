@@ -8,7 +8,7 @@ the final linear (strict FP32: default math, never TF32, whatever the trunk's ma
 Autotuner (autotune.py) chooses every convolution of every plan; one GraphCapture
 (capture.py) per plan records and checks its CUDA graph.
 
-Range-flag maths (FP16, SPEC 3's range rule; see maths.py): every FP16 kernel raises the
+Range-flag maths (FP16, docs/parity.md's range rule; see maths.py): every FP16 kernel raises the
 plan's range flag where a value leaves FP16's range, and the flag is read with the outputs.
 A flagged batch is recomputed on a plan of the math's fallback (TF32) of the same size that
 shares the arena (fallback plans, run eagerly: they are for the rare batch, not for speed),
