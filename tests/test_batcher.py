@@ -350,6 +350,44 @@ def test_an_engine_failure_fails_the_requests_of_its_batch_only() -> None:
     run(scenario)
 
 
+def test_random_cancels_and_deadlines_leave_correct_results_and_an_empty_queue() -> None:
+    """200 requests of random sizes, some cancelled at random moments and some with short
+    deadlines: every request that succeeds has its own rows, the queue and its gauge end at
+    zero, and no callback of the batcher raised on the event loop."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        errors: list[dict[str, object]] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        rng = np.random.default_rng(14)
+        engine = ArithmeticEngine()
+        batcher, metrics = make(engine, queue_chunks=2048)  # room for all: no QueueFull here
+        inputs = [request(int(rng.integers(1, 11)), int(rng.choice([589, 125]))) for _ in range(200)]
+        tasks = []
+        for fbank, masks in inputs:
+            deadline = time.monotonic() + float(rng.uniform(0.0, 0.05)) if rng.random() < 0.2 else None
+            tasks.append(asyncio.ensure_future(batcher.submit(fbank, masks, deadline)))
+            if rng.random() < 0.3:
+                await asyncio.sleep(0.001)
+            if rng.random() < 0.2:
+                tasks[int(rng.integers(len(tasks)))].cancel()
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 4 * SOON_S)
+        served = 0
+        for (fbank, masks), outcome in zip(inputs, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                assert isinstance(outcome, (asyncio.CancelledError, DeadlinePassed)), repr(outcome)
+                continue
+            np.testing.assert_allclose(outcome.embeddings, arithmetic_embeddings(fbank, masks), rtol=1e-6)
+            served += 1
+        assert served > 50, f"only {served} of 200 served; the scenario tests little"
+        assert batcher.queued_chunks == 0 and depth(metrics) == 0, (batcher.queued_chunks, depth(metrics))
+        report = await batcher.drain(SOON_S)
+        assert report.finished, report
+        assert not errors, errors
+
+    run(scenario)
+
+
 # --- fairness -------------------------------------------------------------------------
 
 
