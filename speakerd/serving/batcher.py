@@ -1,6 +1,6 @@
 """Dynamic batching: chunks of concurrent requests packed into engine batches.
 
-Why: one b32 plan run costs far less than 32 b1 runs on a GPU (SPEC 4), but a diarization
+Why: one b32 plan run costs far less than 32 b1 runs on a GPU (docs/performance.md), but a diarization
 client sends a handful of chunks at a time. The batcher queues requests as chunks, and
 whenever an engine worker is free it takes up to `max_batch` chunks across requests,
 splitting a large request over several batches. A batch that is not full waits at most
