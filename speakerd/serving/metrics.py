@@ -1,6 +1,6 @@
 """Prometheus metrics of the service, on their own HTTP port.
 
-The names are a contract (INTERFACES.md): the deployment's dashboards and alerts query
+The names are a contract: the deployment's dashboards and alerts query
 them, so they live in one table here and a test checks /metrics against it. Each server
 owns its own registry, so several servers in one process (tests) never share counters.
 """
@@ -8,9 +8,10 @@ owns its own registry, so several servers in one process (tests) never share cou
 from __future__ import annotations
 
 import threading
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from speakerd.serving.metrics_http import BoundedMetricsServer, serve_metrics
 
 #: Latency buckets from 50 us (a b1 FP16 graph replay is 0.46 ms on an H200) to 10 s (a b32
 #: request on the CPU engine), about three per decade so p99 interpolation stays within 2x.
@@ -141,12 +142,13 @@ class Metrics:
         )
         for reason in REJECT_REASONS:  # export zeros, so a rate() alert has a series from the start
             self.rejected.labels(reason=reason)
-        self._http: WSGIServer | None = None
+        self._http: BoundedMetricsServer | None = None
         self._thread: threading.Thread | None = None
 
-    def serve_http(self, port: int, host: str) -> int:
-        """Expose /metrics on host:port (0 = a free port); returns the port bound."""
-        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(self, port: int, host: str, **limits: float) -> int:
+        """Expose /metrics on host:port (0 = a free port), bounded as metrics_http.py says;
+        returns the port bound. `limits`: max_connections, idle_timeout_s (tests)."""
+        self._http, self._thread = serve_metrics(self.registry, host, port, **limits)  # type: ignore[arg-type]
         return int(self._http.server_port)
 
     def close(self) -> None:
