@@ -72,3 +72,18 @@ async def abort(context: grpc.aio.ServicerContext, rejection: Rejection, prefix:
     """End the call with `rejection`'s status and details (raises, as context.abort does)."""
     status = rejection.status(prefix)
     await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+#: A call cancelled with at most this much of its deadline left is counted as expired: gRPC
+#: cancels the handler when the client's deadline passes, and the server's clock then still
+#: shows a few milliseconds (seen in tests: 55 of 60 expired calls had time "remaining").
+DEADLINE_SLACK_S = 0.05
+
+
+def cancellation(context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str]:
+    """(code, rejected_total reason) of a call whose handler was cancelled: its deadline
+    passed (DEADLINE_EXCEEDED) or its client went away (CANCELLED)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"
+    return grpc.StatusCode.CANCELLED, "cancelled"

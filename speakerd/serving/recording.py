@@ -47,7 +47,7 @@ from speakerd.serving.batcher import (
     EngineFailed,
     QueueFull,
 )
-from speakerd.serving.errors import Rejection, abort
+from speakerd.serving.errors import Rejection, abort, cancellation
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.v1 import speakerd_pb2 as pb
@@ -142,12 +142,10 @@ class RecordingService:
             log.log(level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
             await abort(context, error)
         except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            host.metrics.rejected.labels(reason="deadline_exceeded" if expired else "cancelled").inc()
+            code, reason = cancellation(context)
+            host.metrics.rejected.labels(reason=reason).inc()
             log.info("%s %s: %s after %d windows sent", METHOD, call.request_id,
-                     "deadline passed" if expired else "cancelled by the client", call.sent)  # fmt: skip
+                     "deadline passed" if reason != "cancelled" else "cancelled", call.sent)  # fmt: skip
             raise
         except grpc.aio.AbortError:
             raise

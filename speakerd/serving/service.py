@@ -56,7 +56,7 @@ from speakerd.model.inputs import (
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.serving.batcher import Batcher, DeadlinePassed, Draining, EngineFailed, QueueFull
 from speakerd.serving.budget import ByteBudget
-from speakerd.serving.errors import Rejection, abort
+from speakerd.serving.errors import Rejection, abort, cancellation
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.recording import RecordingService
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
@@ -368,13 +368,9 @@ class SpeakerEmbeddingService:
             log.log(level, "%s %s: %s %s", method, request_id, code.name, error.message)
             raise
         except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            self.metrics.rejected.labels(reason="deadline_exceeded" if expired else "cancelled").inc()
-            log.info(
-                "%s %s: %s by the client", method, request_id, "deadline passed" if expired else "cancelled"
-            )
+            code, reason = cancellation(context)
+            self.metrics.rejected.labels(reason=reason).inc()
+            log.info("%s %s: %s", method, request_id, reason.replace("_", " "))
             raise
         except Exception as error:  # a bug here, not the caller's: INTERNAL, never UNKNOWN
             code = grpc.StatusCode.INTERNAL
