@@ -1,0 +1,34 @@
+#!/bin/bash
+# The H200 service run: the GPU engine tests with REQUIRE_GPU=1, then an FP16 server checked
+# by `client verify` and loaded with 32-chunk requests and with hour-long recordings
+# (EmbedRecording end to end: PCM in client memory -> last embedding received). When
+# ANCHORS names a folder holding the PyTorch anchor torch_hour_embedding.py, it runs first
+# (same machine, same run) for the ratios. Logs and JSON land in $OUT.
+set -o pipefail
+source scripts/device_env.sh
+if [ "${TESTS:-1}" = 1 ]; then
+  REQUIRE_GPU=1 timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
+    tests/test_kernels_compile.py 2>&1 | tee $OUT/gpu-tests.log | grep -E "[0-9]+ (passed|failed)|FAILED|ERROR" | head -20
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_recording.py -k torchaudio -s 2>&1 \
+    | tee $OUT/torchaudio.log | grep -E "Hz ->|passed|failed|skipped" | head -8
+  echo "tests at $SECONDS s"
+fi
+if [ -n "$ANCHORS" ] && [ -f "$ANCHORS/torch_hour_embedding.py" ]; then
+  timeout 150 python3 "$ANCHORS/torch_hour_embedding.py" ${RECORDING_S:-3600} 2>&1 | tee $OUT/anchor-hour.jsonl | tail -3
+  echo "anchor at $SECONDS s"
+fi
+python3 -m speakerd make-references --out /tmp/refs > $OUT/refs.log 2>&1; echo "refs at $SECONDS s"
+python3 -m speakerd serve --engine gpu --math ${SERVE_MATH:-fp16} --port 50051 --metrics-port 9100 > $OUT/serve.log 2>&1 &
+SPID=$!
+timeout 200 python3 -m speakerd.client health --wait 190 > $OUT/health.log 2>&1; echo "health rc $? at $SECONDS s"
+if kill -0 $SPID 2>/dev/null; then
+  timeout 90 python3 -m speakerd.client verify --references /tmp/refs 2>&1 | tee $OUT/verify.log | tail -2
+  timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 10 \
+    --metrics-url http://127.0.0.1:9100/metrics 2>&1 | tee $OUT/load.json | cut -c1-600
+  timeout 120 python3 -m speakerd.client load --recording ${RECORDING_S:-3600} --streams 1 --seconds 15 \
+    --timeout 100 2>&1 | tee $OUT/load-recording.json | cut -c1-600
+  curl -s http://127.0.0.1:9100/metrics | grep -E "^speakerd_(fp16_fallbacks_total|requests_rejected_total)" | head -6
+  kill $SPID; wait $SPID
+fi
+grep -E "SERVING|self-check|ERROR|Traceback|Error" $OUT/serve.log | cut -c1-300 | head -12
+echo "all done at $SECONDS s"
