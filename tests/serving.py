@@ -13,8 +13,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from speakerd.client.client import SpeakerClient
 
@@ -115,3 +118,14 @@ def start_server(
                     raise RuntimeError(f"server never SERVING (seen {server.health_seen}):\n{server.log()}")
                 time.sleep(0.05)
     return server
+
+
+def scrape(server: ServerProcess) -> dict[str, float]:
+    """Every sample of the server's /metrics as {name{labels}: value}."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,7 +21,6 @@ import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from prometheus_client.parser import text_string_to_metric_families
 
 from speakerd.client.client import build_request
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS
@@ -32,7 +30,7 @@ from speakerd.serving.request_ids import MAX_REQUEST_ID_CHARS
 from speakerd.serving.service import SERVICE_NAME, STREAM_WINDOW
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import to_tensor
-from tests.serving import ServerProcess, start_server
+from tests.serving import ServerProcess, scrape, start_server
 
 #: b8 keeps a CPU batch near 1 s: long enough that a 64-chunk request holds a stream's
 #: window full for seconds (8 batches on 3 workers sharing 2 cores).
@@ -185,16 +183,6 @@ def check_error(name: str, error: grpc.RpcError, bad: Bad, prefix: str = "") -> 
     field, description = violations[0]
     assert field == bad.field and description, f"{name}: violation {violations[0]}, expected {bad.field}"
     assert details.endswith(description), f"{name}: message {details!r} and detail {description!r} differ"
-
-
-def scrape(server: ServerProcess) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
 
 
 def wait_for(server: ServerProcess, key: str, satisfied, timeout_s: float = CALL_TIMEOUT_S) -> float:

@@ -29,9 +29,8 @@ from speakerd.model.resample import resample
 from speakerd.serving.recording import BATCHES_IN_FLIGHT
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
-from tests.serving import start_server
+from tests.serving import scrape, start_server
 from tests.test_bad_inputs import field_violations
-from tests.test_service import scrape
 
 #: b8 keeps a CPU batch near 1 s, so a recording spans several batches.
 PLANS = "1,8"

@@ -22,7 +22,6 @@ import grpc
 import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from speakerd.client.client import NO_RETRY, RetryPolicy, SpeakerClient
 from speakerd.client.verify import main as verify_main
@@ -31,23 +30,12 @@ from speakerd.model.architecture import EMBEDDING_DIM
 from speakerd.model.numerics import Math
 from speakerd.serving.batcher import PIPELINE_DEPTH
 from speakerd.serving.metrics import METRIC_NAMES
-from tests.serving import ServerProcess, start_server
+from tests.serving import ServerProcess, scrape, start_server
 
 #: Plans of the test servers: b8 keeps CPU batches short (~1 s) yet spans several requests.
 PLANS = "1,8"
 CONCURRENT_REQUESTS = 16
 MAX_REQUEST_CHUNKS = 40
-
-
-def scrape(server: ServerProcess) -> dict[str, float]:
-    """Every sample of /metrics as {name{labels}: value}."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
 
 
 def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:

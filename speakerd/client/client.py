@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import numpy as np
@@ -170,20 +171,30 @@ def health_name(status: int) -> str:
 class _ClientCore:
     """What the blocking and asyncio clients share: channel, stubs, deadline and retry rule."""
 
+    #: grpc.aio channel (AsyncSpeakerClient) or a blocking one (SpeakerClient)
+    _AIO: ClassVar[bool] = False
+
     def __init__(
         self,
-        channel: grpc.Channel | grpc.aio.Channel,
-        timeout_s: float,
-        retry: RetryPolicy,
-        seed: int | None,
+        target: str = DEFAULT_TARGET,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry: RetryPolicy = RetryPolicy(),
+        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+        seed: int | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        token: str | None = None,
     ) -> None:
+        """`tls_ca`: PEM roots (TLS on); `tls_cert` + `tls_key`: a client certificate (mTLS);
+        `token`: a bearer token for a server started with --auth-tokens."""
         self.timeout_s = timeout_s
         self.retry = retry
-        self.security = Security()
+        self.security = Security.from_files(tls_ca, tls_cert, tls_key, token)
         self._rng = random.Random(seed)
-        self._channel = channel
-        self._stub = pb_grpc.SpeakerEmbeddingStub(channel)
-        self._health = health_pb2_grpc.HealthStub(channel)
+        self._channel = make_channel(target, channel_options(max_message_mb), self.security, aio=self._AIO)
+        self._stub = pb_grpc.SpeakerEmbeddingStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _metadata(self, request_id: str = "") -> tuple[tuple[str, str], ...]:
         ids = ((REQUEST_ID_KEY, request_id),) if request_id else ()
@@ -201,25 +212,6 @@ class _ClientCore:
 
 class SpeakerClient(_ClientCore):
     """Blocking client; one channel, safe to share between threads."""
-
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        retry: RetryPolicy = RetryPolicy(),
-        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
-        seed: int | None = None,
-        tls_ca: str | Path | None = None,
-        tls_cert: str | Path | None = None,
-        tls_key: str | Path | None = None,
-        token: str | None = None,
-    ) -> None:
-        """`tls_ca`: PEM roots (TLS on); `tls_cert` + `tls_key`: a client certificate (mTLS);
-        `token`: a bearer token for a server started with --auth-tokens."""
-        security = Security.from_files(tls_ca, tls_cert, tls_key, token)
-        channel = make_channel(target, channel_options(max_message_mb), security, aio=False)
-        super().__init__(channel, timeout_s, retry, seed)
-        self.security = security
 
     def __enter__(self) -> SpeakerClient:
         return self
@@ -323,24 +315,7 @@ class SpeakerClient(_ClientCore):
 class AsyncSpeakerClient(_ClientCore):
     """asyncio client on grpc.aio; create and use it inside one event loop."""
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        retry: RetryPolicy = RetryPolicy(),
-        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
-        seed: int | None = None,
-        tls_ca: str | Path | None = None,
-        tls_cert: str | Path | None = None,
-        tls_key: str | Path | None = None,
-        token: str | None = None,
-    ) -> None:
-        """`tls_ca`: PEM roots (TLS on); `tls_cert` + `tls_key`: a client certificate (mTLS);
-        `token`: a bearer token for a server started with --auth-tokens."""
-        security = Security.from_files(tls_ca, tls_cert, tls_key, token)
-        channel = make_channel(target, channel_options(max_message_mb), security, aio=True)
-        super().__init__(channel, timeout_s, retry, seed)
-        self.security = security
+    _AIO = True
 
     async def __aenter__(self) -> AsyncSpeakerClient:
         return self
