@@ -1,11 +1,12 @@
-"""EmbedRecording's fbank on the GPU (engine/gpu/recording.py) against the host's.
+"""fbank on the GPU for EmbedRecording (engine/gpu/recording.py) and for EmbedChunks'
+waveform input (engine/gpu/waveform.py), against the host's.
 
 What a newcomer should read here: a recording pushed in uneven pieces gives the same
 windows on the device as the host's shared frames (within float32's own error); windows
 that stay on the device and are written into the engine's staging slot give the very bits
 of the same values staged from the host, mixed with host pieces in one batch; and a whole
 recording embedded through the decoder with the GPU source matches the host source within
-each math's bound. Each test prints its table.
+each math's bound; waveform chunks get the same treatment. Each test prints its table.
 """
 
 from __future__ import annotations
@@ -127,3 +128,30 @@ def test_a_recording_decoded_onto_the_gpu_matches_the_host_path(engines, recordi
         print(f"\n{math} recording gpu fbank vs host fbank, {masks.shape[0]} x {MAX_SPEAKERS} rows: "
               f"min cosine {parity.min_cosine:.9f}, max abs {parity.max_abs:.3e}", flush=True)  # fmt: skip
     assert parity.min_cosine >= bound.min_cosine, f"min cosine {parity.min_cosine:.9f} < {bound.min_cosine}"
+
+
+@pytest.mark.parametrize("math", [Math.FP32, Math.FP16], ids=str)
+@pytest.mark.gpu
+@needs_gpu
+def test_waveform_chunks_get_their_fbank_on_the_gpu(engines, recording, math, capsys) -> None:
+    """EmbedChunks' waveform input: rows whose fbank the GPU computes when staged give the
+    bits of the same (GPU) fbank staged from the host, and NumPy's fbank within the bound."""
+    from speakerd.model.fbank import chunk_recording, fbank
+
+    rec, masks = recording
+    engine = engines[math]
+    waveforms = chunk_recording(rec.samples).waveforms
+    rows = engine.waveform_fbank(waveforms)
+    assert rows.shape == (waveforms.shape[0], 998, 80), rows.shape
+    staged = engine.run_batch([rows[:7], rows[7:]], [masks[:7], masks[7:]])
+    from_host = engine.run_batch([np.asarray(rows[:7]), np.asarray(rows[7:])], [masks[:7], masks[7:]])
+    differ = int(np.count_nonzero(staged.embeddings != from_host.embeddings))
+    numpy_fbank = fbank(waveforms)
+    fbank_diff = float(np.max(np.abs(np.asarray(rows) - numpy_fbank)))
+    parity = compare(staged.embeddings, engine.run_batch(numpy_fbank, masks).embeddings)
+    with capsys.disabled():
+        print(f"\n{math} waveform rows on the GPU: {differ} values differ from host-staged; fbank vs "
+              f"NumPy max abs {fbank_diff:.3e}; min cosine {parity.min_cosine:.9f}", flush=True)  # fmt: skip
+    assert differ == 0, f"{differ} of {staged.embeddings.size} values differ"
+    assert fbank_diff < FBANK_MAX_ABS, f"fbank max abs {fbank_diff:.3e} >= {FBANK_MAX_ABS}"
+    assert parity.min_cosine >= BOUNDS[math].min_cosine, parity

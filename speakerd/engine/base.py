@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS
+from speakerd.model.fbank import fbank as fbank_of
 from speakerd.model.inputs import MAX_MASK_FRAMES, InputError, InputLengthError, check_fbank, check_masks
 from speakerd.model.numerics import Math, active_frames, pad_speakers
 from speakerd.model.recording import FbankSource, SharedFrames
@@ -184,6 +185,12 @@ class Engine(abc.ABC):
         Must be safe to call from several threads at once: the batcher overlaps batches'
         assembly and host-to-device copies with the previous batch's compute that way.
         """
+
+    def waveform_fbank(self, waveform: np.ndarray) -> np.ndarray | DeviceFbank:
+        """fbank rows of checked waveforms [n, 160000] (EmbedChunks' waveform input): NumPy's
+        on the host by default; an engine with a device returns rows computed there when
+        their batch is staged. Called on the service's decode threads."""
+        return fbank_of(waveform)
 
     def fbank_source(self, step: int) -> FbankSource:
         """Where a recording's fbank is computed for this engine (EmbedRecording): on the

@@ -37,7 +37,7 @@ from importlib import metadata
 import grpc
 import numpy as np
 
-from speakerd.engine.base import Engine
+from speakerd.engine.base import DeviceFbank, Engine
 from speakerd.model.architecture import (
     CHUNK_SAMPLES,
     EMBEDDING_DIM,
@@ -91,11 +91,15 @@ def package_version() -> str:
         return "0+unknown"
 
 
+#: The engine's waveform -> fbank rows (Engine.waveform_fbank), run on a decode thread.
+WaveformFbank = Callable[[np.ndarray], "np.ndarray | DeviceFbank"]
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A validated request: what the batcher needs plus what the response echoes."""
 
-    fbank: np.ndarray  # [n, 998, 80] float32
+    fbank: np.ndarray | DeviceFbank  # [n, 998, 80] float32, or rows the GPU computes when staged
     masks: np.ndarray  # [n, 3, F] float32, speakers padded
     speakers: int
     active: np.ndarray  # [n, s] int32
@@ -109,16 +113,7 @@ class Decoded:
     prepared: Prepared
 
 
-def _waveform_fbank() -> object | None:
-    """A1's fbank when it is installed; waveform requests need it."""
-    try:
-        from speakerd.model.fbank import fbank
-    except ImportError:
-        return None
-    return fbank
-
-
-def prepare(request: WireRequest, max_chunks: int, waveform_fbank: object | None) -> Prepared:
+def prepare(request: WireRequest, max_chunks: int, waveform_fbank: WaveformFbank) -> Prepared:
     """Decode and validate; InputError naming the field and the expected shape otherwise."""
     try:
         kind = request.features
@@ -127,12 +122,8 @@ def prepare(request: WireRequest, max_chunks: int, waveform_fbank: object | None
                 "features", f"set fbank [n, {FRAMES}, {MEL_BINS}] or waveform [n, {CHUNK_SAMPLES}]"
             )
         if kind == "waveform":
-            if waveform_fbank is None:
-                raise InputError(
-                    "waveform", "this server takes fbank only (speakerd.model.fbank is not installed)"
-                )
-            waveform = check_waveform(from_tensor(request.waveform, "waveform"))
-            fbank = waveform_fbank(waveform)  # type: ignore[operator]
+            # the engine's: NumPy on the host (CPU engine), or rows the GPU computes when staged
+            fbank = waveform_fbank(check_waveform(from_tensor(request.waveform, "waveform")))
         else:
             fbank = check_fbank_magnitude(check_fbank(from_tensor(request.fbank, "fbank")))
         if request.masks is None:
@@ -151,7 +142,7 @@ def prepare(request: WireRequest, max_chunks: int, waveform_fbank: object | None
     return Prepared(fbank, pad_speakers(masks), int(masks.shape[1]), active_frames(masks))
 
 
-def decode(raw: bytes, max_chunks: int, waveform_fbank: object | None) -> Decoded:
+def decode(raw: bytes, max_chunks: int, waveform_fbank: WaveformFbank) -> Decoded:
     """Decode thread: parse, check the request id, validate. Rejection (INVALID_ARGUMENT)
     otherwise, carrying the request's own id once it was read."""
     try:
@@ -181,7 +172,6 @@ class SpeakerEmbeddingService:
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
         self.draining = False
-        self._waveform_fbank = _waveform_fbank()
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="decode")
         self._budget = ByteBudget(DECODE_BUDGET_MESSAGES * max_message_bytes)
         self._inflight = 0
@@ -319,7 +309,7 @@ class SpeakerEmbeddingService:
             embedding_dim=EMBEDDING_DIM,
             mask_frames=MASK_FRAMES,
             version=package_version(),
-            waveform_supported=self._waveform_fbank is not None,
+            waveform_supported=True,
             max_message_bytes=self.max_message_bytes,
         )
 
@@ -429,7 +419,7 @@ class SpeakerEmbeddingService:
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
-                self._decoder, decode, raw, batcher.queue_chunks, self._waveform_fbank
+                self._decoder, decode, raw, batcher.queue_chunks, self.engine.waveform_fbank
             )
         finally:
             self._budget.give(size)

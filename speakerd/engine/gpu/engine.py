@@ -45,6 +45,7 @@ from speakerd.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw
 from speakerd.engine.gpu.recording import GpuRecordingFrames
 from speakerd.engine.gpu.staging import INPUT_SLOTS, InputSlot
 from speakerd.engine.gpu.timing import fill_random, gpu_ms, median_ms
+from speakerd.engine.gpu.waveform import WaveformFbank, WaveformRows
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, TAP_NAMES
 from speakerd.model.inputs import InputError
 from speakerd.model.numerics import Math
@@ -121,6 +122,7 @@ class GpuEngine(Engine):
             every = [*self.plans.values(), *self.fallback_plans.values()]
             self.ctx.workspace.grow(max([1, *(c.choice.workspace_bytes for p in every for c in p.convs)]))
             self.slots = [InputSlot(sizes[-1]) for _ in range(INPUT_SLOTS)]
+            self._waveforms = WaveformFbank()  # EmbedChunks' waveform input, fbank on this GPU
         self.captures = {size: GraphCapture(plan) for size, plan in self.plans.items()}
         self._free_slots: queue.SimpleQueue[InputSlot] = queue.SimpleQueue()
         for slot in self.slots:
@@ -310,6 +312,11 @@ class GpuEngine(Engine):
         return self.captures[batch].graph is not None
 
     # ----- reports ----------------------------------------------------------------------
+    def waveform_fbank(self, waveform: np.ndarray) -> WaveformRows:
+        """Waveform rows whose fbank the GPU computes when their batch is staged (waveform.py)."""
+        self._check_open()
+        return self._waveforms.rows(waveform)
+
     def fbank_source(self, step: int) -> GpuRecordingFrames:
         """A recording's fbank on this GPU: frames computed once on the device, each batch's
         windows written straight into its staging slot (engine/gpu/recording.py)."""
