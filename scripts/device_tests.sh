@@ -1,6 +1,8 @@
 #!/bin/bash
 # The H200 test run: our conv kernels against float64 (FP32/TF32 and FP16), the FP16 range
-# fallback, and the GPU engine tests (FP32, TF32, FP16) with REQUIRE_GPU=1.
+# fallback, the GPU engine tests (FP32, TF32, FP16), and fbank on the GPU (kernels against
+# NumPy and kaldi-native-fbank; recordings and waveform chunks through the engine), all with
+# REQUIRE_GPU=1.
 set -o pipefail
 source scripts/device_env.sh
 # KERNEL_TESTS=0: the engine tests only (a short re-run after an engine-only change)
@@ -11,3 +13,6 @@ echo "kernel tests at $SECONDS s"
 fi
 REQUIRE_GPU=1 timeout ${TEST_S:-330} python3 -m pytest -q tests/test_gpu_engine.py tests/test_kernels_compile.py 2>&1 | tee $OUT/gpu-tests.log | grep -E "^(first|last|short|empty|one|soft|b32|b1 |fp32|tf32|fp16|  *(stem|pooled|output|layer4.2.out)|[0-9]+ (passed|failed)|FAILED|ERROR|E  )" | cut -c1-300 | head -80
 echo "tests at $SECONDS s"
+REQUIRE_GPU=1 timeout ${FBANK_TEST_S:-200} python3 -m pytest -q -s tests/test_gpu_fbank.py tests/test_gpu_recording.py 2>&1 \
+  | tee $OUT/fbank-tests.log | grep -E "[0-9]+ (passed|failed)|FAILED|ERROR|GPU recording|device rows|recording gpu|waveform rows" | cut -c1-240 | head -30
+echo "fbank tests at $SECONDS s"
