@@ -155,3 +155,75 @@ def test_waveform_chunks_get_their_fbank_on_the_gpu(engines, recording, math, ca
     assert differ == 0, f"{differ} of {staged.embeddings.size} values differ"
     assert fbank_diff < FBANK_MAX_ABS, f"fbank max abs {fbank_diff:.3e} >= {FBANK_MAX_ABS}"
     assert parity.min_cosine >= BOUNDS[math].min_cosine, parity
+
+
+#: (rate, channels, encoding) of recordings decoded on the GPU against the host's decoder.
+PCM_FORMATS = ((48_000, 2, "S16"), (44_100, 1, "F32"), (22_050, 2, "S16"), (16_000, 3, "F32"))
+#: Resampled samples: the GPU sums each output in float64, the host in float32 (BLAS); both
+#: round the same float32 filters, so they differ by float32 summation rounding.
+RESAMPLED_MAX_ABS = 1e-5
+
+
+def _pcm(rate: int, channels: int, encoding: str, seconds: float = 12.5) -> bytes:
+    """Speech-level noise with a few tones, interleaved little-endian PCM."""
+    rng = np.random.default_rng(rate + channels)
+    t = np.arange(int(seconds * rate)) / rate
+    tones = sum(0.1 * np.sin(2 * np.pi * f * t) for f in (180.0, 950.0, 3100.0))
+    signal = (tones[:, None] + 0.05 * rng.standard_normal((t.shape[0], channels))).clip(-1, 1)
+    if encoding == "S16":
+        return np.round(signal * 32767).astype("<i2").tobytes()
+    return signal.astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize(("rate", "channels", "encoding"), PCM_FORMATS, ids=lambda v: str(v))
+@pytest.mark.gpu
+@needs_gpu
+def test_pcm_decoded_and_resampled_on_the_gpu_matches_the_host(rate, channels, encoding, capsys) -> None:
+    """Raw PCM given to the GPU source (decode, downmix, torchaudio-default resampling on the
+    device) gives the host decoder's 16 kHz samples and window fbank, in pieces of any size."""
+    import cupy
+
+    from speakerd.engine.gpu.pcm import DevicePcm
+    from speakerd.engine.gpu.recording import GpuRecordingFrames
+    from speakerd.model.recording import decode_pcm, downmix
+    from speakerd.model.resample import resample
+
+    data = _pcm(rate, channels, encoding)
+    kind = Encoding[encoding]
+    expected = resample(downmix(decode_pcm(data, kind, channels)), rate, 16_000)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    device = DevicePcm(rate, channels, kind, stream)
+    frame = kind.itemsize * channels
+    for at in range(0, len(data), 77 * frame):
+        device.push(data[at : at + 77 * frame])
+    mono = cupy.asnumpy(device.mono_16k(), stream=stream)
+    stream.synchronize()
+    assert mono.shape == expected.shape, (mono.shape, expected.shape)
+    sample_diff = float(np.max(np.abs(mono - expected)))
+    fbank = {}
+    for name, source in (("gpu", GpuRecordingFrames(STEP_SAMPLES)), ("host", SharedFrames(STEP_SAMPLES))):
+        decoder = RecordingDecoder(rate, channels, kind, source=source)
+        for at in range(0, len(data), 100_003):  # pieces that split frames
+            decoder.push(data[at : at + 100_003])
+        fbank[name] = np.asarray(source.windows(0, decoder.finish()))
+    fbank_diff = float(np.max(np.abs(fbank["gpu"] - fbank["host"])))
+    with capsys.disabled():
+        print(f"\n{rate} Hz x{channels} {encoding} on the GPU: 16 kHz samples max abs {sample_diff:.3e}, "
+              f"{fbank['gpu'].shape[0]} windows' fbank max abs {fbank_diff:.3e}", flush=True)  # fmt: skip
+    assert sample_diff <= RESAMPLED_MAX_ABS, f"samples max abs {sample_diff:.3e} > {RESAMPLED_MAX_ABS}"
+    assert fbank_diff < FBANK_MAX_ABS, f"fbank max abs {fbank_diff:.3e} >= {FBANK_MAX_ABS}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bad_f32_pcm_is_refused_by_the_gpu_decoder() -> None:
+    from speakerd.engine.gpu.recording import GpuRecordingFrames
+    from speakerd.model.inputs import InputError
+
+    samples = np.zeros((40_000, 2), dtype="<f4")
+    samples[31_234, 1] = 1.5
+    decoder = RecordingDecoder(16_000, 2, Encoding.F32, source=GpuRecordingFrames(STEP_SAMPLES))
+    decoder.push(samples.tobytes())
+    with pytest.raises(InputError, match=r"frame 31234 holds NaN, Inf or \|sample\| > 1") as refused:
+        decoder.finish()
+    assert refused.value.field == "audio"

@@ -245,6 +245,11 @@ class RecordingDecoder:
         self.frames_in = 0
         self._carry = b""  # bytes of an incomplete PCM frame at a piece's end
         self._resampler = StreamingResampler(sample_rate, SAMPLE_RATE)
+        # a source on a device that decodes PCM itself (the GPU engine's) gets the raw bytes:
+        # decoding, downmix and resampling then cost the host nothing
+        self._raw = hasattr(self.source, "begin_pcm")
+        if self._raw:
+            self.source.begin_pcm(sample_rate, channels, encoding)  # type: ignore[attr-defined]
 
     @property
     def seconds(self) -> float:
@@ -255,14 +260,22 @@ class RecordingDecoder:
         data = self._carry + data if self._carry else data
         whole = len(data) - len(data) % self.frame_bytes
         self._carry = bytes(data[whole:])
+        if self._raw:  # the source decodes (and checks f32 values) on its device
+            self.frames_in += whole // self.frame_bytes
+            self._check_length()
+            self.source.push_pcm(memoryview(data)[:whole])  # type: ignore[attr-defined]
+            return
         frames = decode_pcm(memoryview(data)[:whole], self.encoding, self.channels, offset=self.frames_in)
         self.frames_in += frames.shape[0]
+        self._check_length()
+        self.source.push(self._resampler.push(downmix(frames)))
+
+    def _check_length(self) -> None:
         if self.max_frames is not None and self.frames_in > self.max_frames:
             limit = self.max_frames / self.sample_rate
             raise InputError(
                 "audio", f"more than {limit:.0f} s of audio; the server's limit is {limit:.0f} s"
             )
-        self.source.push(self._resampler.push(downmix(frames)))
 
     def finish(self) -> int:
         """End of audio: flush the resampler; the recording's window count."""
@@ -275,7 +288,8 @@ class RecordingDecoder:
             )
         if self.frames_in == 0:
             raise InputError("audio", "no samples before the masks; a recording needs at least one")
-        self.source.push(self._resampler.finish())
+        if not self._raw:
+            self.source.push(self._resampler.finish())
         return self.source.finish()
 
 

@@ -9,7 +9,10 @@ never on the host at all: the batcher passes `DeviceWindows` rows through like a
 rows, and the GPU engine's staging asks them to write themselves into its input slot on
 its copy stream (staging.py), where they are cut from the frames with their own mean removed.
 
-Threads: `push` and `finish` run on the call's decode thread; `DeviceWindows.write_device`
+With `begin_pcm` the source takes the raw PCM instead (`push_pcm`), and decoding, downmix
+and resampling run on the device at `finish` as well (pcm.py): the host only uploads.
+
+Threads: `push`/`push_pcm` and `finish` run on the call's decode thread; `DeviceWindows.write_device`
 on engine worker threads, always on the engine's one copy stream (asserted), ordered after
 `finish`'s frames by an event. The source's lock keeps one batch's two window kernels (sums,
 then writes, sharing the source's partial-sum buffer) together on that stream.
@@ -22,9 +25,11 @@ import threading
 import numpy as np
 
 from speakerd.engine.gpu.fbank import DEFAULT_MAX_WINDOWS, GpuFbank, RecordingLayout
+from speakerd.engine.gpu.pcm import DevicePcm
 from speakerd.model.architecture import FRAMES, MEL_BINS
 from speakerd.model.fbank import STEP_SAMPLES
 from speakerd.model.inputs import InputError
+from speakerd.model.recording import Encoding
 
 #: Device sample buffer to start with (one minute of 16 kHz); it doubles when full, so an
 #: hour costs 6 device-to-device copies of what was already there.
@@ -49,6 +54,19 @@ class GpuRecordingFrames:
         self._loaded = cupy.cuda.Event(block=False, disable_timing=True)
         self._lock = threading.Lock()
         self._writer_stream = None  # the one stream windows are written on (the engine's copy stream)
+        self._pcm: DevicePcm | None = None  # set by begin_pcm: raw PCM decoded on the device
+
+    def begin_pcm(self, sample_rate: int, channels: int, encoding: Encoding) -> None:
+        """Take the recording as raw PCM (`push_pcm`) instead of 16 kHz samples: decoding,
+        downmix and resampling then run on the device too (pcm.py). RecordingDecoder calls
+        this when its source has it."""
+        assert self.samples == 0 and self._layout is None, "begin_pcm before any audio"
+        self._pcm = DevicePcm(sample_rate, channels, encoding, self._stream)
+
+    def push_pcm(self, data: bytes | memoryview) -> None:
+        """Whole frames of the recording's interleaved PCM, uploaded as they arrive."""
+        assert self._pcm is not None, "push_pcm before begin_pcm"
+        self._pcm.push(data)
 
     def push(self, samples: np.ndarray) -> None:
         import cupy
@@ -75,6 +93,10 @@ class GpuRecordingFrames:
         """The recording's frames, computed on the device; its window count."""
         if self._layout is not None:
             return self._layout.windows
+        if self._pcm is not None:  # the 16 kHz samples made on the device from the raw PCM
+            self._device = self._pcm.mono_16k()
+            self.samples = int(self._device.shape[0])
+            self._pcm = None
         if self.samples < 1:
             raise InputError("audio", "no samples; a recording needs at least one")
         fbank = GpuFbank(max_samples=self.samples, max_windows=DEFAULT_MAX_WINDOWS)
