@@ -1,6 +1,6 @@
 """speakerd.model.recording / resample: a recording prepared as a pyannote.audio 4.0.7 pipeline does.
 
-Resampling is checked against torchaudio where it imports (the GPU machine's torch 2.11) and
+Resampling is checked against torchaudio where it imports (CI's, see .ci/run; the GPU machine's) and
 everywhere against an independent float64 evaluation of the windowed-sinc formula written
 here in Hz (not in torchaudio's reduced-rate polyphase form); windows against the numbers
 `Inference.slide` gives; shared-frame fbank against the per-window fbank and
