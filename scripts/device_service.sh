@@ -25,7 +25,8 @@ if kill -0 $SPID 2>/dev/null; then
   timeout 90 python3 -m speakerd.client verify --references /tmp/refs 2>&1 | tee $OUT/verify.log | tail -2
   timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 10 \
     --metrics-url http://127.0.0.1:9100/metrics 2>&1 | tee $OUT/load.json | cut -c1-600
-  timeout 120 python3 -m speakerd.client load --recording ${RECORDING_S:-3600} --streams 1 --seconds 15 \
+  timeout 120 python3 -m speakerd.client load --recording ${RECORDING_S:-3600} --sample-rate ${RECORDING_RATE:-16000} \
+    --channels ${RECORDING_CHANNELS:-1} --streams 1 --seconds 15 \
     --timeout 100 2>&1 | tee $OUT/load-recording.json | cut -c1-600
   curl -s http://127.0.0.1:9100/metrics | grep -E "^speakerd_(fp16_fallbacks_total|requests_rejected_total)" | head -6
   kill $SPID; wait $SPID

@@ -267,3 +267,15 @@ def test_load_generator_recording_mode(server, capsys) -> None:
     # the audio travels once: binary masks go as uint8, so the call sends at most 1.1x the PCM
     assert report["pcm_bytes"] == 12 * 16_000 * 2, report
     assert report["bytes_sent_over_pcm"] <= 1.1, report
+
+
+def test_load_generator_recording_mode_at_another_rate(server, capsys) -> None:
+    """`client load --recording 12.3 --sample-rate 44100 --channels 2`: the masks match the
+    server's window count of the resampled audio (4 windows, the last padded)."""
+    argv = ["load", "--target", server.target, "--recording", "12.3", "--sample-rate", "44100",
+            "--channels", "2", "--seconds", "0.5", "--streams", "1", "--timeout", "300"]  # fmt: skip
+    assert cli_main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["ok"] and report["failed_calls"] == 0, report
+    assert report["windows_per_recording"] == 4 and report["sample_rate"] == 44_100, report
+    assert report["pcm_bytes"] == int(12.3 * 44_100) * 2 * 2, report

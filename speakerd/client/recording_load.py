@@ -28,21 +28,31 @@ NOISE_RMS = 0.1
 PERCENTILES = (50, 90, 99)
 
 
-def synthetic(seconds: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(int16 samples at 16 kHz, float32 masks [n, 3, 589] all ones) for `seconds` of audio."""
-    samples = int(seconds * 16_000)
-    if samples < 1:
-        raise SystemExit(f"--recording {seconds}: expected a positive number of seconds")
-    noise = np.random.default_rng(seed).standard_normal(samples) * NOISE_RMS * 32767
-    pcm = np.clip(np.round(noise), -32768, 32767).astype(np.int16)
-    return pcm, np.ones((window_count(samples), MAX_SPEAKERS, MASK_FRAMES), dtype=np.float32)
+def synthetic(
+    seconds: float, sample_rate: int = 16_000, channels: int = 1, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(int16 samples [N, channels] at `sample_rate`, float32 masks [n, 3, 589] all ones, n the
+    window count pyannote gives `seconds` of audio) for a synthetic recording."""
+    frames = int(seconds * sample_rate)
+    if frames < 1 or sample_rate < 1 or channels < 1:
+        raise SystemExit(
+            f"--recording {seconds} --sample-rate {sample_rate} --channels {channels}: expected "
+            "positive numbers"
+        )
+    noise = np.random.default_rng(seed).standard_normal((frames, channels), dtype=np.float32)
+    pcm = np.clip(np.round(noise * (NOISE_RMS * 32767)), -32768, 32767).astype(np.int16)
+    # the server's window count is that of the audio resampled to 16 kHz
+    windows = window_count(-(-frames * 16_000 // sample_rate))
+    return pcm, np.ones((windows, MAX_SPEAKERS, MASK_FRAMES), dtype=np.float32)
 
 
-async def _caller(client: AsyncSpeakerClient, pcm: np.ndarray, masks: np.ndarray, until: float, out: dict):
+async def _caller(
+    client: AsyncSpeakerClient, pcm: np.ndarray, rate: int, masks: np.ndarray, until: float, out: dict
+):
     while time.monotonic() < until:
         started = time.perf_counter()
         try:
-            await client.embed_recording(pcm, 16_000, masks)
+            await client.embed_recording(pcm, rate, masks)
         except grpc.aio.AioRpcError as error:
             out["errors"][error.code().name] += 1
             continue
@@ -56,21 +66,23 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
         args.target, timeout_s=args.timeout, retry=RetryPolicy(1), **kwargs
     ) as client:
         until = time.monotonic() + args.seconds
-        await asyncio.gather(*(_caller(client, pcm, masks, until, out) for _ in range(args.streams)))
+        callers = (_caller(client, pcm, args.sample_rate, masks, until, out) for _ in range(args.streams))
+        await asyncio.gather(*callers)
     return out
 
 
 def generate(args: argparse.Namespace) -> dict[str, object]:
     """The JSON report of a recording load run."""
-    pcm, masks = synthetic(args.recording)
-    sent = sum(message.ByteSize() for message in recording_requests(pcm, 16_000, masks))
+    pcm, masks = synthetic(args.recording, args.sample_rate, args.channels)
+    sent = sum(message.ByteSize() for message in recording_requests(pcm, args.sample_rate, masks))
     started = time.monotonic()
     out = asyncio.run(_run(args, pcm, masks))
     elapsed = max(time.monotonic() - started, 1e-3)
     latencies = np.array(out["latencies"]) * 1e3
     failed = sum(out["errors"].values())
     report: dict[str, object] = {
-        "mode": "recording", "recording_s": args.recording, "windows_per_recording": int(masks.shape[0]),
+        "mode": "recording", "recording_s": args.recording, "sample_rate": args.sample_rate,
+        "channels": args.channels, "windows_per_recording": int(masks.shape[0]),
         "streams": args.streams, "seconds": round(elapsed, 3), "recordings_ok": int(latencies.size),
         "windows_per_s": round(latencies.size * masks.shape[0] / elapsed, 3),
         "errors": dict(out["errors"]), "failed_calls": failed, "ok": failed == 0 and latencies.size > 0,
