@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import socketserver
+import sys
 import threading
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -59,6 +60,13 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, WSGIServer):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        """An idle connection timing out, or a client hanging up, is routine: no traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, TimeoutError | ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:
         try:
