@@ -24,6 +24,7 @@ import threading
 
 import numpy as np
 
+from speakerd.engine.gpu.device_rows import DeviceRows
 from speakerd.engine.gpu.fbank import DEFAULT_MAX_WINDOWS, GpuFbank, RecordingLayout
 from speakerd.engine.gpu.pcm import DevicePcm
 from speakerd.model.architecture import FRAMES, MEL_BINS
@@ -146,38 +147,23 @@ class GpuRecordingFrames:
             self._fbank.windows(first, count, pointer + (first - start) * WINDOW_BYTES, stream)
 
 
-class DeviceWindows:
+class DeviceWindows(DeviceRows):
     """Rows [start, stop) of a recording's window fbank, kept on the device until an engine
     asks for them: `write_device` into its own buffer, or `np.asarray(rows)` for a host copy
-    (the CPU engine, tests). Sliced like an array along its first axis."""
-
-    ndim = 3
-    dtype = np.dtype(np.float32)
+    (the CPU engine, tests)."""
 
     def __init__(self, source: GpuRecordingFrames, start: int, stop: int) -> None:
         self.source, self.start, self.stop = source, start, stop
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.stop - self.start, FRAMES, MEL_BINS)
-
-    @property
-    def size(self) -> int:
-        return (self.stop - self.start) * FRAMES * MEL_BINS
-
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def __getitem__(self, rows: slice) -> DeviceWindows:
-        if not isinstance(rows, slice) or rows.step not in (None, 1):
-            raise TypeError(f"DeviceWindows takes a contiguous slice of rows, not {rows!r}")
-        start, stop, _ = rows.indices(len(self))
-        return DeviceWindows(self.source, self.start + start, self.start + max(start, stop))
+    def _rows(self, start: int, stop: int) -> DeviceWindows:
+        return DeviceWindows(self.source, self.start + start, self.start + stop)
 
     def write_device(self, pointer: int, stream) -> None:
         if len(self):
             self.source.write(self.start, self.stop, pointer, stream)
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        host = self.source.to_host(self.start, self.stop)
-        return host if dtype is None else host.astype(dtype, copy=False)
+    def _to_host(self) -> np.ndarray:
+        return self.source.to_host(self.start, self.stop)

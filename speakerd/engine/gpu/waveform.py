@@ -18,6 +18,7 @@ import threading
 
 import numpy as np
 
+from speakerd.engine.gpu.device_rows import DeviceRows
 from speakerd.engine.gpu.fbank import DEFAULT_MAX_WINDOWS, GpuFbank
 from speakerd.engine.gpu.recording import WINDOW_BYTES
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS
@@ -70,35 +71,21 @@ class WaveformFbank:
             self._fbank.batch(waves, pointer + first * WINDOW_BYTES, stream)
 
 
-class WaveformRows:
+class WaveformRows(DeviceRows):
     """fbank rows of host waveforms, computed on the device when staged (engine.base.DeviceFbank)."""
-
-    ndim = 3
-    dtype = np.dtype(np.float32)
 
     def __init__(self, owner: WaveformFbank, waveform: np.ndarray) -> None:
         self.owner, self.waveform = owner, waveform
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (int(self.waveform.shape[0]), FRAMES, MEL_BINS)
-
-    @property
-    def size(self) -> int:
-        return int(self.waveform.shape[0]) * FRAMES * MEL_BINS
-
     def __len__(self) -> int:
         return int(self.waveform.shape[0])
 
-    def __getitem__(self, rows: slice) -> WaveformRows:
-        if not isinstance(rows, slice) or rows.step not in (None, 1):
-            raise TypeError(f"WaveformRows takes a contiguous slice of rows, not {rows!r}")
-        return WaveformRows(self.owner, self.waveform[rows])
+    def _rows(self, start: int, stop: int) -> WaveformRows:
+        return WaveformRows(self.owner, self.waveform[start:stop])
 
     def write_device(self, pointer: int, stream) -> None:
         if len(self):
             self.owner.write(self.waveform, pointer, stream)
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        host = self.owner.to_host(self.waveform)
-        return host if dtype is None else host.astype(dtype, copy=False)
+    def _to_host(self) -> np.ndarray:
+        return self.owner.to_host(self.waveform)
