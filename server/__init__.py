@@ -1,3 +1,0 @@
-"""speakerd server: WeSpeaker ResNet34 multi-mask speaker embeddings over gRPC."""
-
-__version__ = "0.1.0"
