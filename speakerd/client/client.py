@@ -280,15 +280,25 @@ class SpeakerClient(_ClientCore):
         step_s: float = recording.DEFAULT_STEP_S,
         timeout_s: float | None = None,
         request_id: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> recording.RecordingEmbeddings:
         """A whole recording [N] or [N, C] (int16 or float32) with masks [n, s, F] of its n
-        windows, embedded as pyannote's pipeline does (speakerd.client.recording; no retries)."""
+        windows, embedded as pyannote's pipeline does (speakerd.client.recording).
+
+        UNAVAILABLE and RESOURCE_EXHAUSTED are retried like the unary calls, by sending the
+        whole recording again: its rows are a pure function of the inputs, so a repeat after
+        a replica drained mid-call is safe. `progress(windows_answered, windows)` is called
+        as each batch of rows arrives (a retry starts again from 0)."""
         request_id = request_id or uuid.uuid4().hex[:16]
-        requests = recording.recording_requests(
-            samples, sample_rate, masks, exclude_overlap, step_s, request_id
-        )
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        return recording.embed_recording(self._stub, requests, timeout, self._metadata(request_id))
+
+        def attempt(_: None, timeout: float, metadata: recording.Metadata) -> recording.RecordingEmbeddings:
+            requests = recording.recording_requests(
+                samples, sample_rate, masks, exclude_overlap, step_s, request_id
+            )
+            responses = self._stub.EmbedRecording(requests, timeout=timeout, metadata=metadata)
+            return recording.collect(_reporting(responses, progress))
+
+        return self._call(attempt, None, timeout_s, request_id)
 
     def model_info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout_s, uuid.uuid4().hex[:16])
@@ -310,6 +320,16 @@ class SpeakerClient(_ClientCore):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"not SERVING after {timeout_s:.0f} s; last status {status}")
+
+
+def _reporting(
+    responses: Iterable[pb.EmbedRecordingResponse], progress: Callable[[int, int], None] | None
+) -> Iterator[pb.EmbedRecordingResponse]:
+    """The responses unchanged, calling `progress(windows answered, windows)` after each."""
+    for response in responses:
+        if progress is not None:
+            progress(response.first_window + len(response.starts), response.windows)
+        yield response
 
 
 class AsyncSpeakerClient(_ClientCore):

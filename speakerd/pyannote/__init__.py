@@ -1,0 +1,29 @@
+"""speakerd for pyannote.audio: a diarization pipeline's embeddings computed by a server.
+
+    import speakerd.pyannote
+    pipeline = speakerd.pyannote.use_server(pipeline, "speakerd.example:50051")
+
+The optional extra `speakerd[pyannote]` (pyannote.audio >= 4.0, with torch). This package may
+import speakerd.client, speakerd.v1, speakerd.model, pyannote and torch, never the server's
+packages (an import-linter contract in pyproject.toml). docs/pyannote.md tells the details.
+"""
+
+from speakerd.pyannote.server import (
+    ModelMismatchError,
+    ServerEmbeddings,
+    ServerRequestError,
+    ServerUnavailableError,
+    SpeakerdError,
+    SpeakerdFallbackWarning,
+    use_server,
+)
+
+__all__ = [
+    "ModelMismatchError",
+    "ServerEmbeddings",
+    "ServerRequestError",
+    "ServerUnavailableError",
+    "SpeakerdError",
+    "SpeakerdFallbackWarning",
+    "use_server",
+]
