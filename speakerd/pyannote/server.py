@@ -94,6 +94,9 @@ class CallStats:
     model_id: str = ""
     precision: str = ""
     fallback: bool = False
+    #: [windows, speakers] rows whose mask had no weight (the row is seg_1.bias); None after
+    #: a fallback, which does not know them
+    empty: np.ndarray | None = None
 
 
 def _describe(pipeline: SpeakerDiarization) -> str:
@@ -284,7 +287,7 @@ class ServerEmbeddings:
             )
         self.last = CallStats(
             windows, speakers, samples.nbytes, windows * speakers * frames,
-            time.perf_counter() - started, result.model_id, result.precision,
+            time.perf_counter() - started, result.model_id, result.precision, empty=result.empty,
         )  # fmt: skip
         return result.embeddings
 
@@ -338,6 +341,7 @@ def use_server(
     `local_fallback`: then a warning, and each file is embedded by the server when it answers
     (after the model check) and by pyannote's own model when it does not. `timeout_s` is
     one recording's deadline; `retry`, `tls_*` and `token` are SpeakerClient's options."""
+    check_pipeline(pipeline)  # before a channel opens: a wrong pipeline is a TypeError, no more
     client = SpeakerClient(
         target, timeout_s=timeout_s, retry=retry or RetryPolicy(),
         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token,

@@ -1,0 +1,231 @@
+"""speakerd.pyannote against pyannote.audio itself: a real CPU server, a real pipeline.
+
+The pipeline is pyannote.audio 4.0.7's `SpeakerDiarization` with the segmentation-3.0
+checkpoint, pyannote's own `WeSpeakerResNet34` holding the served weights (the synthetic
+default model) and AgglomerativeClustering, run on pyannote's bundled sample.wav (30 s, 21
+windows). The same pipeline with and without `use_server` must give the same embeddings
+(cosine >= 0.99999 per row, the same empty rows) and the same diarization (DER 0), with
+`embedding_exclude_overlap` off and on. Skips, saying why, without pyannote.audio or the
+segmentation checkpoint (.ci/run installs both).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+# pyannote.audio 4 sends usage telemetry to its vendor unless told not to; tests send nothing
+os.environ["PYANNOTE_METRICS_ENABLED"] = "false"
+pytest.importorskip(
+    "pyannote.audio",
+    reason="pyannote.audio is not installed (pip install 'speakerd[pyannote]'; .ci/run installs 4.0.7)",
+)
+
+import soundfile
+import torch
+from pyannote.metrics.diarization import DiarizationErrorRate
+
+from speakerd.client import RetryPolicy
+from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
+from speakerd.model.weights import load_state_dict
+from speakerd.pyannote import (
+    ModelMismatchError,
+    ServerUnavailableError,
+    SpeakerdFallbackWarning,
+    models,
+    use_server,
+)
+from tests.serving import start_server
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Where .ci/run (scripts/pyannote_segmentation.sh) extracts segmentation-3.0's checkpoint.
+SEGMENTATION = Path(
+    os.environ.get(
+        "SPEAKERD_PYANNOTE_SEGMENTATION", ROOT / ".cache/pyannote/segmentation-3.0/pytorch_model.bin"
+    )
+)
+#: Nothing listens on port 1 of loopback (a privileged port no test server takes).
+UNREACHABLE = "127.0.0.1:1"
+#: Two quick attempts: the unreachable tests need the retry path, not its full patience.
+QUICK_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05)
+#: b8 plans, as in the recording tests: a CPU batch stays near 1 s.
+PLANS = "1,8"
+#: Relative noise on every weight of the "other model": far beyond any parity bound.
+PERTURBATION = 0.05
+#: Seconds of sample.wav the fallback test embeds (3 windows: 9 local ResNet runs).
+SHORT_SECONDS = 12
+
+pytestmark = pytest.mark.slow
+if not SEGMENTATION.is_file():
+    pytest.skip(
+        f"segmentation-3.0 checkpoint not found at {SEGMENTATION}: run scripts/pyannote_segmentation.sh "
+        "(or set SPEAKERD_PYANNOTE_SEGMENTATION)",
+        allow_module_level=True,
+    )
+
+
+@dataclass
+class Run:
+    """One pipeline run: the embeddings its hook saw, its output, its progress calls."""
+
+    embeddings: np.ndarray
+    segmentations: np.ndarray  # [windows, frames, speakers] as the pipeline binarized them
+    output: Any  # DiarizeOutput
+    progress: list[tuple[int, int]]  # (completed, total) of the "embeddings" step
+
+
+def run_pipeline(pipeline, file: dict[str, Any]) -> Run:
+    """Apply `pipeline` with a hook that keeps what pyannote's ArtifactHook would."""
+    artifacts: dict[str, Any] = {}
+    progress: list[tuple[int, int]] = []
+
+    def hook(
+        step: str, artifact: Any, file: Any = None, total: int | None = None, completed: int | None = None
+    ):
+        if artifact is not None:
+            artifacts[step] = artifact
+        if step == "embeddings" and completed is not None:
+            progress.append((completed, total))
+
+    output = pipeline(dict(file), hook=hook)
+    return Run(artifacts["embeddings"], artifacts["segmentation"].data, output, progress)
+
+
+@pytest.fixture(scope="module")
+def server(weights_path):
+    running = start_server(weights_path, "--plans", PLANS)
+    yield running
+    assert running.terminate() == 0, running.log()
+
+
+@pytest.fixture(scope="module")
+def segmentation():
+    return models.segmentation_model(SEGMENTATION)
+
+
+@pytest.fixture(scope="module")
+def embedding(weights_path):
+    return models.embedding_model(weights_path)
+
+
+@pytest.fixture(scope="module")
+def sample() -> dict[str, Any]:
+    samples, rate = soundfile.read(str(models.sample_path()), dtype="float32", always_2d=True)
+    return models.in_memory(samples, rate, "sample")
+
+
+@pytest.fixture(scope="module")
+def runs(server, segmentation, embedding, sample) -> dict[str, tuple[Run, Run, Any]]:
+    """case -> (pyannote alone, pyannote + speakerd, the served pipeline's ServerEmbeddings)."""
+    out = {}
+    for exclude_overlap in (False, True):
+        local = models.diarization_pipeline(segmentation, embedding, exclude_overlap)
+        served = use_server(
+            models.diarization_pipeline(segmentation, embedding, exclude_overlap), server.target
+        )
+        case = f"exclude_overlap={exclude_overlap}"
+        out[case] = (run_pipeline(local, sample), run_pipeline(served, sample), served.get_embeddings)
+    return out
+
+
+def test_embeddings_equal_pyannote(runs, weights_path) -> None:
+    bias = load_state_dict(weights_path)["resnet.seg_1.bias"]
+    print(f"\n{'case':<24}{'rows':>6}{'empty':>7}{'min cosine':>14}{'max abs':>11}")
+    for case, (local, served, embeddings) in runs.items():
+        assert served.embeddings.shape == local.embeddings.shape == (21, 3, 256), case
+        assert served.embeddings.dtype == local.embeddings.dtype == np.float32, case
+        assert np.array_equal(np.isnan(served.embeddings), np.isnan(local.embeddings)), case
+        empty = embeddings.last.empty
+        masks = np.nan_to_num(np.transpose(local.segmentations, (0, 2, 1)))
+        # a row is empty iff its mask has no weight on the trunk's 125 frames (pyannote's
+        # nearest resize), whatever exclude_overlap chose: pyannote then returns seg_1.bias
+        assert np.array_equal(empty, active_frames(masks) == 0), case
+        assert compare(local.embeddings[empty], np.broadcast_to(bias, (int(empty.sum()), 256))).min_cosine > (
+            BOUNDS[Math.FP32].min_cosine
+        ), case
+        parity = compare(served.embeddings[~empty], local.embeddings[~empty])
+        print(
+            f"{case:<24}{parity.rows:>6}{int(empty.sum()):>7}{parity.min_cosine:>14.9f}{parity.max_abs:>11.2e}"
+        )
+        assert parity.min_cosine >= BOUNDS[Math.FP32].min_cosine, (case, parity)
+
+
+def test_diarization_is_the_same(runs) -> None:
+    for case, (local, served, _) in runs.items():
+        for name in ("speaker_diarization", "exclusive_speaker_diarization"):
+            reference, hypothesis = getattr(local.output, name), getattr(served.output, name)
+            assert len(reference) > 0, (case, name)
+            assert DiarizationErrorRate()(reference, hypothesis) == 0.0, (case, name)
+            assert list(reference.itertracks(yield_label=True)) == list(
+                hypothesis.itertracks(yield_label=True)
+            ), (case, name)
+        assert len(local.output.speaker_diarization.labels()) >= 1, case
+
+
+def test_hook_progress_like_pyannote(runs) -> None:
+    """The "embeddings" step starts at 0 and ends at pyannote's own total, never going back."""
+    for case, (local, served, _) in runs.items():
+        total = local.progress[0][1]
+        assert served.progress[0] == (0, total), case
+        assert served.progress[-1] == (total, total), case
+        assert [c for c, _ in served.progress] == sorted(c for c, _ in served.progress), case
+        assert {t for _, t in served.progress} == {total}, case
+
+
+def test_other_model_refused(server, segmentation, embedding) -> None:
+    """A pipeline whose embedding weights differ from the served ones is refused at start."""
+    perturbed = copy.deepcopy(embedding)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in perturbed.parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.mul_(1 + PERTURBATION * noise)
+    pipeline = models.diarization_pipeline(segmentation, perturbed)
+    with pytest.raises(ModelMismatchError) as refused:
+        use_server(pipeline, server.target)
+    message = str(refused.value)
+    assert server.target in message and "WeSpeakerResNet34" in message and "probe min cosine" in message
+    assert "get_embeddings" not in pipeline.__dict__  # the pipeline keeps its own method
+
+
+def test_unreachable_target_is_named(segmentation, embedding) -> None:
+    pipeline = models.diarization_pipeline(segmentation, embedding)
+    with pytest.raises(
+        ServerUnavailableError, match=rf"speakerd at {UNREACHABLE}: UNAVAILABLE after 2 attempts"
+    ):
+        use_server(pipeline, UNREACHABLE, retry=QUICK_RETRY, timeout_s=10.0)
+
+
+def test_local_fallback_is_explicit(segmentation, embedding, sample) -> None:
+    """local_fallback=True: a warning at start and per file, then pyannote's own embeddings."""
+    short = {**sample, "waveform": sample["waveform"][:, : SHORT_SECONDS * sample["sample_rate"]]}
+    pipeline = models.diarization_pipeline(segmentation, embedding, exclude_overlap=True)
+    segmentations = pipeline.get_segmentations(short)
+    expected = pipeline.get_embeddings(short, segmentations, exclude_overlap=True)
+    with pytest.warns(SpeakerdFallbackWarning, match=UNREACHABLE):
+        use_server(pipeline, UNREACHABLE, local_fallback=True, retry=QUICK_RETRY, timeout_s=10.0)
+    with pytest.warns(SpeakerdFallbackWarning, match="local_fallback=True"):
+        fallback = pipeline.get_embeddings(short, segmentations, exclude_overlap=True)
+    assert pipeline.get_embeddings.last.fallback
+    assert fallback.shape == expected.shape == (3, 3, 256)
+    assert np.array_equal(fallback, expected)
+
+
+def test_only_served_models_accepted(server, segmentation, embedding) -> None:
+    with pytest.raises(TypeError, match=r"expected pyannote\.audio\.pipelines\.SpeakerDiarization"):
+        use_server(object(), server.target)  # type: ignore[arg-type]
+    pipeline = models.diarization_pipeline(segmentation, embedding)
+    pipeline._embedding.model_ = segmentation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(
+            TypeError, match=r"pipeline._embedding: PyanNet, expected pyannote's WeSpeakerResNet34"
+        ):
+            use_server(pipeline, server.target)
