@@ -196,7 +196,7 @@ def test_pcm_decoded_and_resampled_on_the_gpu_matches_the_host(rate, channels, e
     frame = kind.itemsize * channels
     for at in range(0, len(data), 77 * frame):
         device.push(data[at : at + 77 * frame])
-    mono = cupy.asnumpy(device.mono_16k(), stream=stream)
+    mono = cupy.asnumpy(device.finish(), stream=stream)
     stream.synchronize()
     assert mono.shape == expected.shape, (mono.shape, expected.shape)
     sample_diff = float(np.max(np.abs(mono - expected)))
@@ -227,3 +227,33 @@ def test_bad_f32_pcm_is_refused_by_the_gpu_decoder() -> None:
     with pytest.raises(InputError, match=r"frame 31234 holds NaN, Inf or \|sample\| > 1") as refused:
         decoder.finish()
     assert refused.value.field == "audio"
+
+
+@pytest.mark.parametrize(("rate", "channels"), ((16_000, 1), (48_000, 2)), ids=("16k-mono", "48k-stereo"))
+@pytest.mark.gpu
+@needs_gpu
+def test_windows_ready_during_the_upload_equal_the_finished_recording(rate, channels, capsys) -> None:
+    """Windows taken as soon as `ready()` allows, while 64 s of PCM is still arriving in
+    100,003-byte pieces, hold the very bits they hold once the recording has ended: each
+    frame is computed once, from samples that no later piece changes."""
+    from speakerd.engine.gpu.recording import GpuRecordingFrames
+
+    data = _pcm(rate, channels, "S16", seconds=64.0)
+    source = GpuRecordingFrames(STEP_SAMPLES)
+    decoder = RecordingDecoder(rate, channels, Encoding.S16, source=source)
+    early, taken = [], 0
+    for at in range(0, len(data), 100_003):
+        decoder.push(data[at : at + 100_003])
+        if decoder.ready() > taken:
+            early.append(np.asarray(source.windows(taken, decoder.ready())))
+            taken = decoder.ready()
+    windows = decoder.finish()
+    final = np.asarray(source.windows(0, windows))
+    early_rows = np.concatenate(early)
+    differ = int(np.count_nonzero(early_rows != final[:taken]))
+    with capsys.disabled():
+        print(f"\n{rate} Hz x{channels}: {taken} of {windows} windows taken during the upload in "
+              f"{len(early)} reads; {differ} values differ from the finished recording's",
+              flush=True)  # fmt: skip
+    assert taken >= windows - 2, f"only {taken} of {windows} windows were ready before the end"
+    assert differ == 0, f"{differ} values differ"

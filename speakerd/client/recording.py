@@ -2,8 +2,11 @@
 the streamed answers -> one `[n, s, 256]` array with its flags and window start times.
 
 Messages stay near PIECE_BYTES (1 MiB) so that no message approaches gRPC's size limit and
-the server can decode while the rest is in flight: header, PCM pieces cut on frame
-boundaries, then the masks in pieces of whole windows.
+the server can work while the rest is in flight: the header (with the frame count, so the
+server checks the masks' window count before any engine work), the masks in pieces of
+whole windows (6 MB an hour as uint8), then PCM pieces cut on frame boundaries. Masks
+first: the server embeds each window as soon as its audio is in, so the embeddings follow
+the upload instead of waiting for its end.
 """
 
 from __future__ import annotations
@@ -83,16 +86,17 @@ def recording_requests(
             step_s=step_s,
             exclude_overlap=exclude_overlap,
             request_id=request_id,
+            frames=pcm.shape[0],
         )
     )
-    frames_per_piece = max(1, piece_bytes // (pcm.itemsize * pcm.shape[1]))
-    for at in range(0, pcm.shape[0], frames_per_piece):
-        yield pb.EmbedRecordingRequest(audio=pcm[at : at + frames_per_piece].tobytes())
     windows = int(masks.shape[0])
     rows_per_piece = max(1, piece_bytes // max(1, masks[:1].nbytes))
     for at in range(0, max(windows, 1), rows_per_piece):
         part = masks[at : at + rows_per_piece]
         yield pb.EmbedRecordingRequest(masks=pb.RecordingMasks(windows=windows, masks=to_tensor(part)))
+    frames_per_piece = max(1, piece_bytes // (pcm.itemsize * pcm.shape[1]))
+    for at in range(0, pcm.shape[0], frames_per_piece):
+        yield pb.EmbedRecordingRequest(audio=pcm[at : at + frames_per_piece].tobytes())
 
 
 def collect(received: Iterable[pb.EmbedRecordingResponse]) -> RecordingEmbeddings:

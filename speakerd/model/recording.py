@@ -137,21 +137,33 @@ def exclude_overlap(masks: np.ndarray) -> np.ndarray:
     return np.where(keep_clean, clean, masks)
 
 
+def complete_windows(samples: int, step: int) -> int:
+    """Windows inside the first `samples` (window k covers [k step, k step + 160,000)): full
+    windows of the final recording whatever follows, so their fbank is final already."""
+    return (samples - CHUNK_SAMPLES) // step + 1 if samples >= CHUNK_SAMPLES else 0
+
+
 class FbankSource(Protocol):
     """Per-window fbank of one recording, fed 16 kHz mono float32 samples in order.
 
-    The CPU implementation is `SharedFrames`; an engine computing fbank on its device
-    implements the same three calls.
+    Windows become `ready` while the samples arrive (each full window as soon as its last
+    sample is in), so their embeddings can be computed before the recording has ended; the
+    zero-padded last window is ready after `finish`. The CPU implementation is
+    `SharedFrames`; an engine computing fbank on its device implements the same calls.
     """
 
     def push(self, samples: np.ndarray) -> None:
         """The next 16 kHz samples of the recording."""
 
+    def ready(self) -> int:
+        """Windows [0, ready) can be asked for now."""
+
     def finish(self) -> int:
-        """No more samples: return the recording's window count."""
+        """No more samples: return the recording's window count (all of them ready)."""
 
     def windows(self, start: int, stop: int) -> np.ndarray:
-        """[stop - start, 998, 80] float32 fbank of windows [start, stop), each mean-removed."""
+        """[stop - start, 998, 80] float32 fbank of windows [start, stop), each mean-removed;
+        stop <= ready()."""
 
 
 class SharedFrames:
@@ -173,13 +185,14 @@ class SharedFrames:
         if self._count is not None:
             raise RuntimeError("push after finish")
         samples = np.asarray(samples, dtype=np.float32)
-        self.samples += samples.shape[0]
         self._recent = np.concatenate([self._recent, samples])[-CHUNK_SAMPLES:]
         self._pending = np.concatenate([self._pending, samples])
         new = log_mel_frames(self._pending)
         if new.shape[0]:
             self._append(new)
             self._pending = self._pending[new.shape[0] * FRAME_SHIFT :].copy()
+        # counted last: `ready()` (read by other threads) never runs ahead of the frames
+        self.samples += samples.shape[0]
 
     def _append(self, new: np.ndarray) -> None:
         """Grow the frame store geometrically so pushes cost amortised O(new frames)."""
@@ -190,6 +203,9 @@ class SharedFrames:
             self._frames = grown
         self._frames[self._frame_count : needed] = new
         self._frame_count = needed
+
+    def ready(self) -> int:
+        return self._count if self._count is not None else complete_windows(self.samples, self.step)
 
     def finish(self) -> int:
         if self._count is not None:
@@ -209,13 +225,13 @@ class SharedFrames:
         return self._count
 
     def windows(self, start: int, stop: int) -> np.ndarray:
-        if self._count is None:
-            raise RuntimeError("windows before finish")
-        if not 0 <= start <= stop <= self._count:
-            raise IndexError(f"windows [{start}, {stop}) of {self._count}")
+        ready = self.ready()
+        if not 0 <= start <= stop <= ready:
+            raise IndexError(f"windows [{start}, {stop}) of {ready} ready")
+        full = self._full if self._count is not None else ready
         out = np.empty((stop - start, FRAMES, MEL_BINS), dtype=np.float32)
         for row, k in enumerate(range(start, stop)):
-            if k < self._full:
+            if k < full:
                 first = k * self.step_frames
                 frames = self._frames[first : first + FRAMES]
             else:
@@ -255,6 +271,10 @@ class RecordingDecoder:
     def seconds(self) -> float:
         return self.frames_in / self.sample_rate
 
+    def ready(self) -> int:
+        """Windows whose fbank the source can give now (all of them after `finish`)."""
+        return self.source.ready()
+
     def push(self, data: bytes) -> None:
         """Decode, downmix, resample and feed one piece; InputError naming `audio` if bad."""
         data = self._carry + data if self._carry else data
@@ -287,7 +307,7 @@ class RecordingDecoder:
                 f"{total} bytes is not a whole number of {kind} frames ({self.frame_bytes} bytes each)",
             )
         if self.frames_in == 0:
-            raise InputError("audio", "no samples before the masks; a recording needs at least one")
+            raise InputError("audio", "no samples; a recording needs at least one")
         if not self._raw:
             self.source.push(self._resampler.finish())
         return self.source.finish()

@@ -1,13 +1,19 @@
 """`EmbedRecording`: a whole recording in, its windows' embeddings out as they are computed.
 
-The client streams a header, PCM pieces and then the masks of every window
-(speakerd.proto). Each piece is decoded, downmixed, resampled and turned into log-mel
-frames as it arrives (speakerd.model.recording, off the event loop), so the call holds the
-recording's frames (115 MB an hour) but never its PCM. Once the masks of `max_batch`
-windows are in, those windows' fbank is sliced from the frames and submitted to the shared
-batcher like any EmbedChunks request; at most BATCHES_IN_FLIGHT such batches wait at once,
-which bounds the call's memory and holds the client back through gRPC flow control.
-Responses leave in window order as their batches finish.
+The client streams a header, then PCM pieces and the masks of every window in any
+interleaving (speakerd.proto); its side's close ends the audio. Each piece is decoded,
+downmixed, resampled and turned into log-mel frames as it arrives (speakerd.model.recording,
+on the GPU for the GPU engine, off the event loop), so the call holds the recording's frames
+(115 MB an hour) but never its PCM. A window is submitted once its mask rows are in and its
+audio is complete (`FbankSource.ready`): `max_batch` windows at a time to the shared batcher,
+like any EmbedChunks request. A client that sends the masks first therefore has its
+embeddings computed while the rest of its audio is still on the wire. At most
+BATCHES_IN_FLIGHT such batches wait at once, which bounds the call's memory and holds the
+client back through gRPC flow control. Responses leave in window order as batches finish.
+
+The window count is checked against the masks' declared `windows` as early as it can be:
+against `header.frames` on the first masks message when the header gives it, as soon as
+the audio received makes more windows than declared, and at the end of the audio.
 
 A client that goes away cancels the handler: its queued batches leave the batcher before
 reaching the engine (Batcher.submit's cancellation) and no further windows are computed.
@@ -17,6 +23,7 @@ Bad input is INVALID_ARGUMENT naming the field and what was expected.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +34,7 @@ import grpc
 import numpy as np
 
 from speakerd.engine.base import Engine
-from speakerd.model.architecture import CHUNK_SAMPLES, MAX_SPEAKERS, SAMPLE_RATE
+from speakerd.model.architecture import CHUNK_SAMPLES, SAMPLE_RATE
 from speakerd.model.inputs import InputError, check_masks
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.model.recording import (
@@ -37,8 +44,10 @@ from speakerd.model.recording import (
     SharedFrames,
     exclude_overlap,
     step_samples,
+    window_count,
     window_starts_s,
 )
+from speakerd.model.resample import output_length
 from speakerd.serving.batcher import (
     PIPELINE_DEPTH,
     Batcher,
@@ -175,12 +184,15 @@ class _Call:
         self.decoder: RecordingDecoder | None = None
         self.step = 0
         self.exclude_overlap = False
-        self.windows: int | None = None  # known once the first masks message arrives
+        self.announced = 0  # header.frames (0: not said)
+        self.expected: int | None = None  # windows header.frames makes, when it gives them
+        self.declared: int | None = None  # masks.windows, from the first masks message
+        self.windows: int | None = None  # known once the audio has ended
         self.speakers = self.mask_frames = 0
         self.received = 0  # mask rows received
         self.submitted = 0  # windows submitted to the batcher
         self.sent = 0  # windows answered
-        self.pending: list[np.ndarray] = []  # mask rows not submitted yet
+        self.pending = MaskRows()  # mask rows not submitted yet
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.batches: asyncio.Queue[asyncio.Task[pb.EmbedRecordingResponse] | None] = asyncio.Queue(
             BATCHES_IN_FLIGHT
@@ -264,6 +276,8 @@ class _Call:
             raise InputError("header.window_s", f"{header.window_s} s, expected {WINDOW_S:g} (or 0 for it)")
         self.step = step_samples(header.step_s or DEFAULT_STEP_S)
         self.exclude_overlap = header.exclude_overlap
+        if header.frames < 0:
+            raise InputError("header.frames", f"{header.frames}, expected the PCM frames to send or 0")
         self.decoder = RecordingDecoder(
             header.sample_rate,
             header.channels,
@@ -272,42 +286,58 @@ class _Call:
             step=self.step,
             max_seconds=self.service.max_seconds,
         )
+        if header.frames:
+            limit = self.decoder.max_frames
+            if limit is not None and header.frames > limit:
+                raise InputError(
+                    "header.frames",
+                    f"{header.frames} frames ({header.frames / header.sample_rate:.0f} s), "
+                    f"the server's limit is {self.service.max_seconds:.0f} s",
+                )
+            self.announced = header.frames
+            samples = output_length(header.frames, header.sample_rate, SAMPLE_RATE)
+            self.expected = window_count(samples, self.step)
 
     async def _audio(self, data: bytes) -> None:
-        if self.windows is not None:
-            raise InputError(
-                "audio", "a piece after the masks; send every audio piece before the first masks"
-            )
+        decoder = self.decoder
+        assert decoder is not None
+        await asyncio.get_running_loop().run_in_executor(self.service.pool, decoder.push, data)
+        if self.announced and decoder.frames_in > self.announced:
+            raise InputError("audio", f"more than the {self.announced} frames header.frames announced")
+        if self.declared is not None:
+            self._check_audio_fits(self.declared)
+        await self._submit(final=False)
+
+    @property
+    def _layout(self) -> str:
+        return f"{WINDOW_S:g} s windows every {self.step / SAMPLE_RATE:g} s"
+
+    def _check_audio_fits(self, windows: int) -> None:
+        """InputError unless the audio so far makes at most `windows` windows (its complete
+        windows are windows of the final recording, whatever follows)."""
         assert self.decoder is not None
-        await asyncio.get_running_loop().run_in_executor(self.service.pool, self.decoder.push, data)
-
-    async def _finish_audio(self) -> int:
-        if self.windows is None:
-            assert self.decoder is not None
-            loop = asyncio.get_running_loop()
-            self.windows = await loop.run_in_executor(self.service.pool, self.decoder.finish)
-        return self.windows
-
-    async def _masks(self, message: pb.RecordingMasks) -> None:
-        windows = await self._finish_audio()
-        if message.windows != windows:
-            assert self.decoder is not None
+        known = self.decoder.ready()
+        if known > windows:
             raise InputError(
                 "masks.windows",
-                f"{message.windows}, but the {self.decoder.seconds:.3f} s of audio received make "
-                f"{windows} windows of {WINDOW_S:g} s every {self.step / SAMPLE_RATE:g} s",
+                f"{windows}, but the {self.decoder.seconds:.3f} s of audio received so far already "
+                f"make {known} {self._layout}",
             )
+
+    async def _masks(self, message: pb.RecordingMasks) -> None:
+        self._declare(message.windows)
+        declared = message.windows
         if not message.HasField("masks"):
-            raise InputError("masks.masks", f"missing; expected [k, s, F] rows of the {windows} windows")
+            raise InputError("masks.masks", f"missing; expected [k, s, F] rows of the {declared} windows")
         masks = from_tensor(message.masks, "masks.masks")
-        left = windows - self.received
+        left = declared - self.received
         if masks.ndim != 3 or not 1 <= masks.shape[0] <= left:
             raise InputError(
                 "masks.masks",
                 f"shape {list(masks.shape)}, expected [k, s, F] with 1 <= k <= {left} "
-                f"({self.received} of {windows} windows' rows received)",
+                f"({self.received} of {declared} windows' rows received)",
             )
-        masks = check_masks(masks, masks.shape[0], "masks.masks")
+        checked = check_masks(masks, masks.shape[0], "masks.masks")
         if self.received and masks.shape[1:] != (self.speakers, self.mask_frames):
             raise InputError(
                 "masks.masks",
@@ -316,13 +346,50 @@ class _Call:
             )
         self.speakers, self.mask_frames = int(masks.shape[1]), int(masks.shape[2])
         self.received += masks.shape[0]
-        self.pending.append(masks)
+        # binarized uint8 rows stay uint8 until submitted: a quarter of float32's memory
+        self.pending.append(masks if masks.dtype == np.uint8 else checked)
         await self._submit(final=False)
 
+    def _declare(self, windows: int) -> None:
+        """Check masks.windows against the first message's, header.frames' and the audio's."""
+        if self.declared is not None:
+            if windows != self.declared:
+                raise InputError(
+                    "masks.windows", f"{windows}, but the first masks message said {self.declared}"
+                )
+            return
+        if self.expected is not None and windows != self.expected:
+            raise InputError(
+                "masks.windows",
+                f"{windows}, but header.frames = {self.announced} make {self.expected} {self._layout}",
+            )
+        limit = window_count(int(self.service.max_seconds * SAMPLE_RATE), self.step)
+        if not 1 <= windows <= limit:
+            raise InputError(
+                "masks.windows",
+                f"{windows}, expected 1..{limit} ({self._layout} in the server's "
+                f"{self.service.max_seconds:.0f} s limit)",
+            )
+        self._check_audio_fits(windows)
+        self.declared = windows
+
     async def _end(self) -> None:
-        if self.decoder is None:
+        decoder = self.decoder
+        if decoder is None:
             raise InputError("header", "the call ended before its header")
-        windows = await self._finish_audio()
+        if self.announced and decoder.frames_in != self.announced:
+            raise InputError(
+                "audio",
+                f"the call ended after {decoder.frames_in} frames, header.frames announced {self.announced}",
+            )
+        loop = asyncio.get_running_loop()
+        windows = self.windows = await loop.run_in_executor(self.service.pool, decoder.finish)
+        if self.declared is not None and self.declared != windows:
+            raise InputError(
+                "masks.windows",
+                f"{self.declared}, but the {decoder.seconds:.3f} s of audio received make "
+                f"{windows} {self._layout}",
+            )
         if self.received != windows:
             raise InputError(
                 "masks",
@@ -333,24 +400,23 @@ class _Call:
         await self.batches.put(None)
 
     async def _submit(self, final: bool) -> None:
-        """Submit every full batch of pending rows (and, when final, the rest)."""
-        assert self.host.batcher is not None
+        """Submit every full batch of windows whose rows and audio are in (and, when
+        final, the rest)."""
+        assert self.host.batcher is not None and self.decoder is not None
         size = self.host.batcher.engine.max_batch
-        rows = np.concatenate(self.pending) if self.pending else np.zeros((0, MAX_SPEAKERS, 1), np.float32)
-        at = 0
-        while rows.shape[0] - at >= size or (final and rows.shape[0] > at):
-            count = min(size, rows.shape[0] - at)
-            task = asyncio.ensure_future(self._embed(self.submitted, rows[at : at + count]))
+        available = min(self.received, self.decoder.ready())
+        while available - self.submitted >= size or (final and available > self.submitted):
+            count = min(size, available - self.submitted)
+            task = asyncio.ensure_future(self._embed(self.submitted, self.pending.take(count)))
             self.tasks.append(task)
             self.submitted += count
-            at += count
             await self.batches.put(task)  # blocks while BATCHES_IN_FLIGHT are unanswered
-        self.pending = [rows[at:]] if rows.shape[0] > at else []
 
     def _prepare(self, first: int, masks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Worker thread: the windows' fbank, the masks pooled under, and their active frames."""
         assert self.decoder is not None
         fbank = self.decoder.source.windows(first, first + masks.shape[0])
+        masks = masks.astype(np.float32, copy=False)
         used = exclude_overlap(masks) if self.exclude_overlap else masks
         return fbank, pad_speakers(used), active_frames(used)
 
@@ -374,13 +440,36 @@ class _Call:
             starts=starts.tolist(),
             empty=(active == 0).ravel().tolist(),
             active_frames=active.ravel().tolist(),
-            windows=self.windows or 0,
+            windows=self.windows or self.declared or 0,
             model_id=engine.model_id,
             precision=str(engine.math),
             request_id=self.request_id,
             plans=sorted(set(result.plans)),
             fp16_fallbacks=result.fp16_fallbacks,
         )
+
+
+class MaskRows:
+    """Mask rows received and not yet submitted, in order: `take` hands out the first rows
+    without copying the rest (a recording's masks may all arrive before its audio)."""
+
+    def __init__(self) -> None:
+        self._parts: collections.deque[np.ndarray] = collections.deque()
+
+    def append(self, rows: np.ndarray) -> None:
+        self._parts.append(rows)
+
+    def take(self, count: int) -> np.ndarray:
+        taken: list[np.ndarray] = []
+        while count:
+            part = self._parts[0]
+            if part.shape[0] <= count:
+                taken.append(self._parts.popleft())
+            else:
+                taken.append(part[:count])
+                self._parts[0] = part[count:]
+            count -= taken[-1].shape[0]
+        return taken[0] if len(taken) == 1 else np.concatenate(taken)
 
 
 def _metadata_id(context: grpc.aio.ServicerContext) -> str:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspeakerd/v1/speakerd.proto\x12\x0bspeakerd.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.speakerd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa1\x01\n\x0c\x45mbedRequest\x12$\n\x05\x66\x62\x61nk\x18\x01 \x01(\x0b\x32\x13.speakerd.v1.TensorH\x00\x12\'\n\x08waveform\x18\x02 \x01(\x0b\x32\x13.speakerd.v1.TensorH\x00\x12\"\n\x05masks\x18\x03 \x01(\x0b\x32\x13.speakerd.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\n\n\x08\x66\x65\x61tures\"\xbe\x01\n\rEmbedResponse\x12\'\n\nembeddings\x18\x01 \x01(\x0b\x32\x13.speakerd.v1.Tensor\x12\r\n\x05\x65mpty\x18\x02 \x03(\x08\x12\x15\n\ractive_frames\x18\x03 \x03(\x05\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x11\n\tprecision\x18\x05 \x01(\t\x12\r\n\x05plans\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x16\n\x0e\x66p16_fallbacks\x18\x08 \x01(\x05\"\xb5\x01\n\x0fRecordingHeader\x12\x13\n\x0bsample_rate\x18\x01 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x02 \x01(\x05\x12,\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x1a.speakerd.v1.AudioEncoding\x12\x10\n\x08window_s\x18\x04 \x01(\x01\x12\x0e\n\x06step_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x65xclude_overlap\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"E\n\x0eRecordingMasks\x12\x0f\n\x07windows\x18\x01 \x01(\x03\x12\"\n\x05masks\x18\x02 \x01(\x0b\x32\x13.speakerd.v1.Tensor\"\x8e\x01\n\x15\x45mbedRecordingRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.speakerd.v1.RecordingHeaderH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12,\n\x05masks\x18\x03 \x01(\x0b\x32\x1b.speakerd.v1.RecordingMasksH\x00\x42\x06\n\x04part\"\xfe\x01\n\x16\x45mbedRecordingResponse\x12\'\n\nembeddings\x18\x01 \x01(\x0b\x32\x13.speakerd.v1.Tensor\x12\x14\n\x0c\x66irst_window\x18\x02 \x01(\x03\x12\x0e\n\x06starts\x18\x03 \x03(\x01\x12\r\n\x05\x65mpty\x18\x04 \x03(\x08\x12\x15\n\ractive_frames\x18\x05 \x03(\x05\x12\x0f\n\x07windows\x18\x06 \x01(\x03\x12\x10\n\x08model_id\x18\x07 \x01(\t\x12\x11\n\tprecision\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05plans\x18\n \x03(\t\x12\x16\n\x0e\x66p16_fallbacks\x18\x0b \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xb0\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x12\n\nplan_sizes\x18\x04 \x03(\x05\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x14\n\x0c\x66\x62\x61nk_frames\x18\x06 \x01(\x05\x12\x10\n\x08mel_bins\x18\x07 \x01(\x05\x12\x15\n\rchunk_samples\x18\x08 \x01(\x05\x12\x14\n\x0cmax_speakers\x18\t \x01(\x05\x12\x15\n\rembedding_dim\x18\n \x01(\x05\x12\x13\n\x0bmask_frames\x18\x0b \x01(\x05\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x1a\n\x12waveform_supported\x18\r \x01(\x08\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x03*U\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x03*k\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_S16LE\x10\x01\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_F32LE\x10\x02\x32\xd1\x02\n\x10SpeakerEmbedding\x12\x44\n\x0b\x45mbedChunks\x12\x19.speakerd.v1.EmbedRequest\x1a\x1a.speakerd.v1.EmbedResponse\x12N\n\x11\x45mbedChunksStream\x12\x19.speakerd.v1.EmbedRequest\x1a\x1a.speakerd.v1.EmbedResponse(\x01\x30\x01\x12H\n\x0cGetModelInfo\x12 .speakerd.v1.GetModelInfoRequest\x1a\x16.speakerd.v1.ModelInfo\x12]\n\x0e\x45mbedRecording\x12\".speakerd.v1.EmbedRecordingRequest\x1a#.speakerd.v1.EmbedRecordingResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspeakerd/v1/speakerd.proto\x12\x0bspeakerd.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.speakerd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa1\x01\n\x0c\x45mbedRequest\x12$\n\x05\x66\x62\x61nk\x18\x01 \x01(\x0b\x32\x13.speakerd.v1.TensorH\x00\x12\'\n\x08waveform\x18\x02 \x01(\x0b\x32\x13.speakerd.v1.TensorH\x00\x12\"\n\x05masks\x18\x03 \x01(\x0b\x32\x13.speakerd.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\n\n\x08\x66\x65\x61tures\"\xbe\x01\n\rEmbedResponse\x12\'\n\nembeddings\x18\x01 \x01(\x0b\x32\x13.speakerd.v1.Tensor\x12\r\n\x05\x65mpty\x18\x02 \x03(\x08\x12\x15\n\ractive_frames\x18\x03 \x03(\x05\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x11\n\tprecision\x18\x05 \x01(\t\x12\r\n\x05plans\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x16\n\x0e\x66p16_fallbacks\x18\x08 \x01(\x05\"\xc5\x01\n\x0fRecordingHeader\x12\x13\n\x0bsample_rate\x18\x01 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x02 \x01(\x05\x12,\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x1a.speakerd.v1.AudioEncoding\x12\x10\n\x08window_s\x18\x04 \x01(\x01\x12\x0e\n\x06step_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x65xclude_overlap\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0e\n\x06\x66rames\x18\x08 \x01(\x03\"E\n\x0eRecordingMasks\x12\x0f\n\x07windows\x18\x01 \x01(\x03\x12\"\n\x05masks\x18\x02 \x01(\x0b\x32\x13.speakerd.v1.Tensor\"\x8e\x01\n\x15\x45mbedRecordingRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.speakerd.v1.RecordingHeaderH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12,\n\x05masks\x18\x03 \x01(\x0b\x32\x1b.speakerd.v1.RecordingMasksH\x00\x42\x06\n\x04part\"\xfe\x01\n\x16\x45mbedRecordingResponse\x12\'\n\nembeddings\x18\x01 \x01(\x0b\x32\x13.speakerd.v1.Tensor\x12\x14\n\x0c\x66irst_window\x18\x02 \x01(\x03\x12\x0e\n\x06starts\x18\x03 \x03(\x01\x12\r\n\x05\x65mpty\x18\x04 \x03(\x08\x12\x15\n\ractive_frames\x18\x05 \x03(\x05\x12\x0f\n\x07windows\x18\x06 \x01(\x03\x12\x10\n\x08model_id\x18\x07 \x01(\t\x12\x11\n\tprecision\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05plans\x18\n \x03(\t\x12\x16\n\x0e\x66p16_fallbacks\x18\x0b \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xb0\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x12\n\nplan_sizes\x18\x04 \x03(\x05\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x14\n\x0c\x66\x62\x61nk_frames\x18\x06 \x01(\x05\x12\x10\n\x08mel_bins\x18\x07 \x01(\x05\x12\x15\n\rchunk_samples\x18\x08 \x01(\x05\x12\x14\n\x0cmax_speakers\x18\t \x01(\x05\x12\x15\n\rembedding_dim\x18\n \x01(\x05\x12\x13\n\x0bmask_frames\x18\x0b \x01(\x05\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x1a\n\x12waveform_supported\x18\r \x01(\x08\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x03*U\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x03*k\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_S16LE\x10\x01\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_F32LE\x10\x02\x32\xd1\x02\n\x10SpeakerEmbedding\x12\x44\n\x0b\x45mbedChunks\x12\x19.speakerd.v1.EmbedRequest\x1a\x1a.speakerd.v1.EmbedResponse\x12N\n\x11\x45mbedChunksStream\x12\x19.speakerd.v1.EmbedRequest\x1a\x1a.speakerd.v1.EmbedResponse(\x01\x30\x01\x12H\n\x0cGetModelInfo\x12 .speakerd.v1.GetModelInfoRequest\x1a\x16.speakerd.v1.ModelInfo\x12]\n\x0e\x45mbedRecording\x12\".speakerd.v1.EmbedRecordingRequest\x1a#.speakerd.v1.EmbedRecordingResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'speakerd.v1.speakerd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1461
-  _globals['_DTYPE']._serialized_end=1546
-  _globals['_AUDIOENCODING']._serialized_start=1548
-  _globals['_AUDIOENCODING']._serialized_end=1655
+  _globals['_DTYPE']._serialized_start=1477
+  _globals['_DTYPE']._serialized_end=1562
+  _globals['_AUDIOENCODING']._serialized_start=1564
+  _globals['_AUDIOENCODING']._serialized_end=1671
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=115
   _globals['_EMBEDREQUEST']._serialized_start=118
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDRESPONSE']._serialized_start=282
   _globals['_EMBEDRESPONSE']._serialized_end=472
   _globals['_RECORDINGHEADER']._serialized_start=475
-  _globals['_RECORDINGHEADER']._serialized_end=656
-  _globals['_RECORDINGMASKS']._serialized_start=658
-  _globals['_RECORDINGMASKS']._serialized_end=727
-  _globals['_EMBEDRECORDINGREQUEST']._serialized_start=730
-  _globals['_EMBEDRECORDINGREQUEST']._serialized_end=872
-  _globals['_EMBEDRECORDINGRESPONSE']._serialized_start=875
-  _globals['_EMBEDRECORDINGRESPONSE']._serialized_end=1129
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1131
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1152
-  _globals['_MODELINFO']._serialized_start=1155
-  _globals['_MODELINFO']._serialized_end=1459
-  _globals['_SPEAKEREMBEDDING']._serialized_start=1658
-  _globals['_SPEAKEREMBEDDING']._serialized_end=1995
+  _globals['_RECORDINGHEADER']._serialized_end=672
+  _globals['_RECORDINGMASKS']._serialized_start=674
+  _globals['_RECORDINGMASKS']._serialized_end=743
+  _globals['_EMBEDRECORDINGREQUEST']._serialized_start=746
+  _globals['_EMBEDRECORDINGREQUEST']._serialized_end=888
+  _globals['_EMBEDRECORDINGRESPONSE']._serialized_start=891
+  _globals['_EMBEDRECORDINGRESPONSE']._serialized_end=1145
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1147
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1168
+  _globals['_MODELINFO']._serialized_start=1171
+  _globals['_MODELINFO']._serialized_end=1475
+  _globals['_SPEAKEREMBEDDING']._serialized_start=1674
+  _globals['_SPEAKEREMBEDDING']._serialized_end=2011
 # @@protoc_insertion_point(module_scope)

@@ -70,7 +70,7 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., empty: _Optional[_Iterable[bool]] = ..., active_frames: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., precision: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., fp16_fallbacks: _Optional[int] = ...) -> None: ...
 
 class RecordingHeader(_message.Message):
-    __slots__ = ("sample_rate", "channels", "encoding", "window_s", "step_s", "exclude_overlap", "request_id")
+    __slots__ = ("sample_rate", "channels", "encoding", "window_s", "step_s", "exclude_overlap", "request_id", "frames")
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RecordingHeader(_message.Message):
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     sample_rate: int
     channels: int
     encoding: AudioEncoding
@@ -85,7 +86,8 @@ class RecordingHeader(_message.Message):
     step_s: float
     exclude_overlap: bool
     request_id: str
-    def __init__(self, sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., window_s: _Optional[float] = ..., step_s: _Optional[float] = ..., exclude_overlap: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    frames: int
+    def __init__(self, sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., window_s: _Optional[float] = ..., step_s: _Optional[float] = ..., exclude_overlap: _Optional[bool] = ..., request_id: _Optional[str] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class RecordingMasks(_message.Message):
     __slots__ = ("windows", "masks")

@@ -174,7 +174,11 @@ class GpuFbank:
     calls on different streams must be ordered by the caller (events), as the engine's
     single compute stream does."""
 
-    def __init__(self, max_samples: int = HOUR_SAMPLES, max_windows: int = DEFAULT_MAX_WINDOWS) -> None:
+    def __init__(
+        self, max_samples: int = HOUR_SAMPLES, max_windows: int = DEFAULT_MAX_WINDOWS, chunks: bool = True
+    ) -> None:
+        """`chunks=False` leaves out the `batch` API's frame buffer (10 MB at 32 chunks): a
+        recording source that keeps its frames itself needs only the tables and kernels."""
         import cupy
 
         from speakerd.engine.gpu import kernels
@@ -187,7 +191,8 @@ class GpuFbank:
         capacity = max(num_frames(max_samples), FRAMES)  # the most any step needs
         self.frames = cupy.empty((capacity, MEL_BINS), dtype=cupy.float32)  # the recording's shared frames
         self.padded_frames = cupy.empty((FRAMES, MEL_BINS), dtype=cupy.float32)  # the padded window's own
-        self.batch_frames = cupy.empty((max_windows * FRAMES, MEL_BINS), dtype=cupy.float32)
+        batch_rows = max_windows * FRAMES
+        self.batch_frames = cupy.empty((batch_rows, MEL_BINS), dtype=cupy.float32) if chunks else None
         self.partial = cupy.empty((max_windows, SLICES, MEL_BINS), dtype=cupy.float64)
         table = tables()
         self.window = cupy.asarray(table.window)
@@ -203,10 +208,14 @@ class GpuFbank:
 
     # -- frames ---------------------------------------------------------------------------
 
-    def _frames(
+    def compute_frames(
         self, samples_ptr: int, stride: int, valid: int, per_recording: int, total: int, out, stream
     ) -> None:
+        """Frames [0, total) into `out` (a CuPy array or device pointer): frame g is frame
+        g % per_recording of the recording whose samples start `stride` samples after the
+        previous one's at `samples_ptr`; samples at or past `valid` read as zeros."""
         grid = (-(-total // FRAMES_PER_BLOCK),)
+        out = np.uint64(out) if isinstance(out, (int, np.integer)) else out
         args = (
             np.uint64(samples_ptr), np.int64(stride), np.int64(valid), np.int32(per_recording),
             np.int64(total), self.window, self.twiddle, self.mel_weight, self.mel_index, out,
@@ -226,17 +235,20 @@ class GpuFbank:
         layout = RecordingLayout.of(int(samples.shape[0]), step)
         base = int(samples.data.ptr)
         if layout.full_windows:
-            self._frames(base, 0, layout.samples, layout.frames, layout.frames, self.frames, stream)
+            self.compute_frames(base, 0, layout.samples, layout.frames, layout.frames, self.frames, stream)
         if layout.padded:
             start = base + 4 * layout.padded_start
-            self._frames(start, 0, layout.padded_length, FRAMES, FRAMES, self.padded_frames, stream)
+            self.compute_frames(start, 0, layout.padded_length, FRAMES, FRAMES, self.padded_frames, stream)
         self.layout = layout
         return layout
 
     # -- windows --------------------------------------------------------------------------
 
-    def _windows(self, frames, first: int, count: int, frame_step: int, out_ptr: int, stream) -> None:
+    def write_windows(self, frames, first: int, count: int, frame_step: int, out_ptr: int, stream) -> None:
+        """Windows [first, first + count) of `frames` (a CuPy array or device pointer), window
+        k starting at frame k * frame_step, each minus its own per-mel mean, to `out_ptr`."""
         grid = (count, SLICES)
+        frames = np.uint64(frames) if isinstance(frames, (int, np.integer)) else frames
         self._sums_kernel(grid, (SUM_THREADS,), (frames, np.int32(first), np.int32(frame_step), self.partial),
                           stream=stream)  # fmt: skip
         args = (frames, np.int32(first), np.int32(frame_step), self.partial, np.uint64(out_ptr))
@@ -257,15 +269,17 @@ class GpuFbank:
         pointer = _pointer(out, "out", count * FRAMES * MEL_BINS)
         full = max(0, min(first + count, layout.full_windows) - first)
         if full:
-            self._windows(self.frames, first, full, layout.step_frames, pointer, stream)
+            self.write_windows(self.frames, first, full, layout.step_frames, pointer, stream)
         if full < count:  # the padded window is the last, and it is in the range
-            self._windows(self.padded_frames, 0, 1, FRAMES, pointer + full * FRAMES * MEL_BINS * 4, stream)
+            padded_out = pointer + full * FRAMES * MEL_BINS * 4
+            self.write_windows(self.padded_frames, 0, 1, FRAMES, padded_out, stream)
 
     # -- batch of chunks ------------------------------------------------------------------
 
     def batch(self, waveforms, out, stream=None) -> None:
         """[n, 160000] float32 CuPy chunks -> `out` [n, 998, 80] (pointer or CuPy array)."""
         _check_array(waveforms, "waveform", 2)
+        assert self.batch_frames is not None, "GpuFbank(chunks=False) has no batch API"
         n = int(waveforms.shape[0])
         if waveforms.shape[1] != CHUNK_SAMPLES or not 1 <= n <= self.max_windows:
             raise InputError(
@@ -275,8 +289,8 @@ class GpuFbank:
             )
         pointer = _pointer(out, "out", n * FRAMES * MEL_BINS)
         ptr = int(waveforms.data.ptr)
-        self._frames(ptr, CHUNK_SAMPLES, CHUNK_SAMPLES, FRAMES, n * FRAMES, self.batch_frames, stream)
-        self._windows(self.batch_frames, 0, n, FRAMES, pointer, stream)
+        self.compute_frames(ptr, CHUNK_SAMPLES, CHUNK_SAMPLES, FRAMES, n * FRAMES, self.batch_frames, stream)
+        self.write_windows(self.batch_frames, 0, n, FRAMES, pointer, stream)
 
 
 # -- benchmark (run by the bench tooling and printed by the GPU test; never asserted) ------

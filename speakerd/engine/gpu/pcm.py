@@ -1,11 +1,14 @@
-"""A recording's raw PCM to 16 kHz mono float32 on the GPU (kernels/pcm.cu).
+"""A recording's raw PCM to 16 kHz mono float32 on the GPU (kernels/pcm.cu), as it arrives.
 
 Why: decoding, downmixing and resampling on the host took 7.3 s of the 8.0 s an hour of
-48 kHz stereo spent in the server (one NumPy thread), against ~0.6 s of GPU work. Here the
-PCM bytes go to the device as they arrive (the upload is the only host work), and at the
-end of the audio the GPU turns them into the 16 kHz samples the fbank frames are computed
-from, with speakerd.model.recording's and .resample's arithmetic (see the kernel file).
-Importing this module touches no device.
+48 kHz stereo spent in the server (one NumPy thread), against ~0.6 s of GPU work. Here each
+piece of PCM bytes goes to the device when it arrives (the upload is the only host work)
+and is decoded and downmixed there at once; every 16 kHz output whose resampling taps are
+all in is computed too, so the fbank frames, and the windows' embeddings, can follow the
+upload instead of waiting for the end of the audio. `finish` adds the last outputs (those
+that read the zero padding past the recording's end). Each output is the same sum over the
+same samples wherever the pieces were cut, with speakerd.model.recording's and .resample's
+arithmetic (see the kernel file). Importing this module touches no device.
 """
 
 from __future__ import annotations
@@ -24,14 +27,52 @@ MONO_THREADS = 256
 RESAMPLE_THREADS = 256
 #: Grid-stride loops: this many blocks per SM keep the H200's HBM busy.
 BLOCKS_PER_SM = 8
-#: Device byte buffer to start with (8 MiB); it doubles when full.
-INITIAL_BYTES = 8 << 20
+#: Device buffers to start with (one minute at the source rate); each doubles when full.
+INITIAL_SECONDS = 60
 #: first_bad's value when every f32 sample is fine.
 NO_BAD_FRAME = np.iinfo(np.uint64).max
 
 
+class GrowingBuffer:
+    """A 1-D device array that doubles when full; everything on one stream.
+
+    Growth copies what is there on `stream` and synchronises before the old array is
+    dropped: CuPy's pool may hand its memory to the next allocation at once."""
+
+    def __init__(self, capacity: int, dtype, stream) -> None:
+        import cupy
+
+        self.stream = stream
+        with stream:
+            self.array = cupy.empty((max(1, capacity),), dtype=dtype)
+        self.size = 0
+
+    def reserve(self, size: int) -> None:
+        import cupy
+
+        if size <= self.array.shape[0]:
+            return
+        with self.stream:
+            grown = cupy.empty((max(size, 2 * self.array.shape[0]),), dtype=self.array.dtype)
+            grown[: self.size] = self.array[: self.size]
+        self.stream.synchronize()
+        self.array = grown
+
+    @property
+    def pointer(self) -> int:
+        return int(self.array.data.ptr)
+
+    @property
+    def data(self):  # -> cupy.ndarray, the filled part
+        return self.array[: self.size]
+
+
 class DevicePcm:
-    """Raw interleaved PCM of one recording, uploaded piece by piece on `stream`."""
+    """Raw interleaved PCM of one recording, decoded on `stream` piece by piece.
+
+    `push` uploads whole frames and makes every 16 kHz sample it can (`ready` of them in
+    `samples`); `finish` makes the rest. A piece's bytes are only staged: they are decoded
+    into the mono buffer before the next piece reuses the staging buffer (stream order)."""
 
     def __init__(self, sample_rate: int, channels: int, encoding: Encoding, stream) -> None:
         import cupy
@@ -41,75 +82,91 @@ class DevicePcm:
         self.sample_rate, self.channels, self.encoding = sample_rate, channels, encoding
         self.frame_bytes = encoding.itemsize * channels
         self.stream = stream
-        self.bytes = 0
-        self._raw = cupy.empty((INITIAL_BYTES,), dtype=cupy.uint8)
+        self.frames = 0  # frames decoded (at the source rate)
+        self.finished = False
+        self._staging = GrowingBuffer(0, cupy.uint8, stream)
+        self._mono = GrowingBuffer(INITIAL_SECONDS * sample_rate, cupy.float32, stream)
+        self.identity = sample_rate == SAMPLE_RATE
+        # 16 kHz output: the mono buffer itself when no resampling is needed
+        self._out = (
+            self._mono
+            if self.identity
+            else GrowingBuffer(INITIAL_SECONDS * SAMPLE_RATE, cupy.float32, stream)
+        )
         module = kernels.module(SOURCE)
         self._s16, self._f32, self._resample = (module.get_function(name) for name in KERNEL_NAMES)
         self._blocks = BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"]
-
-    def push(self, data: bytes | memoryview) -> None:
-        """Whole frames of PCM (the caller keeps partial frames for the next piece)."""
-        import cupy
-
-        size = len(data)
-        assert size % self.frame_bytes == 0, f"{size} bytes is not whole {self.frame_bytes}-byte frames"
-        if size == 0:
-            return
-        needed = self.bytes + size
-        if needed > self._raw.shape[0]:
-            grown = cupy.empty((max(needed, 2 * self._raw.shape[0]),), dtype=cupy.uint8)
-            with self.stream:
-                grown[: self.bytes] = self._raw[: self.bytes]
-            self.stream.synchronize()  # the old buffer returns to the pool only after the copy
-            self._raw = grown
-        host = np.frombuffer(data, dtype=np.uint8)
-        # pageable source: staged by the driver before this returns, so `data` may be reused
-        self._raw[self.bytes : needed].set(host, stream=self.stream)
-        self.bytes = needed
+        self._first_bad = cupy.full((1,), NO_BAD_FRAME, dtype=cupy.uint64)
+        if not self.identity:
+            kernel, self._width = sinc_kernel(sample_rate, SAMPLE_RATE)
+            self._orig, self._new = reduced_rates(sample_rate, SAMPLE_RATE)
+            self._taps = int(kernel.shape[1])
+            with stream:
+                self._filters = cupy.asarray(kernel)  # [new, 2 width + orig] float32, at most 16 MiB
 
     @property
-    def frames(self) -> int:
-        return self.bytes // self.frame_bytes
+    def ready(self) -> int:
+        """16 kHz samples computed so far (final: later pieces do not change them)."""
+        return self._out.size
 
-    def mono_16k(self):  # -> cupy.ndarray [N'] float32
-        """The recording as 16 kHz mono float32 on the device; InputError naming `audio` for an
-        f32 sample that is NaN, Inf or outside [-1, 1] (synchronises `stream` to read that)."""
-        import cupy
+    @property
+    def samples(self):  # -> cupy.ndarray [ready] float32
+        return self._out.data
 
-        frames = self.frames
-        with self.stream:  # every allocation, fill and copy ordered on this one stream
-            mono = cupy.empty((frames,), dtype=cupy.float32)
-            grid = (max(1, min(self._blocks, -(-frames // MONO_THREADS))),)
-            if self.encoding is Encoding.S16:
-                args = (self._raw, np.int32(self.channels), np.int64(frames), mono)
-                self._s16(grid, (MONO_THREADS,), args, stream=self.stream)
-            else:
-                first_bad = cupy.full((1,), NO_BAD_FRAME, dtype=cupy.uint64)
-                args = (self._raw, np.int32(self.channels), np.int64(frames), mono, first_bad)
-                self._f32(grid, (MONO_THREADS,), args, stream=self.stream)
-                bad = int(first_bad.get(stream=self.stream)[0])
-                if bad != NO_BAD_FRAME:
-                    raise InputError(
-                        "audio",
-                        f"frame {bad} holds NaN, Inf or |sample| > 1; f32 samples must lie in [-1, 1]",
-                    )
-            if self.sample_rate == SAMPLE_RATE:
-                return mono
-            return self.resample(mono)
+    def push(self, data: bytes | memoryview) -> None:
+        """Whole frames of PCM (the caller keeps partial frames for the next piece);
+        InputError naming `audio` for an f32 sample that is NaN, Inf or outside [-1, 1]
+        (reading that synchronises the stream)."""
+        size = len(data)
+        assert size % self.frame_bytes == 0, f"{size} bytes is not whole {self.frame_bytes}-byte frames"
+        assert not self.finished, "push after finish"
+        if size == 0:
+            return
+        count = size // self.frame_bytes
+        self._staging.reserve(size)
+        # pageable source: staged by the driver before this returns, so `data` may be reused
+        self._staging.array[:size].set(np.frombuffer(data, dtype=np.uint8), stream=self.stream)
+        self._mono.reserve(self.frames + count)
+        grid = (max(1, min(self._blocks, -(-count // MONO_THREADS))),)
+        out = np.uint64(self._mono.pointer + 4 * self.frames)
+        if self.encoding is Encoding.S16:
+            args = (self._staging.array, np.int32(self.channels), np.int64(count), out)
+            self._s16(grid, (MONO_THREADS,), args, stream=self.stream)
+        else:
+            args = (self._staging.array, np.int32(self.channels), np.int64(count), out, self._first_bad)
+            self._f32(grid, (MONO_THREADS,), args, stream=self.stream)
+            bad = int(self._first_bad.get(stream=self.stream)[0])
+            if bad != NO_BAD_FRAME:
+                raise InputError(
+                    "audio",
+                    f"frame {self.frames + bad} holds NaN, Inf or |sample| > 1; "
+                    "f32 samples must lie in [-1, 1]",
+                )
+        self.frames += count
+        self._mono.size = self.frames
+        if not self.identity:
+            # output frame j (outputs j new .. j new + new - 1) reads inputs [j orig - width,
+            # j orig - width + taps): complete once that span ends within the frames in
+            complete = (self.frames + self._width - self._taps) // self._orig + 1
+            self._resample_to(max(0, complete) * self._new)
 
-    def resample(self, mono):  # -> cupy.ndarray
-        import cupy
+    def finish(self):  # -> cupy.ndarray [N'] float32
+        """The recording's 16 kHz mono samples, the last ones read the zero padding."""
+        if not self.finished:
+            self.finished = True
+            if not self.identity:
+                self._resample_to(output_length(self.frames, self.sample_rate, SAMPLE_RATE))
+        return self.samples
 
-        kernel, width = sinc_kernel(self.sample_rate, SAMPLE_RATE)
-        orig, new = reduced_rates(self.sample_rate, SAMPLE_RATE)
-        out_len = output_length(int(mono.shape[0]), self.sample_rate, SAMPLE_RATE)
-        with self.stream:
-            filters = cupy.asarray(kernel)  # [new, 2 width + orig] float32, at most 16 MiB
-            out = cupy.empty((out_len,), dtype=cupy.float32)
-            grid = (max(1, min(self._blocks, -(-out_len // RESAMPLE_THREADS))),)
-            args = (
-                mono, np.int64(mono.shape[0]), filters, np.int32(orig), np.int32(new), np.int32(width),
-                np.int32(kernel.shape[1]), np.int64(out_len), out,
-            )  # fmt: skip
-            self._resample(grid, (RESAMPLE_THREADS,), args, stream=self.stream)
-        return out
+    def _resample_to(self, end: int) -> None:
+        begin = self._out.size
+        if end <= begin:
+            return
+        self._out.reserve(end)
+        grid = (max(1, min(self._blocks, -(-(end - begin) // RESAMPLE_THREADS))),)
+        args = (
+            self._mono.array, np.int64(self.frames), self._filters, np.int32(self._orig), np.int32(self._new),
+            np.int32(self._width), np.int32(self._taps), np.int64(begin), np.int64(end), self._out.array,
+        )  # fmt: skip
+        self._resample(grid, (RESAMPLE_THREADS,), args, stream=self.stream)
+        self._out.size = end

@@ -10,7 +10,9 @@
 //   sample j * new + p is filter p (2 width + orig taps, NumPy's float32 table) over the
 //   input samples from j * orig - width on, zeros outside the recording. Summed in float64
 //   (torchaudio's conv1d sums in float32 in an order of its own: the two differ by float32
-//   rounding), one thread per output sample.
+//   rounding), one thread per output sample. Outputs [out_begin, out_end) only: a recording
+//   is resampled piece by piece as it arrives, each output once its taps' samples are in
+//   (the sums do not depend on where a piece ended, so the result is the same).
 
 #define MONO_THREADS 256
 #define RESAMPLE_THREADS 256
@@ -45,8 +47,8 @@ extern "C" __global__ __launch_bounds__(MONO_THREADS) void pcm_mono_f32(
 
 extern "C" __global__ __launch_bounds__(RESAMPLE_THREADS) void resample_sinc(
     const float* __restrict__ x, long long n, const float* __restrict__ kernel, int orig, int new_rate,
-    int width, int taps, long long out_len, float* __restrict__ y) {
-  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < out_len;
+    int width, int taps, long long out_begin, long long out_end, float* __restrict__ y) {
+  for (long long o = out_begin + (long long)blockIdx.x * blockDim.x + threadIdx.x; o < out_end;
        o += (long long)gridDim.x * blockDim.x) {
     long long j = o / new_rate;
     int p = (int)(o - j * new_rate);
