@@ -1,14 +1,18 @@
 #!/bin/bash
 # The H200 service run: the GPU engine tests with REQUIRE_GPU=1, then an FP16 server checked
 # by `client verify` and loaded with 32-chunk requests and with hour-long recordings
-# (EmbedRecording end to end: PCM in client memory -> last embedding received). When
+# (EmbedRecording end to end: PCM in client memory -> last embedding received), one per
+# RATE:CHANNELS in RECORDINGS (16 kHz mono and 48 kHz stereo by default). When
 # ANCHORS names a folder holding the PyTorch anchor torch_hour_embedding.py, it runs first
 # (same machine, same run) for the ratios. Logs and JSON land in $OUT.
 set -o pipefail
 source scripts/device_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
-  REQUIRE_GPU=1 timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
-    tests/test_kernels_compile.py 2>&1 | tee $OUT/gpu-tests.log | grep -E "[0-9]+ (passed|failed)|FAILED|ERROR" | head -20
+  # TEST_FILES: the engine's by default; the fbank/recording ones after a change there
+  REQUIRE_GPU=1 timeout ${TEST_S:-200} python3 -m pytest -q -s -p no:cacheprovider \
+    ${TEST_FILES:-tests/test_gpu_engine.py tests/test_kernels_compile.py} 2>&1 | tee $OUT/gpu-tests.log \
+    | grep -E "[0-9]+ (passed|failed)|FAILED|ERROR|windows taken|on the GPU:|device rows|waveform rows|recording gpu" \
+    | cut -c1-240 | head -30
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_recording.py -k torchaudio -s 2>&1 \
     | tee $OUT/torchaudio.log | grep -E "Hz ->|passed|failed|skipped" | head -8
   echo "tests at $SECONDS s"
@@ -25,9 +29,11 @@ if kill -0 $SPID 2>/dev/null; then
   timeout 90 python3 -m speakerd.client verify --references /tmp/refs 2>&1 | tee $OUT/verify.log | tail -2
   timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 10 \
     --metrics-url http://127.0.0.1:9100/metrics 2>&1 | tee $OUT/load.json | cut -c1-600
-  timeout 120 python3 -m speakerd.client load --recording ${RECORDING_S:-3600} --sample-rate ${RECORDING_RATE:-16000} \
-    --channels ${RECORDING_CHANNELS:-1} --streams 1 --seconds 15 \
-    --timeout 100 2>&1 | tee $OUT/load-recording.json | cut -c1-600
+  for format in ${RECORDINGS:-16000:1 48000:2}; do  # RATE:CHANNELS of each hour sent
+    timeout 120 python3 -m speakerd.client load --recording ${RECORDING_S:-3600} --sample-rate ${format%:*} \
+      --channels ${format#*:} --streams 1 --seconds ${RECORDING_LOAD_S:-15} \
+      --timeout 100 2>&1 | tee -a $OUT/load-recording.json | cut -c1-600
+  done
   curl -s http://127.0.0.1:9100/metrics | grep -E "^speakerd_(fp16_fallbacks_total|requests_rejected_total)" | head -6
   kill $SPID; wait $SPID
 fi
