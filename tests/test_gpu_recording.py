@@ -223,9 +223,9 @@ def test_bad_f32_pcm_is_refused_by_the_gpu_decoder() -> None:
     samples = np.zeros((40_000, 2), dtype="<f4")
     samples[31_234, 1] = 1.5
     decoder = RecordingDecoder(16_000, 2, Encoding.F32, source=GpuRecordingFrames(STEP_SAMPLES))
-    decoder.push(samples.tobytes())
+    decoder.push(samples[:20_000].tobytes())  # a good piece first: the index counts from the start
     with pytest.raises(InputError, match=r"frame 31234 holds NaN, Inf or \|sample\| > 1") as refused:
-        decoder.finish()
+        decoder.push(samples[20_000:].tobytes())  # refused as it arrives, before its windows are ready
     assert refused.value.field == "audio"
 
 

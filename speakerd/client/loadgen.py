@@ -55,6 +55,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recording", type=float, default=0.0, help="seconds: EmbedRecording calls instead")
     parser.add_argument("--sample-rate", type=int, default=16_000, help="with --recording: its PCM16 rate")
     parser.add_argument("--channels", type=int, default=1, help="with --recording: its channel count")
+    parser.add_argument(
+        "--masks-after-audio", action="store_true",
+        help="with --recording: send the masks after the audio (no window embedded before the audio's end)",
+    )  # fmt: skip
     parser.add_argument("--metrics-url", default="", help="the server's /metrics URL, for batch fill")
     add_connection_flags(parser, timeout_s=30.0)
 

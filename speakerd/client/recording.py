@@ -12,6 +12,7 @@ the upload instead of waiting for its end.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections.abc import AsyncIterable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -69,9 +70,12 @@ def recording_requests(
     step_s: float = DEFAULT_STEP_S,
     request_id: str = "",
     piece_bytes: int = PIECE_BYTES,
+    masks_first: bool = True,
 ) -> Iterator[pb.EmbedRecordingRequest]:
     """The messages of one call: samples [N] or [N, C] (int16 or float32 in [-1, 1]) at
-    `sample_rate`, masks [n, s, F] (float32 or uint8) for the recording's n windows."""
+    `sample_rate`, masks [n, s, F] (float32 or uint8) for the recording's n windows.
+    `masks_first=False` sends them after the audio (what the embeddings' overlap with the
+    upload is measured against: `client load --masks-after-audio`)."""
     pcm, encoding = _pcm(samples)
     masks = np.asarray(masks)
     if masks.dtype != np.uint8 and np.all((masks == 0) | (masks == 1)):
@@ -91,12 +95,18 @@ def recording_requests(
     )
     windows = int(masks.shape[0])
     rows_per_piece = max(1, piece_bytes // max(1, masks[:1].nbytes))
-    for at in range(0, max(windows, 1), rows_per_piece):
-        part = masks[at : at + rows_per_piece]
-        yield pb.EmbedRecordingRequest(masks=pb.RecordingMasks(windows=windows, masks=to_tensor(part)))
+    rows = (
+        pb.EmbedRecordingRequest(
+            masks=pb.RecordingMasks(windows=windows, masks=to_tensor(masks[at : at + rows_per_piece]))
+        )
+        for at in range(0, max(windows, 1), rows_per_piece)
+    )
     frames_per_piece = max(1, piece_bytes // (pcm.itemsize * pcm.shape[1]))
-    for at in range(0, pcm.shape[0], frames_per_piece):
-        yield pb.EmbedRecordingRequest(audio=pcm[at : at + frames_per_piece].tobytes())
+    audio = (
+        pb.EmbedRecordingRequest(audio=pcm[at : at + frames_per_piece].tobytes())
+        for at in range(0, pcm.shape[0], frames_per_piece)
+    )
+    yield from (itertools.chain(rows, audio) if masks_first else itertools.chain(audio, rows))
 
 
 def collect(received: Iterable[pb.EmbedRecordingResponse]) -> RecordingEmbeddings:

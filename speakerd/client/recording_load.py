@@ -19,7 +19,7 @@ import numpy as np
 
 from speakerd.client.client import AsyncSpeakerClient, RetryPolicy
 from speakerd.client.options import client_kwargs
-from speakerd.client.recording import recording_requests
+from speakerd.client.recording import embed_recording_async, recording_requests
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
 from speakerd.model.recording import window_count
 
@@ -47,12 +47,22 @@ def synthetic(
 
 
 async def _caller(
-    client: AsyncSpeakerClient, pcm: np.ndarray, rate: int, masks: np.ndarray, until: float, out: dict
+    client: AsyncSpeakerClient,
+    pcm: np.ndarray,
+    rate: int,
+    masks: np.ndarray,
+    until: float,
+    out: dict,
+    masks_first: bool,
 ):
     while time.monotonic() < until:
         started = time.perf_counter()
         try:
-            await client.embed_recording(pcm, rate, masks)
+            if masks_first:
+                await client.embed_recording(pcm, rate, masks)
+            else:  # the first protocol's order, for comparison: no embedding before the audio's end
+                requests = recording_requests(pcm, rate, masks, masks_first=False)
+                await embed_recording_async(client._stub, requests, client.timeout_s, client._metadata())
         except grpc.aio.AioRpcError as error:
             out["errors"][error.code().name] += 1
             continue
@@ -66,7 +76,10 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
         args.target, timeout_s=args.timeout, retry=RetryPolicy(1), **kwargs
     ) as client:
         until = time.monotonic() + args.seconds
-        callers = (_caller(client, pcm, args.sample_rate, masks, until, out) for _ in range(args.streams))
+        callers = (
+            _caller(client, pcm, args.sample_rate, masks, until, out, not args.masks_after_audio)
+            for _ in range(args.streams)
+        )
         await asyncio.gather(*callers)
     return out
 
@@ -86,6 +99,7 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         "streams": args.streams, "seconds": round(elapsed, 3), "recordings_ok": int(latencies.size),
         "windows_per_s": round(latencies.size * masks.shape[0] / elapsed, 3),
         "errors": dict(out["errors"]), "failed_calls": failed, "ok": failed == 0 and latencies.size > 0,
+        "masks": "after the audio" if args.masks_after_audio else "first",
         "pcm_bytes": int(pcm.nbytes), "bytes_sent_per_recording": int(sent),
         "bytes_sent_over_pcm": round(sent / pcm.nbytes, 4),
     }  # fmt: skip
