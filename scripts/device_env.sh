@@ -2,6 +2,6 @@
 # grpcio >= 1.85 with its health/reflection/status packages, kaldi-native-fbank, soundfile)
 # into /tmp/site and sets the paths the project needs there.
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-export PYTHONPATH=$PWD:/tmp/site
+export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
 export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
 export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
