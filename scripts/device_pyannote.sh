@@ -1,0 +1,71 @@
+#!/bin/bash
+# The pyannote benchmark on the H200: the whole pyannote.audio 4.0.7 diarization pipeline on
+# an hour of audio (sample.wav tiled), pyannote alone vs pyannote + an FP16 GPU speakerd
+# server, as JSON in $OUT/pyannote-bench.json (python -m speakerd.pyannote.bench).
+#
+# The image lacks pyannote.audio and its dependencies (about 90 MiB of wheels, listed in
+# scripts/prepare_pyannote_wheels.sh's header), more than one `run` may carry next to .whl/.
+# So the wheels travel in parts of at most 45 MiB, each stashed on the machine by one call,
+# then the last call installs them all at once (one pip call: pyannote, opentelemetry and
+# google are namespace packages split over several wheels, which `pip --target` would
+# overwrite one another across calls) and runs the benchmark. Back to back, so that the
+# machine stays warm (a fresh machine has an empty /tmp: stash again):
+#
+#   scripts/prepare_pyannote_wheels.sh                       # once, here (and .whl/: see
+#                                                            # scripts/device_env.sh)
+#   run  carry [".whl-pyannote/part-1"]   bash scripts/device_pyannote.sh stash
+#   run  carry [".whl-pyannote/part-2"]   bash scripts/device_pyannote.sh stash   (each part-N)
+#   run  carry [".whl", ".whl-pyannote/segmentation-3.0", ".whl-pyannote/wheels.txt"]
+#        bash scripts/device_pyannote.sh bench
+#
+# bench's variables: AUDIO_S (3600), SERVE_MATH (fp16), EXCLUDE_OVERLAP (1: the pipeline's
+# embedding_exclude_overlap, as community-1 sets it), SKIP_LOCAL (1: pyannote + speakerd only),
+# BENCH_S (420: the benchmark's own time limit within the call's 600 s).
+set -o pipefail
+stash=/tmp/pyannote-wheels
+case "${1:-}" in
+  stash)
+    mkdir -p $stash
+    cp .whl-pyannote/part-*/*.whl $stash/ || exit 1
+    echo "stashed: $(ls $stash | wc -l) wheels in $stash"
+    exit 0
+    ;;
+  bench) ;;
+  *) echo "usage: scripts/device_pyannote.sh stash|bench (see the header)" >&2; exit 2 ;;
+esac
+
+source scripts/device_env.sh
+manifest=.whl-pyannote/wheels.txt  # every wheel of every part (prepare_pyannote_wheels.sh)
+[ -f $manifest ] || { echo "carry .whl-pyannote/wheels.txt too (see the header)" >&2; exit 2; }
+missing=$(comm -23 <(sort $manifest) <(ls $stash 2>/dev/null | sort))
+if [ -n "$missing" ]; then
+  echo "not stashed on this machine yet (run 'stash' with each part first, back to back):" >&2
+  echo "$missing" | head -20 >&2
+  exit 2
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyannote-site $stash/*.whl 2>&1 \
+  | grep -v "WARNING: Target directory" | tail -3
+# torchaudio's compiled libraries are built for another torch; pyannote needs only its pure
+# PyTorch parts (resample, kaldi fbank), as in .ci/run
+rm -f /tmp/pyannote-site/torchaudio/lib/*.so
+export PYTHONPATH=$PYTHONPATH:/tmp/pyannote-site PYANNOTE_METRICS_ENABLED=false
+python3 -c "import pyannote.audio, scipy, sklearn, pandas, matplotlib; print('pyannote.audio', pyannote.audio.__version__)" \
+  2>&1 | grep -v -i "torchcodec\|warn\|^$" | tail -3
+echo "installed at $SECONDS s"
+
+python3 -m speakerd serve --engine gpu --math ${SERVE_MATH:-fp16} --port 50051 --metrics-port 9100 > $OUT/serve.log 2>&1 &
+SPID=$!
+timeout 200 python3 -m speakerd.client health --wait 190 > $OUT/health.log 2>&1; echo "health rc $? at $SECONDS s"
+if kill -0 $SPID 2>/dev/null; then
+  flags=()
+  [ "${EXCLUDE_OVERLAP:-1}" = 1 ] && flags+=(--exclude-overlap)
+  [ "${SKIP_LOCAL:-0}" = 1 ] && flags+=(--skip-local)
+  timeout ${BENCH_S:-420} python3 -m speakerd.pyannote.bench --target 127.0.0.1:50051 --device cuda \
+    --audio-seconds ${AUDIO_S:-3600} --segmentation .whl-pyannote/segmentation-3.0/pytorch_model.bin \
+    --output $OUT/pyannote-bench.json "${flags[@]}" > $OUT/pyannote-bench.log 2>&1
+  echo "bench rc $? at $SECONDS s"
+  grep -v -i "warn\|torchcodec\|^$" $OUT/pyannote-bench.log | tail -60
+  kill $SPID; wait $SPID
+fi
+grep -E "SERVING|self-check|ERROR|Traceback|Error" $OUT/serve.log | cut -c1-300 | head -12
+echo "all done at $SECONDS s"
