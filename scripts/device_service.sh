@@ -36,9 +36,13 @@ if kill -0 $SPID 2>/dev/null; then
   timeout 90 python3 -m speakerd.client verify --references /tmp/refs 2>&1 | tee $OUT/verify.log | tail -2
   timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 10 \
     --metrics-url http://127.0.0.1:9100/metrics 2>&1 | tee $OUT/load.json | cut -c1-600
-  # RATE:CHANNELS[:after] of each hour sent (":after": the masks after the audio, for comparison)
+  # RATE:CHANNELS[:ORDER[:KIB]] of each hour sent; ORDER "after" sends the masks after the
+  # audio (for comparison), KIB the PCM per message
   for format in ${RECORDINGS:-16000:1 48000:2}; do
-    IFS=: read -r rate channels order <<< "$format"
+    IFS=: read -r rate channels order kib <<< "$format"
+    flags=""
+    [ "$order" = after ] && flags="--masks-after-audio"
+    [ -n "$kib" ] && flags="$flags --piece-kib $kib"
     if [ -n "$PROFILE" ] && [ -z "$profiled" ]; then  # py-spy samples the server during the first
       profiled=1
       py-spy record --pid $SPID --rate 250 --format raw --threads --duration ${RECORDING_LOAD_S:-15} \
@@ -47,7 +51,7 @@ if kill -0 $SPID 2>/dev/null; then
       sleep 1
     fi
     timeout 120 python3 -m speakerd.client load --recording ${RECORDING_S:-3600} --sample-rate $rate \
-      --channels $channels ${order:+--masks-after-audio} --streams 1 --seconds ${RECORDING_LOAD_S:-15} \
+      --channels $channels $flags --streams 1 --seconds ${RECORDING_LOAD_S:-15} \
       --timeout 100 2>&1 | tee -a $OUT/load-recording.json | cut -c1-700
   done
   [ -n "$SPYPID" ] && wait $SPYPID
@@ -55,4 +59,6 @@ if kill -0 $SPID 2>/dev/null; then
   kill $SPID; wait $SPID
 fi
 grep -E "SERVING|self-check|ERROR|Traceback|Error" $OUT/serve.log | cut -c1-300 | head -12
+# at most 8 files come back: the logs travel as one archive
+(cd $OUT && tar czf logs.tgz *.log *.err 2>/dev/null && rm -f *.log *.err)
 echo "all done at $SECONDS s"

@@ -325,7 +325,9 @@ def test_async_client_and_cli_give_the_same_rows(server, client: SpeakerClient, 
         np.testing.assert_array_equal(saved["starts"], blocking.starts)
 
 
-@pytest.mark.parametrize("order", [[], ["--masks-after-audio"]], ids=("masks-first", "masks-after-audio"))
+@pytest.mark.parametrize(
+    "order", [[], ["--masks-after-audio", "--piece-kib", "64"]], ids=("masks-first", "masks-after-audio")
+)
 def test_load_generator_recording_mode(server, capsys, order: list[str]) -> None:
     """`client load --recording 12`: 12 s make 3 windows; the JSON counts them per second."""
     argv = ["load", "--target", server.target, "--recording", "12", "--seconds", "0.5", "--streams", "1",
@@ -334,6 +336,7 @@ def test_load_generator_recording_mode(server, capsys, order: list[str]) -> None
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["ok"] and report["failed_calls"] == 0, report
     assert report["masks"] == ("after the audio" if order else "first"), report
+    assert report["piece_kib"] == (64 if order else 1024), report
     assert report["windows_per_recording"] == 3 and report["recordings_ok"] >= 1, report
     assert report["windows_per_s"] > 0, report
     # the audio travels once: binary masks go as uint8, so the call sends at most 1.1x the PCM

@@ -37,6 +37,7 @@ from speakerd.client.client import (
     make_channel,
 )
 from speakerd.client.options import add_connection_flags, security
+from speakerd.client.recording import PIECE_BYTES
 from speakerd.model.architecture import FRAMES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.v1 import speakerd_pb2 as pb
 
@@ -58,6 +59,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--masks-after-audio", action="store_true",
         help="with --recording: send the masks after the audio (no window embedded before the audio's end)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--piece-kib", type=int, default=PIECE_BYTES >> 10,
+        help="with --recording: KiB of PCM per message (the client's default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--metrics-url", default="", help="the server's /metrics URL, for batch fill")
     add_connection_flags(parser, timeout_s=30.0)

@@ -53,16 +53,18 @@ async def _caller(
     masks: np.ndarray,
     until: float,
     out: dict,
-    masks_first: bool,
+    args: argparse.Namespace,
 ):
+    """Calls as AsyncSpeakerClient.embed_recording makes them, with the message order and
+    piece size the options give (masks after the audio: the first protocol's order, where
+    no window is embedded before the audio's end)."""
     while time.monotonic() < until:
         started = time.perf_counter()
+        requests = recording_requests(
+            pcm, rate, masks, piece_bytes=args.piece_kib << 10, masks_first=not args.masks_after_audio
+        )
         try:
-            if masks_first:
-                await client.embed_recording(pcm, rate, masks)
-            else:  # the first protocol's order, for comparison: no embedding before the audio's end
-                requests = recording_requests(pcm, rate, masks, masks_first=False)
-                await embed_recording_async(client._stub, requests, client.timeout_s, client._metadata())
+            await embed_recording_async(client._stub, requests, client.timeout_s, client._metadata())
         except grpc.aio.AioRpcError as error:
             out["errors"][error.code().name] += 1
             continue
@@ -77,8 +79,7 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
     ) as client:
         until = time.monotonic() + args.seconds
         callers = (
-            _caller(client, pcm, args.sample_rate, masks, until, out, not args.masks_after_audio)
-            for _ in range(args.streams)
+            _caller(client, pcm, args.sample_rate, masks, until, out, args) for _ in range(args.streams)
         )
         await asyncio.gather(*callers)
     return out
@@ -87,7 +88,8 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
 def generate(args: argparse.Namespace) -> dict[str, object]:
     """The JSON report of a recording load run."""
     pcm, masks = synthetic(args.recording, args.sample_rate, args.channels)
-    sent = sum(message.ByteSize() for message in recording_requests(pcm, args.sample_rate, masks))
+    messages = recording_requests(pcm, args.sample_rate, masks, piece_bytes=args.piece_kib << 10)
+    sent = sum(message.ByteSize() for message in messages)
     started = time.monotonic()
     out = asyncio.run(_run(args, pcm, masks))
     elapsed = max(time.monotonic() - started, 1e-3)
@@ -99,7 +101,7 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         "streams": args.streams, "seconds": round(elapsed, 3), "recordings_ok": int(latencies.size),
         "windows_per_s": round(latencies.size * masks.shape[0] / elapsed, 3),
         "errors": dict(out["errors"]), "failed_calls": failed, "ok": failed == 0 and latencies.size > 0,
-        "masks": "after the audio" if args.masks_after_audio else "first",
+        "masks": "after the audio" if args.masks_after_audio else "first", "piece_kib": args.piece_kib,
         "pcm_bytes": int(pcm.nbytes), "bytes_sent_per_recording": int(sent),
         "bytes_sent_over_pcm": round(sent / pcm.nbytes, 4),
     }  # fmt: skip
