@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,6 +119,13 @@ def start_server(
                     raise RuntimeError(f"server never SERVING (seen {server.health_seen}):\n{server.log()}")
                 time.sleep(0.05)
     return server
+
+
+def serve_module(weights: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A module fixture's body: a started server, then a check that it drained and exited 0."""
+    running = start_server(weights, *flags)
+    yield running
+    assert running.terminate() == 0, running.log()
 
 
 def scrape(server: ServerProcess) -> dict[str, float]:

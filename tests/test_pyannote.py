@@ -42,7 +42,7 @@ from speakerd.pyannote import (
     models,
     use_server,
 )
-from tests.serving import start_server
+from tests.serving import serve_module
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Where .ci/run (scripts/pyannote_segmentation.sh) extracts segmentation-3.0's checkpoint.
@@ -100,9 +100,7 @@ def run_pipeline(pipeline, file: dict[str, Any]) -> Run:
 
 @pytest.fixture(scope="module")
 def server(weights_path):
-    running = start_server(weights_path, "--plans", PLANS)
-    yield running
-    assert running.terminate() == 0, running.log()
+    yield from serve_module(weights_path, "--plans", PLANS)
 
 
 @pytest.fixture(scope="module")
