@@ -41,6 +41,9 @@ EMBEDDED = "speakerd_chunks_embedded_total{}"
 CANCELLED = "speakerd_requests_rejected_total{reason=cancelled}"
 #: A cancelled call's handler ends within milliseconds; a loaded 2-core CI machine gets slack.
 CANCEL_SEEN_S = 10.0
+#: Poll /metrics at a pace a monitor might: scraping it 20 times a second on 2 cores starves
+#: the server's event loop of the GIL (the cancellation then waited for the scrapes to stop).
+SCRAPE_EVERY_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +278,7 @@ def test_cancel_mid_recording_costs_no_further_engine_work(server) -> None:
         while scrape(server).get(CANCELLED, 0.0) == before.get(CANCELLED, 0.0):
             waited = time.monotonic() - cancelled_at
             assert waited < CANCEL_SEEN_S, f"no cancellation seen in {waited:.1f} s"
-            time.sleep(0.05)
+            time.sleep(SCRAPE_EVERY_S)
         seen_s = time.monotonic() - cancelled_at
     after = _settled(server)
     embedded = after[EMBEDDED] - before[EMBEDDED]

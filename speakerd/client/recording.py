@@ -1,7 +1,7 @@
 """The client side of `EmbedRecording`: samples in memory -> a stream of small messages,
 the streamed answers -> one `[n, s, 256]` array with its flags and window start times.
 
-Messages stay near PIECE_BYTES (1 MiB) so that no message approaches gRPC's size limit and
+Messages stay near PIECE_BYTES (4 MiB) so that no message approaches gRPC's size limit and
 the server can work while the rest is in flight: the header (with the frame count, so the
 server checks the masks' window count before any engine work), the masks in pieces of
 whole windows (6 MB an hour as uint8), then PCM pieces cut on frame boundaries. Masks
@@ -25,8 +25,10 @@ from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor, to_tensor
 
 #: Bytes of PCM or masks per message: small next to the 64 MiB message limit, large enough
-#: that per-message overhead is negligible (an hour of 16 kHz s16 is 110 messages).
-PIECE_BYTES = 1 << 20
+#: that per-message overhead is small (an hour of 16 kHz s16 is 28 messages). Measured on the
+#: H200 through the FP16 server: an hour of 48 kHz stereo took 934 ms in 1 MiB pieces and
+#: 781 ms in 4 MiB ones (16 kHz mono: 838 and 720 ms).
+PIECE_BYTES = 4 << 20
 #: pyannote's Inference step for the pipeline's segmentation: a window every second.
 DEFAULT_STEP_S = 1.0
 

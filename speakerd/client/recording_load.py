@@ -3,7 +3,7 @@
 The diarization use case end to end (upload, decode, fbank, embedding, answers): each of
 `--streams` callers sends the same SECONDS-long 16 kHz s16 recording with all-active masks
 for 3 speakers, again and again for `--seconds`; the report gives windows/s, recordings/s
-and per-recording latency. One process: the recording's 1 MiB pieces cost the client far
+and per-recording latency. One process: the recording's 4 MiB pieces cost the client far
 less than the server's work on them.
 """
 

@@ -1,7 +1,7 @@
 """`python -m speakerd bench --recording SECONDS`: a whole recording through the GPU engine.
 
 What EmbedRecording costs on the server, without the network: PCM s16 in host memory ->
-1 MiB pieces uploaded, decoded (and downmixed/resampled when not 16 kHz mono) and turned
+4 MiB pieces uploaded, decoded (and downmixed/resampled when not 16 kHz mono) and turned
 into fbank frames on the GPU as they arrive -> each 32-window batch, as soon as its audio
 is in, cut from the frames straight into the engine's staging slot -> trunk, pooling,
 linear -> the last embedding back on the host. Batches run PIPELINE_DEPTH at a time as the
@@ -18,14 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from speakerd.client.recording import PIECE_BYTES  # the decoder sees the pieces a server sees
 from speakerd.engine.base import Engine
 from speakerd.model.architecture import EMBEDDING_DIM, MASK_FRAMES, MAX_SPEAKERS
 from speakerd.model.fbank import STEP_SAMPLES
 from speakerd.model.recording import Encoding, RecordingDecoder, window_count
 from speakerd.serving.batcher import PIPELINE_DEPTH
 
-#: The client's piece size (speakerd.client.recording): the decoder sees what a server sees.
-PIECE_BYTES = 1 << 20
 #: Speech-like level for the synthetic recording (-20 dBFS RMS); timing does not depend on it.
 NOISE_RMS = 0.1
 

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
-from speakerd.engine.gpu import kernels, maths
+from speakerd.engine.gpu import kernels, maths, recording
 from speakerd.engine.gpu.autotune import Autotuner
 from speakerd.engine.gpu.capture import GraphCapture
 from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, Workspace
@@ -123,6 +123,7 @@ class GpuEngine(Engine):
             self.ctx.workspace.grow(max([1, *(c.choice.workspace_bytes for p in every for c in p.convs)]))
             self.slots = [InputSlot(sizes[-1]) for _ in range(INPUT_SLOTS)]
             self._waveforms = WaveformFbank()  # EmbedChunks' waveform input, fbank on this GPU
+            recording.warm_up()  # EmbedRecording's kernels compiled now, not in the first call
         self.captures = {size: GraphCapture(plan) for size, plan in self.plans.items()}
         self._free_slots: queue.SimpleQueue[InputSlot] = queue.SimpleQueue()
         for slot in self.slots:

@@ -24,6 +24,7 @@ touches no device: CuPy is imported when a GpuFbank is built.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -135,6 +136,19 @@ def tables() -> Tables:
     )
 
 
+@functools.cache
+def device_tables() -> tuple:  # -> (window, twiddle, mel_weight, mel_index) CuPy arrays
+    """The kernel's tables on the current device, uploaded once per process: a recording
+    call builds a GpuFbank of its own, and must not pay an upload and a device-wide
+    synchronisation (which waits for every stream's work, the engine's batches included)."""
+    import cupy
+
+    table = tables()
+    arrays = tuple(cupy.asarray(a) for a in (table.window, table.twiddle, table.mel_weight, table.mel_index))
+    cupy.cuda.Device().synchronize()  # uploaded before any stream uses them
+    return arrays
+
+
 def _pointer(out, field: str, elements: int) -> int:
     """A device pointer from an int (the caller vouches for its room) or a C-contiguous
     float32 CuPy array holding at least `elements`; 16-byte aligned either way (float4 stores)."""
@@ -194,12 +208,7 @@ class GpuFbank:
         batch_rows = max_windows * FRAMES
         self.batch_frames = cupy.empty((batch_rows, MEL_BINS), dtype=cupy.float32) if chunks else None
         self.partial = cupy.empty((max_windows, SLICES, MEL_BINS), dtype=cupy.float64)
-        table = tables()
-        self.window = cupy.asarray(table.window)
-        self.twiddle = cupy.asarray(table.twiddle)
-        self.mel_weight = cupy.asarray(table.mel_weight)
-        self.mel_index = cupy.asarray(table.mel_index)
-        cupy.cuda.Device().synchronize()  # tables uploaded before any stream uses them
+        self.window, self.twiddle, self.mel_weight, self.mel_index = device_tables()
         module = kernels.module(SOURCE)
         self._frames_kernel, self._sums_kernel, self._write_kernel = (
             module.get_function(n) for n in KERNEL_NAMES
