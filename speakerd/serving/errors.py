@@ -13,6 +13,16 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from speakerd.serving.queue import (
+    BatcherError,
+    Cancelled,
+    DeadlinePassed,
+    Draining,
+    EngineFailed,
+    NoDevice,
+    QueueFull,
+)
+
 #: Longest message sent to a client. gRPC carries it in a trailer, and trailers past the
 #: peer's metadata limit (8 KiB by default) end the call as RESOURCE_EXHAUSTED instead of
 #: the code meant: every message built here stays far below that, this makes sure of it.
@@ -57,6 +67,23 @@ class Rejection(Exception):
             detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
             status.details.append(detail)
         return rpc_status.to_status(status)
+
+
+#: The code each batcher error is answered with; its metrics reason is the error's own.
+BATCHER_CODES: dict[type[BatcherError], grpc.StatusCode] = {
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    NoDevice: grpc.StatusCode.UNAVAILABLE,
+    EngineFailed: grpc.StatusCode.INTERNAL,
+    Cancelled: grpc.StatusCode.CANCELLED,
+}
+
+
+def batcher_rejection(error: BatcherError, prefix: str = "") -> Rejection:
+    """The answer to a request the batcher could not serve; `prefix` places it (windows)."""
+    code = BATCHER_CODES.get(type(error), grpc.StatusCode.INTERNAL)
+    return Rejection(code, error.reason, prefix + str(error))
 
 
 def _rpc_code(code: grpc.StatusCode) -> int:

@@ -43,13 +43,18 @@ METRIC_NAMES = (
     "speakerd_build_info",
     "speakerd_model_info",
     "speakerd_gpu_memory_bytes",
+    "speakerd_device_up",
+    "speakerd_device_inflight_batches",
+    "speakerd_device_batches_total",
+    "speakerd_device_batch_seconds",
+    "speakerd_device_failures_total",
 )
 
 #: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
 #: decode_budget: too many bytes of other requests were being decoded (RESOURCE_EXHAUSTED).
 REJECT_REASONS = (
     "invalid_argument", "queue_full", "decode_budget", "deadline_exceeded", "draining", "not_ready",
-    "cancelled", "internal",
+    "cancelled", "internal", "no_device",
 )  # fmt: skip
 
 
@@ -139,6 +144,38 @@ class Metrics:
         )
         self.gpu_memory = Gauge(
             "speakerd_gpu_memory_bytes", "GPU memory held by the engine, by kind", ["kind"], registry=r
+        )
+        # per device of `serve --devices` (no samples without it: one engine in process)
+        self.device_up = Gauge(
+            "speakerd_device_up",
+            "1 while the device serves, 0 once it failed and was taken out (serve --devices)",
+            ["device"],
+            registry=r,
+        )
+        self.device_inflight = Gauge(
+            "speakerd_device_inflight_batches",
+            "Plan runs handed to the device's worker and not yet answered (serve --devices)",
+            ["device"],
+            registry=r,
+        )
+        self.device_batches = Counter(
+            "speakerd_device_batches_total",
+            "Plan runs the device answered (serve --devices)",
+            ["device"],
+            registry=r,
+        )
+        self.device_batch = Histogram(
+            "speakerd_device_batch_seconds",
+            "Time of one plan run on a device: copy into shared memory, run, copy back (serve --devices)",
+            ["device"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.device_failures = Counter(
+            "speakerd_device_failures_total",
+            "Devices taken out: the worker process died or its engine raised (serve --devices)",
+            ["device"],
+            registry=r,
         )
         for reason in REJECT_REASONS:  # export zeros, so a rate() alert has a series from the start
             self.rejected.labels(reason=reason)
