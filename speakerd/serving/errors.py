@@ -13,15 +13,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from speakerd.serving.queue import (
-    BatcherError,
-    Cancelled,
-    DeadlinePassed,
-    Draining,
-    EngineFailed,
-    NoDevice,
-    QueueFull,
-)
+from speakerd.serving import queue
 
 #: Longest message sent to a client. gRPC carries it in a trailer, and trailers past the
 #: peer's metadata limit (8 KiB by default) end the call as RESOURCE_EXHAUSTED instead of
@@ -70,17 +62,17 @@ class Rejection(Exception):
 
 
 #: The code each batcher error is answered with; its metrics reason is the error's own.
-BATCHER_CODES: dict[type[BatcherError], grpc.StatusCode] = {
-    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Draining: grpc.StatusCode.UNAVAILABLE,
-    NoDevice: grpc.StatusCode.UNAVAILABLE,
-    EngineFailed: grpc.StatusCode.INTERNAL,
-    Cancelled: grpc.StatusCode.CANCELLED,
+BATCHER_CODES: dict[type[queue.BatcherError], grpc.StatusCode] = {
+    queue.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    queue.DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+    queue.Draining: grpc.StatusCode.UNAVAILABLE,
+    queue.NoDevice: grpc.StatusCode.UNAVAILABLE,
+    queue.EngineFailed: grpc.StatusCode.INTERNAL,
+    queue.Cancelled: grpc.StatusCode.CANCELLED,
 }
 
 
-def batcher_rejection(error: BatcherError, prefix: str = "") -> Rejection:
+def batcher_rejection(error: queue.BatcherError, prefix: str = "") -> Rejection:
     """The answer to a request the batcher could not serve; `prefix` places it (windows)."""
     code = BATCHER_CODES.get(type(error), grpc.StatusCode.INTERNAL)
     return Rejection(code, error.reason, prefix + str(error))

@@ -8,8 +8,10 @@ owns its own registry, so several servers in one process (tests) never share cou
 from __future__ import annotations
 
 import threading
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from speakerd.serving.metrics_http import BoundedMetricsServer, serve_metrics
 
@@ -23,6 +25,8 @@ SECONDS_BUCKETS = (
 CHUNK_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128)
 #: Fill = real chunks / plan capacity run; tenths are fine enough to see padding waste.
 FILL_BUCKETS = tuple(round(0.1 * step, 1) for step in range(1, 11))
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 #: Every metric name the service exports (without the _total/_bucket suffixes Prometheus adds).
 METRIC_NAMES = (
@@ -145,37 +149,30 @@ class Metrics:
         self.gpu_memory = Gauge(
             "speakerd_gpu_memory_bytes", "GPU memory held by the engine, by kind", ["kind"], registry=r
         )
+
         # per device of `serve --devices` (no samples without it: one engine in process)
-        self.device_up = Gauge(
-            "speakerd_device_up",
-            "1 while the device serves, 0 once it failed and was taken out (serve --devices)",
-            ["device"],
-            registry=r,
+        def per_device(kind: type[M], name: str, doc: str, **options: Any) -> M:
+            return kind(name, f"{doc} (serve --devices)", ["device"], registry=r, **options)
+
+        self.device_up = per_device(
+            Gauge, "speakerd_device_up", "1 while the device serves, 0 once it failed and was taken out"
         )
-        self.device_inflight = Gauge(
-            "speakerd_device_inflight_batches",
-            "Plan runs handed to the device's worker and not yet answered (serve --devices)",
-            ["device"],
-            registry=r,
+        self.device_inflight = per_device(
+            Gauge, "speakerd_device_inflight_batches", "Plan runs handed to the device and not yet answered"
         )
-        self.device_batches = Counter(
-            "speakerd_device_batches_total",
-            "Plan runs the device answered (serve --devices)",
-            ["device"],
-            registry=r,
+        self.device_batches = per_device(
+            Counter, "speakerd_device_batches_total", "Plan runs the device answered"
         )
-        self.device_batch = Histogram(
+        self.device_batch = per_device(
+            Histogram,
             "speakerd_device_batch_seconds",
-            "Time of one plan run on a device: copy into shared memory, run, copy back (serve --devices)",
-            ["device"],
+            "Time of one plan run on a device: copy into shared memory, run, copy back",
             buckets=SECONDS_BUCKETS,
-            registry=r,
         )
-        self.device_failures = Counter(
+        self.device_failures = per_device(
+            Counter,
             "speakerd_device_failures_total",
-            "Devices taken out: the worker process died or its engine raised (serve --devices)",
-            ["device"],
-            registry=r,
+            "Devices taken out: the worker process died or its engine raised",
         )
         for reason in REJECT_REASONS:  # export zeros, so a rate() alert has a series from the start
             self.rejected.labels(reason=reason)
