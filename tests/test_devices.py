@@ -15,6 +15,7 @@ The choice of device alone is tested as plain data in tests/test_device_table.py
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -25,6 +26,7 @@ import grpc
 import numpy as np
 import pytest
 
+from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
@@ -101,6 +103,17 @@ def test_a_request_over_both_devices_keeps_its_order(server: ServerProcess, expe
     assert ran[0] > 0 and ran[1] > 0, f"8 chunks in plans {PLANS} ran on {ran}: one device idle"
 
 
+def test_load_reports_batches_per_device(server: ServerProcess, capsys) -> None:
+    """8 one-chunk streams fill two b4 batches at once, so both devices get work (4 streams
+    would fit one batch at a time, which the least-loaded rule always gives device 0)."""
+    flags = ["--target", server.target, "--streams", "8", "--seconds", "2", "--chunks", "1",
+             "--metrics-url", server.metrics_url]  # fmt: skip
+    assert client_main(["load", *flags]) == 0
+    report = json.loads(capsys.readouterr().out)
+    batches = report["device_batches"]
+    assert sorted(batches) == ["0", "1"] and min(batches.values()) > 0, report
+
+
 def test_a_worker_killed_mid_load_loses_no_request(server: ServerProcess, expected) -> None:
     fbank, masks, reference = expected
     doomed = worker_pids(server)[1]
@@ -143,36 +156,32 @@ def test_with_no_device_left_not_serving_and_unavailable(server: ServerProcess, 
 
 
 def test_an_engine_error_takes_its_device_out_once(weights_path, expected) -> None:
-    """Device 1 raises on its first batch: taken out, the batch re-runs on device 0. Device 0
-    raises on its second batch, which is that same batch's re-run: the batch fails, device 0
-    stays (a batch failing everywhere must not take every device down)."""
+    """Three CPU workers, batches sent one at a time (so each goes to the idle device of
+    lowest index). Batch A raises on device 0 and again on device 1: the batch's fault, so A
+    fails and only device 0 is out. Batch B raises on device 1: out, and B re-runs on
+    device 2. With device 2 killed no device is left: NoDevice, and the server is told."""
     fbank, masks, reference = expected
     padded, speakers = pad_speakers(masks), masks.shape[1]
     lost: list[tuple[int, int]] = []
-    config = PoolConfig("cpu", str(weights_path), Math.FP32, (1, 4), (0, 1), fail_on_batch={0: 2, 1: 1})
+    faults = {0: (1,), 1: (1, 2)}  # device -> its batches (1-based) whose engine run raises
+    config = PoolConfig("cpu", str(weights_path), Math.FP32, (1, 4), (0, 1, 2), fail_batches=faults)
     pool = DevicePool(config, Metrics(), on_lost=lambda device, left: lost.append((device, left)))
     pool.start()
     try:
-        with ThreadPoolExecutor(2) as threads:
-            first = threads.submit(pool.run_batch, fbank[:4], padded[:4])  # device 0, its batch 1
-            deadline = time.monotonic() + WAIT_S
-            while pool.in_flight(0) == 0 and not first.done():
-                assert time.monotonic() < deadline, "the first batch never reached device 0"
-                time.sleep(0.005)
-            second = threads.submit(pool.run_batch, fbank[4:5], padded[4:5])  # device 1 raises
-            with pytest.raises(RuntimeError, match="engine error on device 1 and again on device 0"):
-                second.result()
-            assert_within_fp32(first.result().embeddings[:, :speakers], reference[:4])
-        assert lost == [(1, 1)] and pool.live_devices == (0,)
-        third = pool.run_batch(fbank[5:7], padded[5:7])  # device 0, its batch 3: fine again
-        assert_within_fp32(third.embeddings[:, :speakers], reference[5:7])
-        failures = pool.metrics.device_failures
-        assert failures.labels(device="1")._value.get() == 1 and failures.labels(device="0")._value.get() == 0
-        os.kill(pool.pid(0), signal.SIGKILL)  # seen by its reply reader although idle
+        with pytest.raises(RuntimeError, match="engine error on device 0 and again on device 1"):
+            pool.run_batch(fbank[:2], padded[:2])
+        assert lost == [(0, 2)] and pool.live_devices == (1, 2)
+        run = pool.run_batch(fbank[2:5], padded[2:5])
+        assert lost == [(0, 2), (1, 1)] and pool.live_devices == (2,)
+        assert_within_fp32(run.embeddings[:, :speakers], reference[2:5])
+        failures = {device: pool.metrics.device_failures.labels(device=str(device))._value.get()
+                    for device in (0, 1, 2)}  # fmt: skip
+        assert failures == {0: 1, 1: 1, 2: 0}
+        os.kill(pool.pid(2), signal.SIGKILL)  # seen by its reply reader although idle
         deadline = time.monotonic() + WAIT_S
-        while len(lost) < 2 and time.monotonic() < deadline:
+        while len(lost) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert lost == [(1, 1), (0, 0)]
+        assert lost == [(0, 2), (1, 1), (2, 0)]
         with pytest.raises(NoDevice, match="every device of --devices failed"):
             pool.run_batch(fbank[:1], padded[:1])
     finally:

@@ -81,9 +81,9 @@ class PoolConfig:
     devices: tuple[int, ...]
     conv_kernels: str = "auto"
     log_level: str = "INFO"
-    #: Tests only: device -> the batch (1-based, as the worker counts them) on which its
-    #: engine raises (WorkerSpec.fail_on_batch).
-    fail_on_batch: dict[int, int] = field(default_factory=dict)
+    #: Tests only: device -> the batches (1-based, as its worker counts them) on which its
+    #: engine raises (WorkerSpec.fail_batches).
+    fail_batches: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -117,7 +117,7 @@ def worker_specs(config: PoolConfig, slot_names: dict[int, list[str]]) -> list[W
                 log_level=config.log_level,
                 cuda_visible=visible_gpu(device, inherited) if gpu else None,
                 cpu_threads=None if gpu else max(1, cores // len(config.devices)),
-                fail_on_batch=config.fail_on_batch.get(device),
+                fail_batches=config.fail_batches.get(device, ()),
             )
         )
     return specs

@@ -50,7 +50,7 @@ _NO_ROWS = np.empty((0,), dtype=np.float32)
 
 
 class InjectedFault(RuntimeError):
-    """The engine error a test asks a worker for (WorkerSpec.fail_on_batch)."""
+    """The engine error a test asks a worker for (WorkerSpec.fail_batches)."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,9 @@ class WorkerSpec:
     cuda_visible: str | None = None
     #: CPU engine threads (the cores shared among the CPU workers); None: every core
     cpu_threads: int | None = None
-    #: Tests only: raise InjectedFault instead of running this batch (1-based count of the
-    #: batches this worker was sent); None: never.
-    fail_on_batch: int | None = None
+    #: Tests only: raise InjectedFault instead of running these batches (1-based counts of
+    #: the batches this worker was sent); empty: never.
+    fail_batches: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,5 +194,5 @@ def _serve(spec: WorkerSpec, engine: Engine, slots: list[SharedSlot], conn: Conn
             break
         _, slot_index, chunks = message
         received += 1
-        pool.submit(run, slot_index, chunks, received == spec.fail_on_batch)
+        pool.submit(run, slot_index, chunks, received in spec.fail_batches)
     pool.shutdown(wait=False, cancel_futures=True)
