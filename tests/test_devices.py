@@ -30,9 +30,12 @@ from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
-from speakerd.serving.device_pool import DevicePool, PoolConfig
+from speakerd.serving import config as serve_config
+from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, PoolConfig
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.queue import NoDevice
+from speakerd.serving.serve import _check_shared_memory
+from speakerd.serving.shared_slots import SlotLayout, shared_memory_free
 from tests.serving import ServerProcess, scrape, start_server
 
 #: Small plans keep each CPU batch short (b1 ~0.15 s on one core) while a b4 request still
@@ -186,3 +189,14 @@ def test_an_engine_error_takes_its_device_out_once(weights_path, expected) -> No
             pool.run_batch(fbank[:1], padded[:1])
     finally:
         pool.close()
+
+
+def test_too_little_shared_memory_is_a_usage_error_before_start() -> None:
+    """A write past the end of /dev/shm is a SIGBUS mid-batch: the room is checked first."""
+    free = shared_memory_free()
+    if free is None:
+        pytest.skip("no /dev/shm on this system")
+    per_device = SLOTS_PER_DEVICE * SlotLayout(serve_config.MAX_PLAN_SIZE).nbytes
+    _check_shared_memory(1, serve_config.MAX_PLAN_SIZE)  # one device's slots fit here
+    with pytest.raises(serve_config.UsageError, match=r"devices need \d+ MB of shared memory in /dev/shm"):
+        _check_shared_memory(free // per_device + 1, serve_config.MAX_PLAN_SIZE)

@@ -11,6 +11,12 @@ then in a warm-up thread load the weights, build and warm the engine's plans and
 parity self-check; only when it passes attach the batcher and say SERVING. A failed
 self-check stops the server with exit code 1 instead of serving wrong embeddings.
 
+With --devices (device_pool.py) the warm-up starts one worker process per device instead,
+each building and checking its own engine; SERVING once all have. A device lost later is
+taken out by the pool; with none left health turns NOT_SERVING (the process stays up to
+answer probes and drain, and the orchestrator restarts it). Preflight checks that the
+devices exist and that their batch slots fit in /dev/shm.
+
 SIGTERM / SIGINT: health NOT_SERVING, new calls UNAVAILABLE, calls in progress and queued
 chunks get up to --drain-seconds; what is left then is failed with UNAVAILABLE and the
 server stops. During warm-up the server stops at once without waiting for it. A batch
@@ -47,7 +53,7 @@ from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving import config
 from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.batcher import Batcher
-from speakerd.serving.device_pool import DevicePool, OnLost, PoolConfig
+from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.security import TlsFileError, TlsFiles, server_credentials
 from speakerd.serving.service import (
@@ -57,6 +63,7 @@ from speakerd.serving.service import (
     package_version,
     register,
 )
+from speakerd.serving.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +166,23 @@ def preflight(settings: config.ServeConfig) -> Prepared:
         from speakerd.engine.factory import device_count
 
         devices = settings.devices.resolve(*device_count(kind))
+        _check_shared_memory(len(devices), settings.plans[-1])
     _check_bindable(settings.host, settings.port, "--port")
     _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
     return Prepared(kind, model, credentials, tokens, devices)
+
+
+def _check_shared_memory(devices: int, max_batch: int) -> None:
+    """The batch slots of `devices` workers must fit in /dev/shm: past its end a write is a
+    SIGBUS that kills the server mid-batch, so a small one is a usage error now."""
+    needed = devices * SLOTS_PER_DEVICE * SlotLayout(max_batch).nbytes
+    free = shared_memory_free()
+    if free is not None and free < needed:
+        raise config.UsageError(
+            f"--devices: {devices} devices need {needed / 1e6:.0f} MB of shared memory in {SHM_DIR}, "
+            f"{free / 1e6:.0f} MB are free; give the container more (docker run --shm-size 512m, or a "
+            f"memory-backed emptyDir at {SHM_DIR} as deploy/k8s-multi-gpu does)"
+        )
 
 
 def _load_weights(weights: str) -> FoldedModel:

@@ -17,6 +17,7 @@ A slot holds, for up to `max_batch` chunks:
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -24,6 +25,10 @@ import numpy as np
 
 from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
 
+#: Where Linux keeps POSIX shared memory. A container's is small by default (Docker and
+#: Kubernetes: 64 MiB), and a write past its end kills the writer with SIGBUS, so the
+#: server checks its room before creating slots (`shared_memory_free`).
+SHM_DIR = "/dev/shm"
 #: Offsets of the arrays inside a slot are rounded up to this many bytes: a cache line,
 #: so the worker's reads of one array never share a line with the server's writes of another.
 ALIGN_BYTES = 64
@@ -99,3 +104,11 @@ class SharedSlot:
         self._memory.close()
         if self.owner:
             self._memory.unlink()
+
+
+def shared_memory_free() -> int | None:
+    """Bytes free in SHM_DIR; None where there is no such directory (not Linux)."""
+    try:
+        return shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return None
