@@ -414,7 +414,8 @@ class SpeakerServer:
         loop = asyncio.get_running_loop()
 
         def on_lost(device: int, left: int) -> None:  # a pool thread
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._device_lost(device, left)))
+            with contextlib.suppress(RuntimeError):  # a closed loop: the process is on its way out
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._device_lost(device, left)))
 
         def build() -> Engine:
             if self.prepared.devices is None:
