@@ -109,3 +109,57 @@ def test_tls_and_token_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         config.UsageError, match=r"--auth-tokens .*missing: no such file \[SPEAKERD_AUTH_TOKENS\]"
     ):
         parse(["--auth-tokens", str(tmp_path / "missing")])
+
+
+def test_devices_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset: one engine in this process (as before --devices); `all` or indices otherwise,
+    from the flag or SPEAKERD_DEVICES (the flag wins)."""
+    monkeypatch.delenv("SPEAKERD_DEVICES", raising=False)
+    assert parse([]).devices is None
+    assert parse(["--devices", "1, 0"]).devices == config.DeviceRequest("1, 0", (0, 1))
+    monkeypatch.setenv("SPEAKERD_DEVICES", "all")
+    every = parse([]).devices
+    assert every is not None and every.indices is None
+    assert every.resolve(4, "GPUs") == (0, 1, 2, 3)
+    assert parse(["--devices", "3"]).devices == config.DeviceRequest("3", (3,))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0,x", "expected all or comma-separated device indices like 0,1"),
+        ("-1", "expected all or comma-separated device indices like 0,1"),
+        ("0,1,1", "device 1 listed twice"),
+        (",", "expected all or comma-separated device indices"),
+    ],
+)
+def test_garbled_devices_are_refused(text: str, message: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        config.parse_devices(text)
+
+
+def test_garbled_devices_from_the_environment_stop_the_server(
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setenv("SPEAKERD_DEVICES", "first")
+    with pytest.raises(SystemExit) as raised:
+        parse([])
+    assert raised.value.code == 2 and "devices 'first': expected all or" in capsys.readouterr().err
+
+
+def test_a_device_that_does_not_exist_is_one_line_naming_it() -> None:
+    request = config.parse_devices("0,2")
+    assert request is not None
+    assert request.resolve(3, "GPUs") == (0, 2)
+    with pytest.raises(config.UsageError) as raised:
+        request.resolve(2, "GPUs")
+    assert str(raised.value) == (
+        "--devices 0,2 [SPEAKERD_DEVICES]: device 2 does not exist; this machine has 2 GPUs "
+        "(indices 0..1), or use --devices all"
+    )
+    every = config.parse_devices("all")
+    assert every is not None
+    with pytest.raises(
+        config.UsageError, match=r"--devices all \[SPEAKERD_DEVICES\]: this machine has no GPUs"
+    ):
+        every.resolve(0, "GPUs")

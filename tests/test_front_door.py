@@ -79,8 +79,19 @@ def assert_one_line_usage_error(done: subprocess.CompletedProcess[str], *expecte
         (["--plans", "1,64"], ["--plans", "64 exceeds 32"]),
         (["--tls-cert", "/etc/hostname"], ["--tls-cert and --tls-key go together"]),
         (["--auth-tokens", "/nonexistent/tokens"], ["--auth-tokens /nonexistent/tokens", "no such file"]),
+        (["--devices", "0,999"], ["--devices 0,999", "device 999 does not exist", "CPU worker slots"]),
+        (["--devices", "gpu0"], ["--devices", "expected all or comma-separated device indices"]),
     ],
-    ids=["fp16-on-cpu", "missing-weights", "unbindable-host", "plan-too-large", "tls-half", "no-tokens"],
+    ids=[
+        "fp16-on-cpu",
+        "missing-weights",
+        "unbindable-host",
+        "plan-too-large",
+        "tls-half",
+        "no-tokens",
+        "device-missing",
+        "devices-garbled",
+    ],
 )
 def test_misconfiguration_is_one_line_and_exit_2(flags: list[str], expected: list[str]) -> None:
     assert_one_line_usage_error(serve("--engine", "cpu", *flags), *expected)

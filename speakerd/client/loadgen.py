@@ -68,15 +68,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_connection_flags(parser, timeout_s=30.0)
 
 
+#: The per-device counter of `serve --devices` whose deltas the report gives per device.
+DEVICE_BATCHES = "speakerd_device_batches_total"
+
+
 def scrape(url: str) -> dict[str, float]:
-    """Sum of each sample name over its labels, e.g. speakerd_batch_fill_ratio_sum."""
+    """Sum of each sample name over its labels, e.g. speakerd_batch_fill_ratio_sum; and
+    DEVICE_BATCHES per device as `speakerd_device_batches_total{device=0}`."""
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
     totals: dict[str, float] = collections.defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             totals[sample.name] += sample.value
+            if sample.name == DEVICE_BATCHES:
+                totals[f"{DEVICE_BATCHES}{{device={sample.labels['device']}}}"] += sample.value
     return dict(totals)
+
+
+def device_batches(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Plan runs each device of `serve --devices` answered during the run ({} without it)."""
+    prefix = f"{DEVICE_BATCHES}{{device="
+    return {
+        key[len(prefix) : -1]: int(value - before.get(key, 0.0))
+        for key, value in sorted(after.items())
+        if key.startswith(prefix)
+    }
 
 
 def _mean_delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
@@ -197,6 +214,7 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         report["batch_compute_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_batch_compute_seconds"))
         report["host_to_device_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_host_to_device_seconds"))
         report["queue_wait_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_queue_wait_seconds"))
+        report["device_batches"] = device_batches(before, after)
     return report
 
 

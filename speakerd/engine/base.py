@@ -170,6 +170,12 @@ class Engine(abc.ABC):
     def max_batch(self) -> int:
         return self.plan_sizes[-1]
 
+    @property
+    def device_count(self) -> int:
+        """Devices running batches independently behind this engine: the batcher keeps its
+        pipeline full on each (1 for an engine in process; N for `serve --devices`)."""
+        return 1
+
     @abc.abstractmethod
     def run_batch(self, fbank: Pieces, masks: Pieces) -> BatchRun:
         """One batch of n <= max_batch chunks, already validated.

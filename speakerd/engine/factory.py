@@ -40,20 +40,40 @@ def resolve_kind(kind: str) -> str:
     return "gpu" if usable else "cpu"
 
 
+def device_count(kind: str) -> tuple[int, str]:
+    """(how many devices an engine of the resolved `kind` may run on here, what they are
+    called), for `serve --devices`: the GPUs CUDA lists (after CUDA_VISIBLE_DEVICES), or for
+    the CPU engine one worker slot per core this process may use (CPU workers stand in for
+    GPUs in tests and on machines without one; more workers than cores would only contend)."""
+    if kind == "cpu":
+        from speakerd.engine.cpu import default_threads
+
+        return default_threads(), "CPU worker slots (one per core)"
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()), "GPUs"
+    except Exception as error:  # no CuPy or no driver: resolve_kind said so already
+        log.debug("no GPU count: %s", error)
+        return 0, "GPUs"
+
+
 def create_engine(
     kind: str,
     model: FoldedModel,
     math: Math | str = Math.FP32,
     plan_sizes: tuple[int, ...] = DEFAULT_PLAN_SIZES,
     conv_kernels: str = "auto",
+    cpu_threads: int | None = None,
 ) -> Engine:
     """Build, warm up and time an engine of `kind` (auto | cpu | gpu) for `model`;
-    `conv_kernels` ("auto" | "cudnn") says whether the GPU engine may run our kernels."""
+    `conv_kernels` ("auto" | "cudnn") says whether the GPU engine may run our kernels;
+    `cpu_threads` caps the CPU engine's threads (None: every core)."""
     resolved = resolve_kind(kind)
     if resolved == "cpu":
         from speakerd.engine.cpu import CpuEngine
 
-        return CpuEngine(model, Math(math), plan_sizes)
+        return CpuEngine(model, Math(math), plan_sizes, threads=cpu_threads)
     from speakerd.engine.gpu.engine import GpuEngine
 
     return GpuEngine(model, Math(math), plan_sizes, own_kernels=conv_kernels == "auto")

@@ -52,6 +52,7 @@ from speakerd.serving.queue import (
     DeadlinePassed,
     Draining,
     EngineFailed,
+    NoDevice,
     QueueFull,
     QueueState,
     Removal,
@@ -68,6 +69,7 @@ __all__ = [
     "Draining",
     "EngineFailed",
     "JobResult",
+    "NoDevice",
     "QueueFull",
     "cheapest_pieces",
     "plan_for",
@@ -179,7 +181,9 @@ class Batcher:
         self._times = engine.plan_times_ms()
         self._requests: dict[int, _Request] = {}
         self._wakeup = asyncio.Event()
-        self._slots = asyncio.Semaphore(PIPELINE_DEPTH)
+        #: batches in flight: PIPELINE_DEPTH on each device behind the engine
+        self._depth = PIPELINE_DEPTH * engine.device_count
+        self._slots = asyncio.Semaphore(self._depth)
         self._threads: EngineThreads | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -192,7 +196,7 @@ class Batcher:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._threads = EngineThreads(PIPELINE_DEPTH, loop)
+        self._threads = EngineThreads(self._depth, loop)
         self._dispatcher = loop.create_task(self._dispatch(), name="batcher")
 
     async def submit(self, fbank: np.ndarray, masks: np.ndarray, deadline: float | None = None) -> JobResult:
@@ -301,6 +305,11 @@ class Batcher:
             assert self._threads is not None, "start() first"
             try:
                 outcome = await self._threads.run(lambda: self._compute(batch, requests))
+            except BatcherError as error:  # the engine says what the callers get (NoDevice)
+                log.error("batch of %d chunks not run: %s", batch.chunks, error)
+                for job in batch.jobs:
+                    self._fail(job, error)
+                return
             except Exception as error:
                 log.exception("engine failed on a batch of %d chunks", batch.chunks)
                 for job in batch.jobs:

@@ -43,11 +43,40 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Who may run the trunk's convolutions on the GPU: "auto" times our tensor-core kernel
 #: against cuDNN per convolution; "cudnn" never runs ours (an operator's escape hatch).
 CONV_KERNELS = ("auto", "cudnn")
+#: `--devices` value for every device of the engine's kind on this machine.
+ALL_DEVICES = "all"
 
 
 class UsageError(ValueError):
     """A flag or SPEAKERD_* value the server cannot start with. `serve` prints it as one line
     naming the flag and what it takes, and exits 2 (the usage-error code argparse uses)."""
+
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    """What `--devices` asked for: every device (`indices` None, from `all`) or these device
+    indices, ascending and unique. Which exist is known only once the engine kind is (the
+    GPU count, or the CPU engine's worker slots): `resolve` checks them then."""
+
+    text: str
+    indices: tuple[int, ...] | None
+
+    def resolve(self, available: int, unit: str) -> tuple[int, ...]:
+        """The device indices to serve on, given `available` devices of the engine's kind
+        (`unit` names them for the message, e.g. "GPUs"); UsageError for one that does not
+        exist or when there is none."""
+        flag = f"--devices {self.text} [{env_name('devices')}]"
+        if available < 1:
+            raise UsageError(f"{flag}: this machine has no {unit}; serve without --devices")
+        if self.indices is None:
+            return tuple(range(available))
+        missing = [index for index in self.indices if index >= available]
+        if missing:
+            raise UsageError(
+                f"{flag}: device {missing[0]} does not exist; this machine has {available} {unit} "
+                f"(indices 0..{available - 1}), or use --devices {ALL_DEVICES}"
+            )
+        return self.indices
 
 
 @dataclass(frozen=True)
@@ -72,6 +101,9 @@ class ServeConfig:
     tls_client_ca: Path | None = None
     #: Bearer tokens, one per line; None: no token needed.
     auth_tokens: Path | None = None
+    #: One engine per listed device, each in its own worker process; None: one engine in
+    #: this process (the default, as before --devices existed).
+    devices: DeviceRequest | None = None
 
     @property
     def max_message_bytes(self) -> int:
@@ -93,6 +125,26 @@ def parse_plans(text: str) -> tuple[int, ...]:
             f"batch holds; use sizes in 1..{MAX_PLAN_SIZE} like 1,32"
         )
     return tuple(sizes)
+
+
+def parse_devices(text: str) -> DeviceRequest | None:
+    """'' -> None (one engine in process), 'all' -> every device, '0,1' -> those indices."""
+    text = str(text).strip()
+    if not text:
+        return None
+    if text.lower() == ALL_DEVICES:
+        return DeviceRequest(ALL_DEVICES, None)
+    expected = f"expected {ALL_DEVICES} or comma-separated device indices like 0,1"
+    pieces = [piece.strip() for piece in text.split(",")]
+    if not all(piece.isdigit() for piece in pieces):
+        raise argparse.ArgumentTypeError(f"devices {text!r}: {expected}")
+    indices = [int(piece) for piece in pieces]
+    repeated = sorted({index for index in indices if indices.count(index) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"devices {text!r}: device {repeated[0]} listed twice; each device runs one engine"
+        )
+    return DeviceRequest(text, tuple(sorted(indices)))
 
 
 def _port(text: str) -> int:
@@ -152,6 +204,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("tls-key", None, "PEM private key of --tls-cert (reloaded when the file changes)")
     add("tls-client-ca", None, "PEM CA bundle: require client certificates signed by it (mutual TLS)")
     add("auth-tokens", None, "file of bearer tokens, one a line: calls must send one (health stays open)")
+    add(
+        "devices",
+        None,
+        f"one engine per device, each in a worker process: {ALL_DEVICES} or indices like 0,1 "
+        "(off: one engine in this process)",
+        type=parse_devices,
+    )
 
 
 def env_name(flag: str) -> str:
@@ -202,6 +261,10 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         raise UsageError("--tls-cert and --tls-key go together: give both for TLS, or neither")
     if tls_client_ca is not None and tls_cert is None:
         raise UsageError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
+    try:  # argparse applies the type to a default string too; a DeviceRequest passes through
+        devices = parse_devices(args.devices) if isinstance(args.devices, str) else args.devices
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"--devices: {error} [{env_name('devices')}]") from error
     return ServeConfig(
         host=args.host,
         port=int(args.port),
@@ -220,4 +283,5 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         tls_key=tls_key,
         tls_client_ca=tls_client_ca,
         auth_tokens=_readable_file(args, "auth-tokens"),
+        devices=devices,
     )

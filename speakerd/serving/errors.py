@@ -13,6 +13,8 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from speakerd.serving import queue
+
 #: Longest message sent to a client. gRPC carries it in a trailer, and trailers past the
 #: peer's metadata limit (8 KiB by default) end the call as RESOURCE_EXHAUSTED instead of
 #: the code meant: every message built here stays far below that, this makes sure of it.
@@ -57,6 +59,23 @@ class Rejection(Exception):
             detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
             status.details.append(detail)
         return rpc_status.to_status(status)
+
+
+#: The code each batcher error is answered with; its metrics reason is the error's own.
+BATCHER_CODES: dict[type[queue.BatcherError], grpc.StatusCode] = {
+    queue.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    queue.DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
+    queue.Draining: grpc.StatusCode.UNAVAILABLE,
+    queue.NoDevice: grpc.StatusCode.UNAVAILABLE,
+    queue.EngineFailed: grpc.StatusCode.INTERNAL,
+    queue.Cancelled: grpc.StatusCode.CANCELLED,
+}
+
+
+def batcher_rejection(error: queue.BatcherError, prefix: str = "") -> Rejection:
+    """The answer to a request the batcher could not serve; `prefix` places it (windows)."""
+    code = BATCHER_CODES.get(type(error), grpc.StatusCode.INTERNAL)
+    return Rejection(code, error.reason, prefix + str(error))
 
 
 def _rpc_code(code: grpc.StatusCode) -> int:

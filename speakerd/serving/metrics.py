@@ -8,8 +8,10 @@ owns its own registry, so several servers in one process (tests) never share cou
 from __future__ import annotations
 
 import threading
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from speakerd.serving.metrics_http import BoundedMetricsServer, serve_metrics
 
@@ -23,6 +25,8 @@ SECONDS_BUCKETS = (
 CHUNK_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128)
 #: Fill = real chunks / plan capacity run; tenths are fine enough to see padding waste.
 FILL_BUCKETS = tuple(round(0.1 * step, 1) for step in range(1, 11))
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 #: Every metric name the service exports (without the _total/_bucket suffixes Prometheus adds).
 METRIC_NAMES = (
@@ -43,13 +47,18 @@ METRIC_NAMES = (
     "speakerd_build_info",
     "speakerd_model_info",
     "speakerd_gpu_memory_bytes",
+    "speakerd_device_up",
+    "speakerd_device_inflight_batches",
+    "speakerd_device_batches_total",
+    "speakerd_device_batch_seconds",
+    "speakerd_device_failures_total",
 )
 
 #: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
 #: decode_budget: too many bytes of other requests were being decoded (RESOURCE_EXHAUSTED).
 REJECT_REASONS = (
     "invalid_argument", "queue_full", "decode_budget", "deadline_exceeded", "draining", "not_ready",
-    "cancelled", "internal",
+    "cancelled", "internal", "no_device",
 )  # fmt: skip
 
 
@@ -139,6 +148,31 @@ class Metrics:
         )
         self.gpu_memory = Gauge(
             "speakerd_gpu_memory_bytes", "GPU memory held by the engine, by kind", ["kind"], registry=r
+        )
+
+        # per device of `serve --devices` (no samples without it: one engine in process)
+        def per_device(kind: type[M], name: str, doc: str, **options: Any) -> M:
+            return kind(name, f"{doc} (serve --devices)", ["device"], registry=r, **options)
+
+        self.device_up = per_device(
+            Gauge, "speakerd_device_up", "1 while the device serves, 0 once it failed and was taken out"
+        )
+        self.device_inflight = per_device(
+            Gauge, "speakerd_device_inflight_batches", "Plan runs handed to the device and not yet answered"
+        )
+        self.device_batches = per_device(
+            Counter, "speakerd_device_batches_total", "Plan runs the device answered"
+        )
+        self.device_batch = per_device(
+            Histogram,
+            "speakerd_device_batch_seconds",
+            "Time of one plan run on a device: copy into shared memory, run, copy back",
+            buckets=SECONDS_BUCKETS,
+        )
+        self.device_failures = per_device(
+            Counter,
+            "speakerd_device_failures_total",
+            "Devices taken out: the worker process died or its engine raised",
         )
         for reason in REJECT_REASONS:  # export zeros, so a rate() alert has a series from the start
             self.rejected.labels(reason=reason)

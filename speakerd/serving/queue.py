@@ -60,6 +60,13 @@ class EngineFailed(BatcherError):
     reason = "internal"
 
 
+class NoDevice(BatcherError):
+    """Every device of `serve --devices` failed and was taken out (UNAVAILABLE: another
+    replica can serve it; this one reports NOT_SERVING)."""
+
+    reason = "no_device"
+
+
 class Cancelled(BatcherError):
     """The caller went away; its queued chunks leave the queue (CANCELLED, nobody to tell)."""
 

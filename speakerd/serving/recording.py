@@ -52,15 +52,8 @@ from speakerd.model.recording import (
     window_starts_s,
 )
 from speakerd.model.resample import output_length
-from speakerd.serving.batcher import (
-    PIPELINE_DEPTH,
-    Batcher,
-    DeadlinePassed,
-    Draining,
-    EngineFailed,
-    QueueFull,
-)
-from speakerd.serving.errors import Rejection, abort, cancellation
+from speakerd.serving.batcher import PIPELINE_DEPTH, Batcher, BatcherError
+from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.v1 import speakerd_pb2 as pb
@@ -74,7 +67,15 @@ REQUEST_ID_KEY = "x-request-id"
 MAX_RECORDING_S = 3 * 3600.0
 #: Batches of one call submitted and not yet answered: one per engine worker plus one being
 #: prepared keeps the engine busy; more would only hold fbank (10 MB per b32 batch) longer.
+#: With `serve --devices` every device has PIPELINE_DEPTH workers (`batches_in_flight`).
 BATCHES_IN_FLIGHT = PIPELINE_DEPTH + 1
+
+
+def batches_in_flight(devices: int) -> int:
+    """BATCHES_IN_FLIGHT for an engine of `devices` devices: one call can keep all busy."""
+    return PIPELINE_DEPTH * devices + 1
+
+
 #: Threads decoding PCM and slicing fbank for all recording calls (NumPy releases the GIL).
 DECODE_THREADS = 2
 #: pyannote's Inference window; the model's chunk admits no other.
@@ -100,14 +101,6 @@ class Host(Protocol):
 def _invalid(error: InputError | TensorError | RequestIdError) -> Rejection:
     """INVALID_ARGUMENT with a BadRequest violation for the error's field."""
     return Rejection.invalid(error.field, str(error).removeprefix(f"{error.field}: "))
-
-
-BATCHER_ERRORS: dict[type[Exception], tuple[grpc.StatusCode, str]] = {
-    QueueFull: (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full"),
-    DeadlinePassed: (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"),
-    Draining: (grpc.StatusCode.UNAVAILABLE, "draining"),
-    EngineFailed: (grpc.StatusCode.INTERNAL, "internal"),
-}
 
 
 class RecordingService:
@@ -198,8 +191,9 @@ class _Call:
         self.sent = 0  # windows answered
         self.pending = MaskRows()  # mask rows not submitted yet
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        devices = service.host.engine.device_count if service.host.engine is not None else 1
         self.batches: asyncio.Queue[asyncio.Task[pb.EmbedRecordingResponse] | None] = asyncio.Queue(
-            BATCHES_IN_FLIGHT
+            batches_in_flight(devices)
         )
         self.tasks: list[asyncio.Task[pb.EmbedRecordingResponse]] = []
         self.progress = asyncio.Event()  # set by the reader when windows may have become ready
@@ -456,11 +450,8 @@ class _Call:
         fbank, padded, active = await loop.run_in_executor(self.service.pool, self._prepare, first, masks)
         try:
             result = await batcher.submit(fbank, padded, self.deadline)
-        except tuple(BATCHER_ERRORS) as error:
-            code, reason = BATCHER_ERRORS[type(error)]
-            raise Rejection(
-                code, reason, f"windows {first}..{first + masks.shape[0] - 1}: {error}"
-            ) from error
+        except BatcherError as error:
+            raise batcher_rejection(error, f"windows {first}..{first + masks.shape[0] - 1}: ") from error
         count = masks.shape[0]
         starts = window_starts_s(first, first + count, self.step)
         return pb.EmbedRecordingResponse(

@@ -11,6 +11,12 @@ then in a warm-up thread load the weights, build and warm the engine's plans and
 parity self-check; only when it passes attach the batcher and say SERVING. A failed
 self-check stops the server with exit code 1 instead of serving wrong embeddings.
 
+With --devices (device_pool.py) the warm-up starts one worker process per device instead,
+each building and checking its own engine; SERVING once all have. A device lost later is
+taken out by the pool; with none left health turns NOT_SERVING (the process stays up to
+answer probes and drain, and the orchestrator restarts it). Preflight checks that the
+devices exist and that their batch slots fit in /dev/shm.
+
 SIGTERM / SIGINT: health NOT_SERVING, new calls UNAVAILABLE, calls in progress and queued
 chunks get up to --drain-seconds; what is left then is failed with UNAVAILABLE and the
 server stops. During warm-up the server stops at once without waiting for it. A batch
@@ -47,6 +53,7 @@ from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving import config
 from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.batcher import Batcher
+from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.security import TlsFileError, TlsFiles, server_credentials
 from speakerd.serving.service import (
@@ -56,6 +63,7 @@ from speakerd.serving.service import (
     package_version,
     register,
 )
+from speakerd.serving.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +93,8 @@ class Prepared:
     model: FoldedModel | None  # an explicit --weights file, loaded; None: the default model
     credentials: grpc.ServerCredentials | None
     tokens: TokenFile | None
+    #: `--devices`, resolved to indices that exist here; None: one engine in this process
+    devices: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -151,9 +161,28 @@ def preflight(settings: config.ServeConfig) -> Prepared:
         except (OSError, UnicodeDecodeError) as error:
             message = f"--auth-tokens {settings.auth_tokens}: cannot read it ({error})"
             raise config.UsageError(message) from error
+    devices = None
+    if settings.devices is not None:
+        from speakerd.engine.factory import device_count
+
+        devices = settings.devices.resolve(*device_count(kind))
+        _check_shared_memory(len(devices), settings.plans[-1])
     _check_bindable(settings.host, settings.port, "--port")
     _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
-    return Prepared(kind, model, credentials, tokens)
+    return Prepared(kind, model, credentials, tokens, devices)
+
+
+def _check_shared_memory(devices: int, max_batch: int) -> None:
+    """The batch slots of `devices` workers must fit in /dev/shm: past its end a write is a
+    SIGBUS that kills the server mid-batch, so a small one is a usage error now."""
+    needed = devices * SLOTS_PER_DEVICE * SlotLayout(max_batch).nbytes
+    free = shared_memory_free()
+    if free is not None and free < needed:
+        raise config.UsageError(
+            f"--devices: {devices} devices need {needed / 1e6:.0f} MB of shared memory in {SHM_DIR}, "
+            f"{free / 1e6:.0f} MB are free; give the container more (docker run --shm-size 512m, or a "
+            f"memory-backed emptyDir at {SHM_DIR} as deploy/k8s-multi-gpu does)"
+        )
 
 
 def _load_weights(weights: str) -> FoldedModel:
@@ -235,6 +264,33 @@ def _build_engine(settings: config.ServeConfig, prepared: Prepared) -> Engine:
         raise
     log.info("plan times %s", ", ".join(f"b{size} {ms:.2f} ms" for size, ms in sorted(times.items())))
     return engine
+
+
+def _start_pool(
+    settings: config.ServeConfig, prepared: Prepared, metrics: Metrics, on_lost: OnLost
+) -> Engine:
+    """`--devices`: one worker process per device, each building its engine and passing the
+    self-check; blocking until all have (DeviceStartFailed or SelfCheckFailed otherwise)."""
+    from speakerd.model.store import resolve_weights
+
+    assert prepared.devices is not None
+    started = time.perf_counter()
+    pool_config = PoolConfig(
+        kind=prepared.engine_kind,
+        weights=str(resolve_weights(settings.weights)),  # the default model made here, once
+        math=settings.math,
+        plan_sizes=settings.plans,
+        devices=prepared.devices,
+        conv_kernels=settings.conv_kernels,
+        log_level=settings.log_level,
+    )
+    pool = DevicePool(pool_config, metrics, on_lost)
+    pool.start()
+    times = pool.plan_times_ms()
+    log.info("%d devices %s up in %.1f s; plan times (slowest device) %s", len(prepared.devices),
+             list(prepared.devices), time.perf_counter() - started,
+             ", ".join(f"b{size} {ms:.2f} ms" for size, ms in sorted(times.items())))  # fmt: skip
+    return pool
 
 
 def in_daemon_thread(work: Callable[[], T], orphan: Callable[[T], None]) -> asyncio.Future[T]:
@@ -355,7 +411,18 @@ class SpeakerServer:
 
     async def _warm(self) -> None:
         s = self.settings
-        self._building = in_daemon_thread(lambda: _build_engine(s, self.prepared), lambda e: e.close())
+        loop = asyncio.get_running_loop()
+
+        def on_lost(device: int, left: int) -> None:  # a pool thread
+            with contextlib.suppress(RuntimeError):  # a closed loop: the process is on its way out
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._device_lost(device, left)))
+
+        def build() -> Engine:
+            if self.prepared.devices is None:
+                return _build_engine(s, self.prepared)
+            return _start_pool(s, self.prepared, self.metrics, on_lost)
+
+        self._building = in_daemon_thread(build, lambda e: e.close())
         try:
             engine = await self._building
         except SelfCheckFailed as error:
@@ -378,6 +445,14 @@ class SpeakerServer:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("SERVING %s after %.1f s of start-up", SERVICE_NAME, time.monotonic() - self._started)
+
+    async def _device_lost(self, device: int, left: int) -> None:
+        """A device of --devices was taken out (the pool logged why); with none left the
+        server cannot embed anything: NOT_SERVING, so probes and balancers route elsewhere."""
+        if left == 0 and self._stopping is None:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            log.error("no device left after device %d failed: NOT_SERVING (restart the server)", device)
 
     def _fail_start(self) -> None:
         self._exit_code = START_FAILED_EXIT
@@ -437,9 +512,10 @@ class SpeakerServer:
             batches_done = False
         # calls still waiting on a running batch: the server cancels them (clients: UNAVAILABLE)
         await self._server.stop(STOP_GRACE_S if idle else 0)
-        if batches_done:
+        if batches_done or isinstance(self.engine, DevicePool):
+            # worker processes end whatever they run: nothing in this process is cut short
             self.engine.close()
-        else:
+        if not batches_done:
             log.warning("drain: a batch is still running in the engine; not waiting for it")
             self.abandoned_work = True
 

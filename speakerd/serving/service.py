@@ -54,9 +54,9 @@ from speakerd.model.inputs import (
     check_waveform,
 )
 from speakerd.model.numerics import active_frames, pad_speakers
-from speakerd.serving.batcher import Batcher, DeadlinePassed, Draining, EngineFailed, QueueFull
+from speakerd.serving.batcher import Batcher, BatcherError
 from speakerd.serving.budget import ByteBudget
-from speakerd.serving.errors import Rejection, abort, cancellation
+from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.recording import RecordingService
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
@@ -434,14 +434,8 @@ class SpeakerEmbeddingService:
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
             result = await batcher.submit(prepared.fbank, prepared.masks, deadline)
-        except QueueFull as error:
-            raise Rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", str(error)) from error
-        except DeadlinePassed as error:
-            raise Rejection(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", str(error)) from error
-        except Draining as error:
-            raise Rejection(grpc.StatusCode.UNAVAILABLE, "draining", str(error)) from error
-        except EngineFailed as error:
-            raise Rejection(grpc.StatusCode.INTERNAL, "internal", str(error)) from error
+        except BatcherError as error:
+            raise batcher_rejection(error) from error
         embeddings = result.embeddings[:, : prepared.speakers]
         finite = np.isfinite(embeddings)
         if not finite.all():  # inputs were finite and in range: the fault is the server's

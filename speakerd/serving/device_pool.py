@@ -1,0 +1,398 @@
+"""`serve --devices`: several devices behind the one batcher, as one Engine.
+
+The batcher forms batches as before and hands each plan run to `run_batch` (a full batch
+is one plan run; a partial one the cost model splits into smaller plans may spread over
+devices). The pool sends it to the device with the fewest batches in flight, ties to the
+lowest index (device_table.py), through that device's worker process (device_worker.py):
+the rows are written into one of the worker's shared-memory slots (shared_slots.py), the
+worker runs them on its engine and leaves the embeddings in the slot. `run_batch` returns
+them as any engine does, so a request's rows land in its own order whichever devices ran
+them: the batcher writes each run's rows by position, as with one engine.
+
+A device that fails at run time is taken out for good (until the server restarts): its
+worker process died (seen by the pipe closing, busy or idle), or its engine raised on a
+batch. Its batches in flight re-run on the devices left; an ERROR log line names the
+device and why, and speakerd_device_failures_total{device} counts it. A batch that raised
+on one device and raises again on another is the batch's fault, not the second device's:
+it fails (INTERNAL) and that device stays. With no device left every batch fails with
+NoDevice (UNAVAILABLE) and `on_lost` tells the server, which reports NOT_SERVING.
+
+What the pool does not do: a waveform chunk's or a recording's fbank is computed on the
+server's host (the Engine defaults), not on a device as the in-process GPU engine does.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs
+from speakerd.model.architecture import FRAMES, MEL_BINS, TRUNK_FRAMES
+from speakerd.model.numerics import Math, resize_masks
+from speakerd.reference.self_check import SelfCheckFailed
+from speakerd.serving.batcher import PIPELINE_DEPTH
+from speakerd.serving.device_table import DeviceTable, Lease
+from speakerd.serving.device_worker import WorkerInfo, WorkerSpec, visible_gpu, worker_main
+from speakerd.serving.metrics import Metrics
+from speakerd.serving.queue import NoDevice
+from speakerd.serving.shared_slots import SharedSlot, SlotLayout
+
+log = logging.getLogger(__name__)
+
+#: Batches in flight per device, each in its own slot: the batcher's PIPELINE_DEPTH (one
+#: computing while two are staged) for every device.
+SLOTS_PER_DEVICE = PIPELINE_DEPTH
+#: After "stop", how long a worker gets to exit before it is terminated: it only has to
+#: leave its loop (a batch inside the engine is not waited for).
+STOP_WAIT_S = 5.0
+#: How long a worker that was taken out gets to exit on SIGTERM before SIGKILL.
+TERMINATE_WAIT_S = 2.0
+
+#: Called with (device taken out, devices left), from a pool thread.
+OnLost = Callable[[int, int], None]
+
+
+class DeviceStartFailed(RuntimeError):
+    """A device's worker could not build its engine; the server does not start."""
+
+
+class _DeviceLost(Exception):
+    """The device of a batch in flight was taken out: run the batch elsewhere."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What every worker builds: the server's settings, resolved."""
+
+    kind: str  # "cpu" or "gpu"
+    weights: str
+    math: Math
+    plan_sizes: tuple[int, ...]
+    devices: tuple[int, ...]
+    conv_kernels: str = "auto"
+    log_level: str = "INFO"
+    #: Tests only: device -> the batches (1-based, as its worker counts them) on which its
+    #: engine raises (WorkerSpec.fail_batches).
+    fail_batches: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Worker:
+    device: int
+    process: Any  # multiprocessing's SpawnProcess
+    conn: Connection
+    slots: list[SharedSlot]
+    info: WorkerInfo | None = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: dict[int, Future[tuple[str, Any]]] = field(default_factory=dict)
+
+
+def worker_specs(config: PoolConfig, slot_names: dict[int, list[str]]) -> list[WorkerSpec]:
+    """One spec per device: a GPU worker sees only its GPU; CPU workers share the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    specs = []
+    for device in config.devices:
+        gpu = config.kind == "gpu"
+        specs.append(
+            WorkerSpec(
+                device=device,
+                kind=config.kind,
+                weights=config.weights,
+                math=str(config.math),
+                plan_sizes=config.plan_sizes,
+                conv_kernels=config.conv_kernels,
+                slot_names=tuple(slot_names[device]),
+                max_batch=config.plan_sizes[-1],
+                log_level=config.log_level,
+                cuda_visible=visible_gpu(device, inherited) if gpu else None,
+                cpu_threads=None if gpu else max(1, cores // len(config.devices)),
+                fail_batches=config.fail_batches.get(device, ()),
+            )
+        )
+    return specs
+
+
+class DevicePool(Engine):
+    """An Engine over one worker process per device (module docstring). `start` builds every
+    device's engine (blocking, seconds to a minute); then `run_batch` is thread-safe."""
+
+    def __init__(self, config: PoolConfig, metrics: Metrics, on_lost: OnLost | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.on_lost = on_lost
+        self.math = config.math
+        self.plan_sizes = config.plan_sizes
+        self.name = ""
+        self.model_id = ""
+        self._table = DeviceTable(config.devices, SLOTS_PER_DEVICE)
+        self._changed = threading.Condition()
+        self._workers: dict[int, _Worker] = {}
+        self._slots: dict[int, list[SharedSlot]] = {}
+        self._closing = False
+
+    # --- start --------------------------------------------------------------------------
+
+    @property
+    def device_count(self) -> int:
+        return len(self.config.devices)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self._table.devices
+
+    @property
+    def live_devices(self) -> tuple[int, ...]:
+        with self._changed:
+            return self._table.live
+
+    def in_flight(self, device: int) -> int:
+        with self._changed:
+            return self._table.in_flight(device)
+
+    def pid(self, device: int) -> int:
+        """The worker process of `device` (for operators' logs and the tests)."""
+        return int(self._workers[device].process.pid)
+
+    def start(self) -> None:
+        """Start every worker and wait until each is ready; DeviceStartFailed (or
+        SelfCheckFailed) naming the first device that is not, after stopping them all."""
+        layout = SlotLayout(self.config.plan_sizes[-1])
+        context = multiprocessing.get_context("spawn")  # fork would copy the server's gRPC and CUDA state
+        slots: dict[int, list[SharedSlot]] = {device: [] for device in self.config.devices}
+        self._slots = slots  # closed by close(), whatever start() got to
+        try:
+            for device_slots in slots.values():
+                device_slots.extend(SharedSlot(layout) for _ in range(SLOTS_PER_DEVICE))
+            names = {device: [slot.name for slot in device_slots] for device, device_slots in slots.items()}
+            for spec in worker_specs(self.config, names):
+                ours, theirs = context.Pipe(duplex=True)
+                name = f"speakerd-device-{spec.device}"
+                process = context.Process(target=worker_main, args=(spec, theirs), name=name, daemon=True)
+                process.start()
+                theirs.close()  # ours alone now: its recv sees EOF when the worker dies
+                self._workers[spec.device] = _Worker(spec.device, process, ours, slots[spec.device])
+            for worker in self._workers.values():
+                worker.info = self._wait_ready(worker)
+        except BaseException:
+            self.close()
+            raise
+        self._adopt({device: worker.info for device, worker in self._workers.items() if worker.info})
+        for worker in self._workers.values():
+            self.metrics.device_up.labels(device=str(worker.device)).set(1)
+            self.metrics.device_inflight.labels(device=str(worker.device)).set(0)
+            self.metrics.device_failures.labels(device=str(worker.device))  # a zero series from the start
+            threading.Thread(target=self._read, args=(worker,), name=f"device-{worker.device}-replies",
+                             daemon=True).start()  # fmt: skip
+        log.info("devices %s ready: one %s engine each, every one passed its self-check (worker pids %s)",
+                 list(self.devices), self.name, [self.pid(d) for d in self.devices])  # fmt: skip
+
+    def _wait_ready(self, worker: _Worker) -> WorkerInfo:
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(TERMINATE_WAIT_S)
+            raise DeviceStartFailed(
+                f"device {worker.device}: its worker process exited during start-up "
+                f"(exit code {worker.process.exitcode}); see its log lines above"
+            ) from None
+        if message[0] == "ready":
+            return message[1]
+        _, kind, text = message
+        error = SelfCheckFailed if kind == "SelfCheckFailed" else DeviceStartFailed
+        raise error(f"device {worker.device}: {kind}: {text}")
+
+    def _adopt(self, infos: dict[int, WorkerInfo]) -> None:
+        """Take the engines' identity from the workers; they must all serve the same model."""
+        first_device, first = next(iter(infos.items()))
+        for device, info in infos.items():
+            if (info.model_id, info.name, info.plan_sizes) != (first.model_id, first.name, first.plan_sizes):
+                self.close()
+                raise DeviceStartFailed(
+                    f"device {device}: serves {info.name} {info.plan_sizes} model {info.model_id[:12]}, "
+                    f"device {first_device} {first.name} {first.plan_sizes} model {first.model_id[:12]}"
+                )
+        self.name, self.model_id = first.name, first.model_id
+
+    # --- Engine -------------------------------------------------------------------------
+
+    def plan_times_ms(self) -> dict[int, float]:
+        """The slowest device's time of each plan (devices of one host are alike; the
+        slowest keeps the batcher's cost model honest for every one)."""
+        infos = [worker.info for worker in self._workers.values() if worker.info is not None]
+        if not infos:
+            return {}
+        return {size: max(info.plan_times_ms.get(size, 0.0) for info in infos) for size in self.plan_sizes}
+
+    def memory_report(self) -> dict[str, int]:
+        """GPU memory of every device's engine, summed by kind."""
+        total: dict[str, int] = {}
+        for worker in self._workers.values():
+            for kind, size in (worker.info.memory if worker.info else {}).items():
+                total[kind] = total.get(kind, 0) + size
+        return total
+
+    def run_batch(self, fbank: Pieces, masks: Pieces) -> BatchRun:
+        """See Engine.run_batch: on the least-loaded device, re-run elsewhere when it fails."""
+        inputs = batch_inputs(fbank, masks)
+        if not 1 <= inputs.chunks <= self.max_batch:
+            raise ValueError(f"fbank: {inputs.chunks} chunks, expected 1..{self.max_batch} per batch")
+        failed_on: int | None = None  # the device whose engine raised on this batch
+        while True:
+            lease = self._acquire()
+            try:
+                kind, payload = self._run_on(lease, inputs)
+            except _DeviceLost:
+                continue  # taken out while this batch was on it: the next device runs it
+            if kind == "done":
+                return payload
+            if failed_on is not None:
+                raise RuntimeError(
+                    f"engine error on device {failed_on} and again on device {lease.device}: {payload}"
+                )
+            failed_on = lease.device
+            self._take_out(lease.device, f"its engine raised {payload}")
+
+    def _acquire(self) -> Lease:
+        """A slot on the least-loaded device, waiting while every device is full."""
+        with self._changed:
+            while True:
+                if self._closing:
+                    raise NoDevice("the server is stopping")
+                if not self._table.live:
+                    failed = list(self.devices)
+                    raise NoDevice(
+                        f"every device of --devices failed ({failed}); this replica is NOT_SERVING"
+                    )
+                lease = self._table.choose()
+                if lease is not None:
+                    self.metrics.device_inflight.labels(device=str(lease.device)).inc()
+                    return lease
+                self._changed.wait()
+
+    def _release(self, lease: Lease) -> None:
+        with self._changed:
+            if self._table.is_up(lease.device):
+                self.metrics.device_inflight.labels(device=str(lease.device)).dec()
+            self._table.release(lease)
+            self._changed.notify_all()
+
+    def _run_on(self, lease: Lease, inputs: BatchInputs) -> tuple[str, Any]:
+        """Write the batch into the lease's slot, have the worker run it, and read the
+        embeddings back: ("done", BatchRun) or ("error", message); _DeviceLost when the
+        device went away meanwhile."""
+        worker = self._workers[lease.device]
+        slot = worker.slots[lease.slot]
+        started = time.perf_counter()
+        try:
+            write_batch(slot, inputs)
+            future: Future[tuple[str, Any]] = Future()
+            with self._changed:
+                if not self._table.is_up(lease.device):
+                    raise _DeviceLost
+                worker.pending[lease.slot] = future
+            try:
+                with worker.send_lock:
+                    worker.conn.send(("run", lease.slot, inputs.chunks))
+            except OSError as error:  # the worker is gone; its reader takes the device out
+                raise _DeviceLost from error
+            kind, payload = future.result()  # _DeviceLost when the reader saw the worker die
+            if kind != "done":
+                return kind, payload
+            embeddings = slot.out[: inputs.chunks].copy()  # the slot is reused once released
+        finally:
+            self._release(lease)
+        device = str(lease.device)
+        self.metrics.device_batches.labels(device=device).inc()
+        self.metrics.device_batch.labels(device=device).observe(time.perf_counter() - started)
+        return kind, replace(payload, embeddings=embeddings)
+
+    def _read(self, worker: _Worker) -> None:
+        """A worker's replies, to the batch waiting for each; on EOF the worker is gone."""
+        while True:
+            try:
+                kind, slot, payload = worker.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._changed:
+                future = worker.pending.pop(slot, None)
+            if future is not None:
+                future.set_result((kind, payload))
+        if not self._closing:
+            worker.process.join(TERMINATE_WAIT_S)
+            self._take_out(worker.device, f"its worker process exited (exit code {worker.process.exitcode})")
+        with self._changed:
+            lost, worker.pending = list(worker.pending.values()), {}
+        for future in lost:
+            future.set_exception(_DeviceLost())
+
+    def _take_out(self, device: int, why: str) -> None:
+        """Never use `device` again (once: later calls do nothing); its batches in flight
+        re-run elsewhere, and its worker is stopped."""
+        with self._changed:
+            if not self._table.take_out(device):
+                return
+            left = self._table.live
+            self._changed.notify_all()
+        label = str(device)
+        self.metrics.device_failures.labels(device=label).inc()
+        self.metrics.device_up.labels(device=label).set(0)
+        self.metrics.device_inflight.labels(device=label).set(0)
+        log.error("device %d taken out: %s; its batches in flight re-run on the others; serving on %s",
+                  device, why, f"devices {list(left)}" if left else "none: NOT_SERVING")  # fmt: skip
+        process = self._workers[device].process
+        if process.is_alive():  # an engine that raised: its device's state is unknown
+            process.terminate()
+        if self.on_lost is not None:
+            self.on_lost(device, len(left))
+
+    # --- stop ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every worker (not waiting for batches inside an engine) and remove the
+        shared memory. Batches waiting for a device get NoDevice."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        for worker in self._workers.values():
+            try:
+                with worker.send_lock:
+                    worker.conn.send(("stop",))
+            except OSError:
+                pass  # gone already
+        deadline = time.monotonic() + STOP_WAIT_S
+        for worker in self._workers.values():
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(TERMINATE_WAIT_S)
+            worker.conn.close()
+        for device_slots in self._slots.values():
+            for slot in device_slots:
+                slot.close()
+
+
+def write_batch(slot: SharedSlot, inputs: BatchInputs) -> None:
+    """Copy a batch's pieces into a slot's fbank and masks rows (masks resized onto the
+    trunk's 125 frames: shared_slots.py says why that changes no embedding)."""
+    row = 0
+    for piece in inputs.fbank:
+        rows = np.asarray(piece)
+        count = rows.size // (FRAMES * MEL_BINS)
+        slot.fbank[row : row + count] = rows.reshape(count, FRAMES, MEL_BINS)
+        row += count
+    row = 0
+    for piece in inputs.masks:
+        count = piece.shape[0]
+        slot.masks[row : row + count] = piece if piece.shape[2] == TRUNK_FRAMES else resize_masks(piece)
+        row += count

@@ -1,0 +1,202 @@
+"""`serve --devices` with CPU engines standing in for GPUs: `--engine cpu --devices 0,1` runs
+two worker processes, each with its own ONNX Runtime engine on one core (the same code path
+as GPUs, less the CUDA_VISIBLE_DEVICES each GPU worker sets).
+
+What is checked, on real worker processes, shared memory and pipes:
+- SERVING only after every device's engine passed its self-check;
+- a request spread over both devices gets its rows back in its own order;
+- a worker killed mid-load: every request still gets correct embeddings (its batches in
+  flight re-ran on the other device), the failure is counted and logged, and the server
+  keeps SERVING; with the last device gone, NOT_SERVING and UNAVAILABLE;
+- an engine error takes its device out and the batch re-runs elsewhere; the same batch
+  failing again on a second device fails the batch (INTERNAL), not that device.
+The choice of device alone is tested as plain data in tests/test_device_table.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from speakerd.client.cli import main as client_main
+from speakerd.client.client import NO_RETRY
+from speakerd.engine.cpu import CpuEngine
+from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
+from speakerd.serving import config as serve_config
+from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, PoolConfig
+from speakerd.serving.metrics import Metrics
+from speakerd.serving.queue import NoDevice
+from speakerd.serving.serve import _check_shared_memory
+from speakerd.serving.shared_slots import SlotLayout, shared_memory_free
+from tests.serving import ServerProcess, scrape, start_server
+
+#: Small plans keep each CPU batch short (b1 ~0.15 s on one core) while a b4 request still
+#: spans several batches, so both devices hold work at once.
+PLANS = "1,4"
+CHUNKS_PER_REQUEST = 4
+REQUESTS = 6
+#: How long a test waits for something the server does within a second or two (a worker's
+#: death noticed, a batch in flight), on a loaded 2-core machine.
+WAIT_S = 60.0
+WORKER_PIDS = re.compile(r"worker pids \[(?P<pids>[\d, ]+)\]")
+
+
+@pytest.fixture(scope="module")
+def server(weights_path):
+    running = start_server(weights_path, "--devices", "0,1", "--plans", PLANS)
+    yield running
+    assert running.terminate() == 0, running.log()
+
+
+@pytest.fixture(scope="module")
+def expected(reference_cases, folded_model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fbank, masks, embeddings) of the mixed case's first chunks (every one a test sends),
+    from one engine in this process."""
+    case = reference_cases[-1]
+    fbank, masks = case.fbank[: REQUESTS * CHUNKS_PER_REQUEST], case.masks[: REQUESTS * CHUNKS_PER_REQUEST]
+    return fbank, masks, CpuEngine(folded_model, Math.FP32, (1, 4)).embed(fbank, masks).embeddings
+
+
+def worker_pids(server: ServerProcess) -> list[int]:
+    match = WORKER_PIDS.search(server.log())
+    assert match, server.log()
+    return [int(pid) for pid in match["pids"].split(",")]
+
+
+def assert_within_fp32(served: np.ndarray, reference: np.ndarray) -> None:
+    parity = compare(served, reference)
+    assert parity.within(BOUNDS[Math.FP32]), parity
+
+
+def wait_for(condition, what: str, server: ServerProcess) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not seen within {WAIT_S} s:\n{server.log()[-4000:]}"
+        time.sleep(0.02)
+
+
+def test_serving_only_after_every_device_passed_its_self_check(server: ServerProcess) -> None:
+    assert server.health_seen[0] != "SERVING" and server.health_seen[-1] == "SERVING", server.health_seen
+    serving = server.index_of("SERVING speakerd")
+    for device in (0, 1):
+        checked = server.index_of(f"device {device} speakerd.reference.self_check")
+        assert 0 <= checked < serving, (device, checked, serving, server.log())
+    assert 0 <= server.index_of("devices [0, 1] ready") < serving
+    samples = scrape(server)
+    assert samples["speakerd_device_up{device=0}"] == 1 and samples["speakerd_device_up{device=1}"] == 1
+
+
+def test_a_request_over_both_devices_keeps_its_order(server: ServerProcess, expected) -> None:
+    fbank, masks, reference = expected
+    before = scrape(server)
+    with server.client() as client:
+        served = client.embed(fbank[:8], masks[:8], timeout_s=WAIT_S)
+    after = scrape(server)
+    assert_within_fp32(served.embeddings, reference[:8, : masks.shape[1]])
+    ran = {d: after[f"speakerd_device_batches_total{{device={d}}}"] - before.get(
+        f"speakerd_device_batches_total{{device={d}}}", 0.0) for d in (0, 1)}  # fmt: skip
+    assert ran[0] > 0 and ran[1] > 0, f"8 chunks in plans {PLANS} ran on {ran}: one device idle"
+
+
+def test_load_reports_batches_per_device(server: ServerProcess, capsys) -> None:
+    """8 one-chunk streams fill two b4 batches at once, so both devices get work (4 streams
+    would fit one batch at a time, which the least-loaded rule always gives device 0)."""
+    flags = ["--target", server.target, "--streams", "8", "--seconds", "2", "--chunks", "1",
+             "--metrics-url", server.metrics_url]  # fmt: skip
+    assert client_main(["load", *flags]) == 0
+    report = json.loads(capsys.readouterr().out)
+    batches = report["device_batches"]
+    assert sorted(batches) == ["0", "1"] and min(batches.values()) > 0, report
+
+
+def test_a_worker_killed_mid_load_loses_no_request(server: ServerProcess, expected) -> None:
+    fbank, masks, reference = expected
+    doomed = worker_pids(server)[1]
+
+    def one(index: int) -> np.ndarray:
+        rows = slice(index * CHUNKS_PER_REQUEST, (index + 1) * CHUNKS_PER_REQUEST)
+        with server.client() as client:
+            return client.embed(fbank[rows], masks[rows], timeout_s=WAIT_S).embeddings
+
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        futures = [pool.submit(one, index) for index in range(REQUESTS)]
+        wait_for(lambda: scrape(server).get("speakerd_device_inflight_batches{device=1}", 0) >= 1,
+                 "a batch in flight on device 1", server)  # fmt: skip
+        os.kill(doomed, signal.SIGKILL)
+        served = [future.result() for future in futures]  # each raises if its call failed
+    for index, embeddings in enumerate(served):
+        rows = slice(index * CHUNKS_PER_REQUEST, (index + 1) * CHUNKS_PER_REQUEST)
+        assert_within_fp32(embeddings, reference[rows, : masks.shape[1]])
+    samples = scrape(server)
+    assert samples["speakerd_device_failures_total{device=1}"] == 1, samples
+    assert samples["speakerd_device_failures_total{device=0}"] == 0, samples
+    assert samples["speakerd_device_up{device=1}"] == 0 and samples["speakerd_device_up{device=0}"] == 1
+    assert any("ERROR" in line and "device 1 taken out" in line for line in server.lines), server.log()
+    with server.client() as client:
+        assert client.health() == "SERVING"
+
+
+def test_with_no_device_left_not_serving_and_unavailable(server: ServerProcess, expected) -> None:
+    fbank, masks, _ = expected
+    os.kill(worker_pids(server)[0], signal.SIGKILL)
+    with server.client() as client:
+        wait_for(lambda: client.health() == "NOT_SERVING", "NOT_SERVING", server)
+    with server.client(retry=NO_RETRY) as client, pytest.raises(grpc.RpcError) as raised:
+        client.embed(fbank[:1], masks[:1], timeout_s=WAIT_S)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value
+    assert "every device of --devices failed" in raised.value.details()
+    samples = scrape(server)
+    assert samples["speakerd_requests_rejected_total{reason=no_device}"] >= 1, samples
+    assert samples["speakerd_device_failures_total{device=0}"] == 1
+
+
+def test_an_engine_error_takes_its_device_out_once(weights_path, expected) -> None:
+    """Three CPU workers, batches sent one at a time (so each goes to the idle device of
+    lowest index). Batch A raises on device 0 and again on device 1: the batch's fault, so A
+    fails and only device 0 is out. Batch B raises on device 1: out, and B re-runs on
+    device 2. With device 2 killed no device is left: NoDevice, and the server is told."""
+    fbank, masks, reference = expected
+    padded, speakers = pad_speakers(masks), masks.shape[1]
+    lost: list[tuple[int, int]] = []
+    faults = {0: (1,), 1: (1, 2)}  # device -> its batches (1-based) whose engine run raises
+    config = PoolConfig("cpu", str(weights_path), Math.FP32, (1, 4), (0, 1, 2), fail_batches=faults)
+    pool = DevicePool(config, Metrics(), on_lost=lambda device, left: lost.append((device, left)))
+    pool.start()
+    try:
+        with pytest.raises(RuntimeError, match="engine error on device 0 and again on device 1"):
+            pool.run_batch(fbank[:2], padded[:2])
+        assert lost == [(0, 2)] and pool.live_devices == (1, 2)
+        run = pool.run_batch(fbank[2:5], padded[2:5])
+        assert lost == [(0, 2), (1, 1)] and pool.live_devices == (2,)
+        assert_within_fp32(run.embeddings[:, :speakers], reference[2:5])
+        failures = {device: pool.metrics.device_failures.labels(device=str(device))._value.get()
+                    for device in (0, 1, 2)}  # fmt: skip
+        assert failures == {0: 1, 1: 1, 2: 0}
+        os.kill(pool.pid(2), signal.SIGKILL)  # seen by its reply reader although idle
+        deadline = time.monotonic() + WAIT_S
+        while len(lost) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lost == [(0, 2), (1, 1), (2, 0)]
+        with pytest.raises(NoDevice, match="every device of --devices failed"):
+            pool.run_batch(fbank[:1], padded[:1])
+    finally:
+        pool.close()
+
+
+def test_too_little_shared_memory_is_a_usage_error_before_start() -> None:
+    """A write past the end of /dev/shm is a SIGBUS mid-batch: the room is checked first."""
+    free = shared_memory_free()
+    if free is None:
+        pytest.skip("no /dev/shm on this system")
+    per_device = SLOTS_PER_DEVICE * SlotLayout(serve_config.MAX_PLAN_SIZE).nbytes
+    _check_shared_memory(1, serve_config.MAX_PLAN_SIZE)  # one device's slots fit here
+    with pytest.raises(serve_config.UsageError, match=r"devices need \d+ MB of shared memory in /dev/shm"):
+        _check_shared_memory(free // per_device + 1, serve_config.MAX_PLAN_SIZE)
