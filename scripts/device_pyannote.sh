@@ -37,13 +37,21 @@ esac
 source scripts/device_env.sh
 manifest=.whl-pyannote/wheels.txt  # every wheel of every part (prepare_pyannote_wheels.sh)
 [ -f $manifest ] || { echo "carry .whl-pyannote/wheels.txt too (see the header)" >&2; exit 2; }
-missing=$(comm -23 <(sort $manifest) <(ls $stash 2>/dev/null | sort))
+# The image's transformers requires huggingface_hub < 2, and torchmetrics (via lightning)
+# imports transformers whenever it is installed: a stashed huggingface_hub 2.x shadowing the
+# image's made `import pyannote.audio` fail on the H200. pyannote.audio 4.0.7 runs with the
+# image's (1.33), so that wheel is left out when the image has one.
+keep_image=""
+python3 -c "import huggingface_hub" 2>/dev/null && keep_image="huggingface_hub-"
+wanted() { if [ -n "$keep_image" ]; then grep -v "^$keep_image"; else cat; fi; }
+missing=$(comm -23 <(wanted < $manifest | sort) <(ls $stash 2>/dev/null | sort))
 if [ -n "$missing" ]; then
   echo "not stashed on this machine yet (run 'stash' with each part first, back to back):" >&2
   echo "$missing" | head -20 >&2
   exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyannote-site $stash/*.whl 2>&1 \
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyannote-site \
+  $(wanted < $manifest | sed "s|^|$stash/|") 2>&1 \
   | grep -v "WARNING: Target directory" | tail -3
 # torchaudio's compiled libraries are built for another torch; pyannote needs only its pure
 # PyTorch parts (resample, kaldi fbank), as in .ci/run
