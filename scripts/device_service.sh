@@ -13,7 +13,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # TEST_FILES: the engine's by default; the fbank/recording ones after a change there
   REQUIRE_GPU=1 timeout ${TEST_S:-200} python3 -m pytest -q -s -p no:cacheprovider \
     ${TEST_FILES:-tests/test_gpu_engine.py tests/test_kernels_compile.py} 2>&1 | tee $OUT/gpu-tests.log \
-    | grep -E "[0-9]+ (passed|failed)|FAILED|ERROR|windows taken|on the GPU:|device rows|waveform rows|recording gpu" \
+    | grep -E "[0-9]+ (passed|failed)|FAILED|ERROR|windows taken|on the GPU:|device rows|waveform rows|recording gpu|threads|^forced" \
     | cut -c1-240 | head -30
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_recording.py -k torchaudio -s 2>&1 \
     | tee $OUT/torchaudio.log | grep -E "Hz ->|passed|failed|skipped" | head -8

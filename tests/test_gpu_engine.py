@@ -286,6 +286,41 @@ def test_two_threads_at_once_get_their_own_rows(engines, reference_cases) -> Non
 
 @pytest.mark.gpu
 @needs_gpu
+def test_batches_queued_back_to_back_on_one_plan_keep_their_rows(engines, reference_cases, capsys) -> None:
+    """Three threads, three different 32-chunk batches on the same b32 plan, FP16: each
+    thread lets the compute lock go once its batch is enqueued, so the next batch's forward
+    and download run before this one's rows are read; every run must still give the very
+    bits of the batch run alone (the rows come back through the thread's own slot)."""
+    engine = engines[Math.FP16]
+    mixed = _by_name(reference_cases)["mixed_b32"]
+    rolled = [(np.roll(mixed.fbank, k, axis=0), np.roll(mixed.masks, k, axis=0)) for k in (0, 5, 11)]
+    alone = [engine.run_batch(fbank, masks).embeddings for fbank, masks in rolled]
+    assert not np.array_equal(alone[0], alone[1]), "the three batches must differ to tell them apart"
+    runs = 8
+    results: dict[int, list[np.ndarray]] = {index: [] for index in range(len(rolled))}
+    errors: list[BaseException] = []
+
+    def work(index: int) -> None:
+        try:
+            for _ in range(runs):
+                results[index].append(engine.run_batch(*rolled[index]).embeddings)
+        except BaseException as error:  # re-raised in the main thread below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in results]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    differ = {i: sum(not np.array_equal(r, alone[i]) for r in results[i]) for i in results}
+    _row(capsys, f"b32 fp16, 3 threads x {runs} batches on one plan: runs differing from a lone run {differ}")
+    assert all(len(results[i]) == runs for i in results), {i: len(r) for i, r in results.items()}
+    assert not any(differ.values()), differ
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_forward_allocates_nothing_and_reports(engines, reference_cases, capsys) -> None:
     import cupy
 

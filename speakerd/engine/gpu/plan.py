@@ -305,18 +305,22 @@ class Plan:
         """(output [chunks*3, 256], active frames [chunks*3], range flag raised) copied back
         (synchronises). The flag is read in the same synchronisation: a range-flag math's
         output is never used without it."""
+        self.enqueue_download(chunks, self.host_output, self.host_active, self.host_flag)
+        self.ctx.stream.synchronize()
+        return read_results(chunks, self.host_output, self.host_active, self.host_flag, self.table.range_flag)
+
+    def enqueue_download(self, chunks: int, output: np.ndarray, active: np.ndarray, flag: np.ndarray) -> None:
+        """Enqueue on the compute stream the copies of the batch's results (and its range
+        flag) into pinned host arrays; read them with `read_results` once the stream is past."""
         import cupy
 
         rows, stream = chunks * MAX_SPEAKERS, self.ctx.stream
         copy = cupy.cuda.runtime.memcpyAsync
         d2h = cupy.cuda.runtime.memcpyDeviceToHost
-        copy(self.host_output.ctypes.data, self.output.data.ptr, rows * EMBEDDING_DIM * 4, d2h, stream.ptr)
-        copy(self.host_active.ctypes.data, self.active.data.ptr, rows * 4, d2h, stream.ptr)
+        copy(output.ctypes.data, self.output.data.ptr, rows * EMBEDDING_DIM * 4, d2h, stream.ptr)
+        copy(active.ctypes.data, self.active.data.ptr, rows * 4, d2h, stream.ptr)
         if self.table.range_flag:
-            copy(self.host_flag.ctypes.data, self.flag.data.ptr, 4, d2h, stream.ptr)
-        stream.synchronize()
-        flagged = self.table.range_flag and bool(self.host_flag[0])
-        return self.host_output[:rows].copy(), self.host_active[:rows].copy(), flagged
+            copy(flag.ctypes.data, self.flag.data.ptr, 4, d2h, stream.ptr)
 
     # ----- reports ----------------------------------------------------------------------
     def own_bytes(self) -> int:
@@ -327,6 +331,16 @@ class Plan:
 
     def pinned_bytes(self) -> int:
         return int(self.host_output.nbytes + self.host_active.nbytes + self.host_flag.nbytes)
+
+
+def read_results(
+    chunks: int, output: np.ndarray, active: np.ndarray, flag: np.ndarray, range_flag: bool
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(output [chunks*3, 256], active frames [chunks*3], range flag raised), copied out of
+    the pinned arrays a download filled. The flag is read with the output: a range-flag
+    math's output is never used without it."""
+    rows = chunks * MAX_SPEAKERS
+    return output[:rows].copy(), active[:rows].copy(), range_flag and bool(flag[0])
 
 
 def nhwc_to_nchw(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, DeviceFbank
-from speakerd.model.architecture import FRAMES, MAX_SPEAKERS, MEL_BINS
+from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES
 
 #: Slots in rotation, one per batch the batcher keeps in flight (batcher.PIPELINE_DEPTH):
@@ -40,6 +40,16 @@ class InputSlot:
         self.ready = cupy.cuda.Event(block=True, disable_timing=True)  # the H2D copy finished
         self.fbank_elements = 0
         self.mask_elements = 0
+        # the batch's results come back here, not into its plan's buffers: the compute lock
+        # is let go once a batch is enqueued, and the next batch on the same plan may finish
+        # its own download before this thread has read these
+        rows = batch * MAX_SPEAKERS
+        self.host_output = pinned((rows, EMBEDDING_DIM), np.float32)
+        self.host_active = pinned((rows,), np.int32)
+        self.host_flag = pinned((1,), np.int32)
+        self.started = cupy.cuda.Event()  # timing: the forward's first launch ...
+        self.computed = cupy.cuda.Event()  # ... and its end (the download follows)
+        self.finished = cupy.cuda.Event(block=True)  # results on the host: waited for off the lock
 
     def stage(self, inputs: BatchInputs, stream) -> None:
         """Copy a checked batch into pinned memory, piece by piece at its offset (no joined
@@ -85,7 +95,9 @@ class InputSlot:
         return int(self.fbank.nbytes + self.masks.nbytes + self.frames.nbytes)
 
     def pinned_bytes(self) -> int:
-        return int(self.host_fbank.nbytes + self.host_masks.nbytes + self.host_frames.nbytes)
+        host = (self.host_fbank, self.host_masks, self.host_frames, self.host_output, self.host_active,
+                self.host_flag)  # fmt: skip
+        return int(sum(a.nbytes for a in host))
 
 
 def _fill(host: np.ndarray, pieces: tuple[np.ndarray | DeviceFbank, ...]) -> list[tuple[int, int]]:
