@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -137,8 +138,11 @@ class RecordingService:
         call = _Call(self, context)
         host._enter()
         try:
-            async for response in call.run(requests):
-                yield response
+            # closed at once when the handler ends, however it ends: its finally cancels the
+            # call's batches (not left to the event loop's async-generator finalizer)
+            async with contextlib.aclosing(call.run(requests)) as responses:
+                async for response in responses:
+                    yield response
             log.debug("%s %s: %d windows in %.1f s", METHOD, call.request_id, call.windows or 0,
                       time.perf_counter() - started)  # fmt: skip
         except Rejection as error:
@@ -147,7 +151,9 @@ class RecordingService:
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
             log.log(level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
             await abort(context, error)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # CancelledError: the client went away while this handler awaited something;
+            # GeneratorExit: while a response was being written (gRPC closes the generator)
             code, reason = cancellation(context)
             host.metrics.rejected.labels(reason=reason).inc()
             log.info("%s %s: %s after %d windows sent", METHOD, call.request_id,
