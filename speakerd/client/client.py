@@ -394,11 +394,14 @@ class AsyncSpeakerClient(_ClientCore):
         step_s: float = recording.DEFAULT_STEP_S,
         timeout_s: float | None = None,
         request_id: str | None = None,
+        piece_bytes: int = recording.PIECE_BYTES,
+        masks_first: bool = True,
     ) -> recording.RecordingEmbeddings:
-        """SpeakerClient.embed_recording on asyncio."""
+        """SpeakerClient.embed_recording on asyncio; `piece_bytes` and `masks_first` as in
+        recording.recording_requests (the load generator compares them)."""
         request_id = request_id or uuid.uuid4().hex[:16]
         requests = recording.recording_requests(
-            samples, sample_rate, masks, exclude_overlap, step_s, request_id
+            samples, sample_rate, masks, exclude_overlap, step_s, request_id, piece_bytes, masks_first
         )
         timeout = self.timeout_s if timeout_s is None else timeout_s
         return await recording.embed_recording_async(

@@ -19,7 +19,7 @@ import numpy as np
 
 from speakerd.client.client import AsyncSpeakerClient, RetryPolicy
 from speakerd.client.options import client_kwargs
-from speakerd.client.recording import embed_recording_async, recording_requests
+from speakerd.client.recording import recording_requests
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
 from speakerd.model.recording import window_count
 
@@ -60,11 +60,10 @@ async def _caller(
     no window is embedded before the audio's end)."""
     while time.monotonic() < until:
         started = time.perf_counter()
-        requests = recording_requests(
-            pcm, rate, masks, piece_bytes=args.piece_kib << 10, masks_first=not args.masks_after_audio
-        )
         try:
-            await embed_recording_async(client._stub, requests, client.timeout_s, client._metadata())
+            await client.embed_recording(
+                pcm, rate, masks, piece_bytes=args.piece_kib << 10, masks_first=not args.masks_after_audio
+            )
         except grpc.aio.AioRpcError as error:
             out["errors"][error.code().name] += 1
             continue

@@ -110,14 +110,19 @@ def step_samples(step_s: float, field: str = "header.step_s") -> int:
     raise InputError(field, f"{step_s} s, expected a multiple of 0.01 s in (0, 10]")
 
 
+def complete_windows(samples: int, step: int) -> int:
+    """Windows inside the first `samples` (window k covers [k step, k step + 160,000)): full
+    windows of the final recording whatever follows, so their fbank is final already."""
+    return (samples - CHUNK_SAMPLES) // step + 1 if samples >= CHUNK_SAMPLES else 0
+
+
 def window_count(samples: int, step: int = STEP_SAMPLES) -> int:
     """Windows `Inference.slide` gives N samples: 1 + (N - W) // S full ones (N >= W), plus a
     padded one iff N < W or (N - W) % S > 0."""
     if samples < 1:
         return 0
-    full = 1 + (samples - CHUNK_SAMPLES) // step if samples >= CHUNK_SAMPLES else 0
     padded = samples < CHUNK_SAMPLES or (samples - CHUNK_SAMPLES) % step > 0
-    return full + int(padded)
+    return complete_windows(samples, step) + int(padded)
 
 
 def min_num_frames(mask_frames: int) -> int:
@@ -135,12 +140,6 @@ def exclude_overlap(masks: np.ndarray) -> np.ndarray:
     clean = masks * (masks.sum(axis=1, keepdims=True) < 2).astype(np.float32)
     keep_clean = clean.sum(axis=2, keepdims=True) > min_num_frames(masks.shape[2])
     return np.where(keep_clean, clean, masks)
-
-
-def complete_windows(samples: int, step: int) -> int:
-    """Windows inside the first `samples` (window k covers [k step, k step + 160,000)): full
-    windows of the final recording whatever follows, so their fbank is final already."""
-    return (samples - CHUNK_SAMPLES) // step + 1 if samples >= CHUNK_SAMPLES else 0
 
 
 class FbankSource(Protocol):
@@ -214,7 +213,7 @@ class SharedFrames:
             raise InputError("audio", "no samples; a recording needs at least one")
         starts = chunk_starts(self.samples, CHUNK_SAMPLES, self.step)
         self._count = int(starts.shape[0])
-        self._full = 1 + (self.samples - CHUNK_SAMPLES) // self.step if self.samples >= CHUNK_SAMPLES else 0
+        self._full = complete_windows(self.samples, self.step)
         if self._full < self._count:  # the padded last window: its own frames
             tail = self._recent[self._recent.shape[0] - (self.samples - int(starts[-1])) :]
             window = np.zeros(CHUNK_SAMPLES, dtype=np.float32)

@@ -33,6 +33,7 @@ import numpy as np
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS, SAMPLE_RATE
 from speakerd.model.fbank import FFT_SIZE, FRAME_SHIFT, STEP_SAMPLES, hamming_window, mel_banks, num_frames
 from speakerd.model.inputs import InputError
+from speakerd.model.recording import complete_windows
 
 #: kernels/fbank.cu and its entry points.
 SOURCE = "fbank.cu"
@@ -73,7 +74,7 @@ class RecordingLayout:
             raise InputError(
                 "step", f"{step} samples, expected a multiple of {FRAME_SHIFT} in (0, {CHUNK_SAMPLES}]"
             )
-        full = 1 + (samples - CHUNK_SAMPLES) // step if samples >= CHUNK_SAMPLES else 0
+        full = complete_windows(samples, step)
         padded = samples < CHUNK_SAMPLES or (samples - CHUNK_SAMPLES) % step > 0
         return cls(samples, full, padded, step)
 

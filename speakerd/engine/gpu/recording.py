@@ -33,7 +33,7 @@ from speakerd.engine.gpu.device_rows import DeviceRows
 from speakerd.engine.gpu.fbank import DEFAULT_MAX_WINDOWS, GpuFbank, RecordingLayout
 from speakerd.engine.gpu.pcm import DevicePcm, GrowingBuffer
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS, SAMPLE_RATE
-from speakerd.model.fbank import FRAME_LENGTH, FRAME_SHIFT, STEP_SAMPLES
+from speakerd.model.fbank import FRAME_SHIFT, STEP_SAMPLES, num_frames
 from speakerd.model.inputs import InputError
 from speakerd.model.recording import Encoding, complete_windows
 
@@ -43,11 +43,6 @@ INITIAL_SECONDS = 60
 #: Bytes of one fbank row (a window): 998 frames x 80 mel bins of float32.
 WINDOW_BYTES = FRAMES * MEL_BINS * 4
 FRAME_BYTES = MEL_BINS * 4
-
-
-def complete_frames(samples: int) -> int:
-    """Frames whose 400 samples all lie in the first `samples` (frame f reads [160 f, 160 f + 400))."""
-    return max(0, (samples - FRAME_LENGTH) // FRAME_SHIFT + 1)
 
 
 class GpuRecordingFrames:
@@ -73,13 +68,6 @@ class GpuRecordingFrames:
         self._lock = threading.Lock()
         self._writer_stream = None  # the one stream windows are written on (the engine's copy stream)
         self._pcm: DevicePcm | None = None  # set by begin_pcm: raw PCM decoded on the device
-
-    @property
-    def samples(self) -> int:
-        """16 kHz samples in so far."""
-        if self._layout is not None:
-            return self._layout.samples
-        return self._pcm.ready if self._pcm is not None else self._samples.size
 
     def begin_pcm(self, sample_rate: int, channels: int, encoding: Encoding) -> None:
         """Take the recording as raw PCM (`push_pcm`) instead of 16 kHz samples: decoding,
@@ -141,7 +129,7 @@ class GpuRecordingFrames:
     def _advance(self, samples, windows: int) -> None:
         """Frames of `samples` (the 16 kHz samples so far) not computed yet; `windows` ready."""
         with self._lock:
-            self._compute_frames(samples, complete_frames(int(samples.shape[0])))
+            self._compute_frames(samples, num_frames(int(samples.shape[0])))
             self._loaded.record(self._stream)
             self._ready = max(self._ready, windows)
 
