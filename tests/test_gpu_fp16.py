@@ -1,9 +1,10 @@
 """FP16 mixed mode: our FP16 kernels against float64, and docs/parity.md's range rule.
 
 - conv_f16.cu (halo implicit GEMM, FP16 MMAs accumulating in FP32) on every trunk shape
-  class, both channel tiles, every epilogue, against a float64 conv of the same half
-  inputs: the only FP16 error left is the output's rounding to half (2^-11 relative), so
-  F16_BOUND is a few of those, far below anything a wrong tap or channel would give.
+  class, every (channel tile, pixel tile) entry point, every epilogue, against a float64
+  conv of the same half inputs: the only FP16 error left is the output's rounding to half
+  (2^-11 relative), so F16_BOUND is a few of those, far below anything a wrong tap, channel
+  or pixel would give.
 - The stem kernels (FP32 arithmetic; FP32 or FP16 out) against float64.
 - The range flag: raised by an FP16 kernel whose output leaves FP16's range (weights scaled
   up) or meets a NaN, never on normal data.
@@ -77,8 +78,8 @@ def test_f16_kernel_matches_float64(shape, capsys) -> None:
     y = cupy.empty((batch * spec.h_out * spec.w_out, cout), dtype=cupy.float16)
     flag = cupy.zeros((1,), dtype=cupy.int32)
     stream = cupy.cuda.Stream(non_blocking=True)
-    tiles = igemm.tiles_for(spec, Math.FP16)
-    assert tiles, f"{cin}->{cout} k{kernel}s{stride}: no FP16 tile"
+    candidates = igemm.candidates_for(spec, Math.FP16)
+    assert candidates, f"{cin}->{cout} k{kernel}s{stride}: no FP16 tile"
     epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if stride == 1 and cin == cout else [])
     failures = []
     for epilogue in epilogues:
@@ -87,15 +88,18 @@ def test_f16_kernel_matches_float64(shape, capsys) -> None:
             x.astype(cupy.float32), weight.astype(cupy.float32), bias,
             None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
         )  # fmt: skip
-        for tile in tiles:
-            conv = igemm.IgemmConv.bind(spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag)
+        for tile, pixels in candidates:
+            assert pixels is not None, "every FP16 entry point has a pixel tile"
+            conv = igemm.IgemmConv.bind(
+                spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels
+            )
             raised = _run(conv, y, flag, stream)
             error = igemm.relative_difference(y.astype(cupy.float64), reference)
             function = igemm._function(
-                igemm.F16_SOURCE, conv.name, igemm.f16_shared_bytes(kernel, stride, tile)
+                igemm.F16_SOURCE, conv.name, igemm.f16_shared_bytes(kernel, stride, tile, *pixels)
             )
             with capsys.disabled():
-                print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  {conv.name:<18} {epilogue:<14} "
+                print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  {conv.name:<24} {epilogue:<14} "
                       f"{error:.3e}  flag {raised}  regs {function.num_regs} "
                       f"local {function.local_size_bytes}", end="")  # fmt: skip
             if not error <= F16_BOUND or raised:
@@ -119,16 +123,19 @@ def test_f16_kernel_flags_values_out_of_half_range() -> None:
     y = cupy.empty((2 * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
     flag = cupy.zeros((1,), dtype=cupy.int32)
     stream = cupy.cuda.Stream(non_blocking=True)
-    normal = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_relu", x, weight, bias, None, y, flag)
+    pixels = igemm.F16_PIXEL_TILES[(3, 1, 64)][0]  # the range check is the same code in every tile
+    normal = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_relu", x, weight, bias, None, y, flag, pixels)
     assert _run(normal, y, flag, stream) == 0, "flag raised on normal data"
     # outputs ~ 1e5: every weight still a finite half (max ~ 4e3), the sums beyond 65504
     huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
     assert bool(cupy.isfinite(huge).all())
-    overflow = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_only", x, huge, bias, None, y, flag)
+    overflow = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_only", x, huge, bias, None, y, flag, pixels)
     assert _run(overflow, y, flag, stream) == 1, "no flag for outputs beyond 65504"
     poisoned = x.copy()
     poisoned[1, 5, 70, 3] = float("nan")
-    nan = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_only", poisoned, weight, bias, None, y, flag)
+    nan = igemm.IgemmConv.bind(
+        spec, 2, Math.FP16, 64, "bias_only", poisoned, weight, bias, None, y, flag, pixels
+    )
     assert _run(nan, y, flag, stream) == 1, "no flag for a NaN input"
 
 

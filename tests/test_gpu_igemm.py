@@ -18,6 +18,7 @@ import pytest
 from speakerd.model.architecture import ConvSpec
 from speakerd.model.numerics import Math
 from tests.test_gpu_engine import needs_gpu
+from tests.test_kernels_compile import NO_NVRTC
 
 #: (cin, cout, h, w, kernel, stride, batch): layer1 and layer2.0.conv1 at 80x998, the
 #: layer3.0 shortcut, layer4's 3x3 conv.
@@ -166,25 +167,48 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
                 "LDS": igemm.SHARED_ROW, "BK": igemm.CHANNEL_STEP}  # fmt: skip
     assert {k: defines[k] for k in expected} == expected, defines
     f16 = kernels.kernel_sources()[igemm.F16_SOURCE]
-    f16_defined = {
-        f"conv_f16_r{r}s{stride}_n{tile}"
-        for r, stride, tile in re.findall(r"^F16_ENTRY\((\d), (\d), (\d+), \w+\)$", f16, re.M)
-    }
+    entries = re.findall(r"^F16_ENTRY\((\d), (\d), (\d+), (\d+), (\d+), (\w+)\)$", f16, re.M)
+    f16_defined = {f"conv_f16_r{r}s{s}_n{tile}_{rows}x{cols}" for r, s, tile, rows, cols, _ in entries}
     assert set(igemm.F16_KERNEL_NAMES) == f16_defined, (igemm.F16_KERNEL_NAMES, f16_defined)
+    assert len(igemm.F16_KERNEL_NAMES) == len(entries), "an entry point listed twice"
+    pixel_tiles: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for r, s, tile, rows, cols, _ in entries:
+        pixel_tiles.setdefault((int(r), int(s), int(tile)), []).append((int(rows), int(cols)))
+    assert pixel_tiles == {key: list(tiles) for key, tiles in igemm.F16_PIXEL_TILES.items()}, pixel_tiles
+    assert {(r, s) for r, s, _ in igemm.F16_PIXEL_TILES} == set(igemm.F16_SHAPES)
     f16_defines = {name: int(value) for name, value in re.findall(r"#define F16_(\w+) (\d+)", f16)}
-    f16_expected = {"THREADS": igemm.F16_THREADS, "COLS": igemm.F16_COLS, "ROWS": igemm.F16_ROWS,
-                    "CHUNK": igemm.F16_CHUNK, "LDB": igemm.F16_LDB, "OUT_PAD": igemm.F16_OUT_PAD}  # fmt: skip
+    f16_expected = {"THREADS": igemm.F16_THREADS, "CHUNK": igemm.F16_CHUNK, "LDB": igemm.F16_LDB,
+                    "OUT_PAD": igemm.F16_OUT_PAD, "BLOCKS_PER_SM": 2, "BLOCKS_PER_SM_WIDE": 1}  # fmt: skip
     assert {k: f16_defines[k] for k in f16_expected} == f16_expected, f16_defines
-    # every tile fits one block's 227 KB, and two blocks of each stride-1 tile share an SM
-    for kernel, stride in igemm.F16_SHAPES:
-        for tile in igemm.TILE_CHANNELS:
-            assert igemm.f16_shared_bytes(kernel, stride, tile) <= igemm.BLOCK_SHARED_MAX, (
-                kernel,
-                stride,
-                tile,
-            )
-    assert 2 * (igemm.f16_shared_bytes(3, 1, 64) + 1024) <= 228 * 1024, igemm.f16_shared_bytes(3, 1, 64)
-    assert igemm.f16_shared_bytes(3, 1, 64) == (4 * 130 * 48 + 9 * 64 * 48) * 2
+    # every entry point fits one block's 227 KB; two blocks share an SM (228 KB, 1 KB reserved
+    # per block) wherever the launch bounds ask for two (every 3x3 stride-1 and 1x1 entry)
+    for r, s, tile, rows, cols, blocks in entries:
+        shared = igemm.f16_shared_bytes(int(r), int(s), int(tile), int(rows), int(cols))
+        name = f"conv_f16_r{r}s{s}_n{tile}_{rows}x{cols}"
+        assert shared <= igemm.BLOCK_SHARED_MAX, (name, shared)
+        warps_per_row = int(cols) // (int(rows) * int(cols) // 8)
+        assert int(rows) * warps_per_row == 8 and int(cols) * int(rows) // 8 in (16, 32), name
+        if blocks == "F16_BLOCKS_PER_SM":
+            assert 2 * (shared + 1024) <= 228 * 1024, (name, shared)
+        else:
+            assert (int(r), int(s)) == (3, 2), f"{name}: only 3x3 stride 2 keeps one block per SM"
+    assert igemm.f16_shared_bytes(3, 1, 64, 2, 128) == (4 * 130 * 48 + 9 * 64 * 48) * 2
+    assert igemm.f16_shared_bytes(3, 1, 32, 8, 32) == (10 * 34 * 48 + 9 * 32 * 48) * 2
+    assert igemm.f16_shared_bytes(3, 2, 64, 1, 128) == (3 * 257 * 40 + 9 * 64 * 48) * 2
+    assert igemm.f16_shared_bytes(1, 2, 64, 2, 128) == 2 * 128 * (64 + 8) * 4, "staged outputs dominate"
+    # layer2's b1 conv: 80 blocks of 2 x 128 (too few for 132 SMs), 160 of 1 x 128
+    layer2 = ConvSpec("l2", "bn", 64, 64, 3, 1, 40, 499)
+    assert igemm.f16_grid(layer2, 1, 64, 2, 128) == (1, 4, 20)
+    assert igemm.f16_grid(layer2, 1, 64, 1, 128) == (1, 4, 40)
+    layer1 = ConvSpec("l1", "bn", 32, 32, 3, 1, 80, 998)
+    assert igemm.f16_grid(layer1, 32, 32, 8, 32) == (1, 32, 32 * 10)
+    assert igemm.f16_grid(layer1, 32, 32, 4, 64) == (1, 16, 32 * 20)
+    assert igemm.candidates_for(layer1, Math.FP16) == tuple(
+        (32, p) for p in igemm.F16_PIXEL_TILES[(3, 1, 32)]
+    )
+    assert igemm.candidates_for(layer1, Math.TF32) == ((32, None),)
+    assert igemm.kernel_name(Math.FP16, 32, 3, 1, (4, 64)) == "conv_f16_r3s1_n32_4x64"
+    assert igemm.kernel_name(Math.TF32, 64) == "conv_igemm_tf32_n64", "conv_igemm.cu's names are unchanged"
     stem = ConvSpec("stem", "bn", 1, 32, 3, 1, 80, 998)
     assert igemm.tiles_for(stem, Math.FP32) == (), "the stem (1 input channel) is not an implicit GEMM's"
     assert igemm.tiles_for(stem, Math.FP16) == ()
@@ -193,3 +217,29 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     assert igemm.tiles_for(ConvSpec("sc1", "bn", 64, 128, 1, 1, 40, 499), Math.FP16) == (), "no 1x1 stride-1"
     assert igemm.tiles_for(ConvSpec("l1", "bn", 32, 32, 3, 1, 80, 998), Math.TF32) == (32,)
     assert igemm.tiles_for(ConvSpec("l4", "bn", 256, 256, 3, 1, 10, 125), Math.FP32) == (64, 32)
+
+
+@pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
+def test_f16_shared_bytes_are_the_kernels() -> None:
+    """igemm.f16_shared_bytes equals HaloTile<...>::SHARED_BYTES of every F16_ENTRY (static
+    asserts appended to conv_f16.cu, compiled to PTX by NVRTC: no GPU needed)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from speakerd.engine.gpu import igemm, kernels
+
+    checks = "".join(
+        f"static_assert(HaloTile<{kernel}, {stride}, {tile}, {rows}, {cols}>::SHARED_BYTES == "
+        f"{igemm.f16_shared_bytes(kernel, stride, tile, rows, cols)}, "
+        f'"f16_shared_bytes({kernel}, {stride}, {tile}, {rows}, {cols})");\n'
+        for (kernel, stride, tile), tiles in igemm.F16_PIXEL_TILES.items()
+        for rows, cols in tiles
+    )
+    source = kernels.kernel_sources()[igemm.F16_SOURCE] + "namespace {\n" + checks + "}\n"
+    program = nvrtc.createProgram(source, igemm.F16_SOURCE, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, (*kernels.compile_options(), "--gpu-architecture=compute_90"))
+        except nvrtc.NVRTCError as error:
+            raise AssertionError(nvrtc.getProgramLog(program)) from error
+    finally:
+        nvrtc.destroyProgram(program)

@@ -6,7 +6,8 @@ The candidates, in the order they are tried (a later one must be strictly faster
 - `CudnnFused`: cuDNN's fused graph, conv + bias [+ residual] [+ ReLU], where the math
   allows one (maths.py: TF32 only);
 - `OwnStem`: our direct stem kernel (stem.py), the stem only;
-- `OwnIgemm`: our implicit-GEMM kernels (igemm.py), every channel tile the shape allows.
+- `OwnIgemm`: our implicit-GEMM kernels (igemm.py), every channel tile (and in FP16 every
+  pixel tile) the shape allows.
 
 Each answers `can_implement(key) -> (ok, reason)` before anything is built, so a refusal is
 a record (`Refusal`) with its reason, kept for conv_report and build_report, never a silent
@@ -130,9 +131,10 @@ class ConvChoice:
     @property
     def identity(self) -> tuple:
         """What runs it, as a value shared by every conv running the same thing (a cuDNN plan
-        of one graph key, or one tile of ours on one shape)."""
+        of one graph key, or one entry point of ours on one shape: its name carries the
+        channel tile and, in FP16, the pixel tile)."""
         if self.own is not None:
-            return ("ours", self.key, self.own.tile)
+            return ("ours", self.key, self.own.name)
         assert self.graph is not None, self.key.label()
         return ("cudnn", self.graph.key, self.graph.plan_index)
 
@@ -233,12 +235,14 @@ class OwnIgemm(OwnFamily):
         return (not why, why)
 
     def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
+        """One kernel per channel tile and (FP16) pixel tile: which is fastest depends on the
+        shape and batch (grid size against the 132 SMs, halo loads), so each is timed."""
         r = request
         return [
             IgemmConv.bind(
-                r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag
+                r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag, pixels
             )
-            for tile in igemm.tiles_for(r.spec, r.math)
+            for tile, pixels in igemm.candidates_for(r.spec, r.math)
         ]
 
 

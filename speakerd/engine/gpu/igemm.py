@@ -37,24 +37,52 @@ SHARED_ROW = 40
 TILE_CHANNELS = (64, 32)
 #: Input channels one K step covers: cin must be a multiple.
 CHANNEL_STEP = 32
-#: kernels/conv_f16.cu's tiling (its F16_* defines; tests check): threads, output columns
-#: and rows per block, channels per K chunk, padded shared rows (weights in halves, staged
-#: outputs: floats of padding).
+#: kernels/conv_f16.cu's tiling (its F16_* defines; tests check): threads, channels per K
+#: chunk, padded shared rows (weights in halves, staged outputs: floats of padding).
 F16_SOURCE = "conv_f16.cu"
 F16_THREADS = 256
-F16_COLS = 128
-F16_ROWS = 2
 F16_CHUNK = 32
 F16_LDB = 48
 F16_OUT_PAD = 8
 #: (kernel, stride) shapes conv_f16.cu has entry points for: every trunk conv but the stem.
 F16_SHAPES = ((3, 1), (3, 2), (1, 2))
+#: (kernel, stride, channel tile) -> the pixel tiles (output rows, output columns per block)
+#: conv_f16.cu has entry points for (its F16_ENTRY lines; tests check). The autotuner times
+#: each, so a tile is here because some conv may run faster with it:
+#: - (2, 128): the first tile (the only one before pixel tiles were candidates): the fewest
+#:   blocks, so the fewest reloads of a chunk's weights (18 KB at 32 channels, 3x3).
+#: - (1, 128): twice the blocks, for grids too small to fill the H200's 132 SMs (layer2's
+#:   b1 convs have 80 blocks of 2 x 128), at a halo of 3 x 130 input pixels = 3.05x the
+#:   outputs (3x3 stride 1).
+#: - (4, 64), (8, 32), 3x3 stride 1: squarer halos, fewer input pixels copied per output
+#:   (6 x 66 = 1.55x and 10 x 34 = 1.33x, against 4 x 130 = 2.03x for 2 x 128), for layer1
+#:   at b32 (32 -> 32 channels, 80 x 998), which is bound by these loads. 8 x 32 with 32
+#:   channels only, for layer1: every entry point is one more kernel timed per conv at
+#:   start-up.
+F16_PIXEL_TILES: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
+    (3, 1, 32): ((2, 128), (1, 128), (4, 64), (8, 32)),
+    (3, 1, 64): ((2, 128), (1, 128), (4, 64)),
+    (3, 2, 32): ((2, 128), (1, 128)),
+    (3, 2, 64): ((2, 128), (1, 128)),
+    (1, 2, 32): ((2, 128), (1, 128)),
+    (1, 2, 64): ((2, 128), (1, 128)),
+}
 #: (kernel, stride) shapes each family has entry points for (None: any 1x1 or 3x3).
 FAMILY_SHAPES: dict[str, tuple[tuple[int, int], ...] | None] = {SOURCE: None, F16_SOURCE: F16_SHAPES}
 
 
-def kernel_name(math: Math, tile: int, kernel: int = 3, stride: int = 1) -> str:
-    return maths.of(math).own_kernel(tile, kernel, stride)
+def kernel_name(
+    math: Math, tile: int, kernel: int = 3, stride: int = 1, pixels: tuple[int, int] | None = None
+) -> str:
+    """The entry point of our family of `math` for the channel tile, shape and pixel tile
+    (rows, cols): conv_f16.cu's names carry the pixel tile, conv_igemm.cu's have none."""
+    row = maths.of(math)
+    assert (pixels is not None) == (row.own_source == F16_SOURCE), (math, pixels)
+    if pixels is None:
+        return row.own_kernel(tile, kernel, stride)
+    # MathSpec.own_kernel formats tile, kernel and stride only; the FP16 name adds rows and cols
+    rows, cols = pixels
+    return row.own_name.format(tile=tile, kernel=kernel, stride=stride, rows=rows, cols=cols)
 
 
 #: Every entry point of kernels/conv_igemm.cu this module launches, then of kernels/conv_f16.cu.
@@ -62,17 +90,34 @@ KERNEL_NAMES = tuple(
     row.own_kernel(tile) for row in maths.MATHS.values() if row.own_source == SOURCE for tile in TILE_CHANNELS
 )
 F16_KERNEL_NAMES = tuple(
-    row.own_kernel(tile, kernel, stride)
-    for row in maths.MATHS.values()
+    kernel_name(math, tile, kernel, stride, pixels)
+    for math, row in maths.MATHS.items()
     if row.own_source == F16_SOURCE
-    for kernel, stride in F16_SHAPES
-    for tile in TILE_CHANNELS
+    for (kernel, stride, tile), tiles in F16_PIXEL_TILES.items()
+    for pixels in tiles
 )
 
 
 def tiles_for(spec: ConvSpec | ConvKey, math: Math) -> tuple[int, ...]:
     """Channel tiles our kernel can run `spec` with under `math` (none: not a candidate)."""
     return tuple(tile for tile in TILE_CHANNELS if spec.cout % tile == 0) if not why_not(spec, math) else ()
+
+
+def pixel_tiles_for(spec: ConvSpec | ConvKey, math: Math, tile: int) -> tuple[tuple[int, int] | None, ...]:
+    """The pixel tiles (rows, cols) of channel tile `tile` for `spec` under `math`: the FP16
+    family's from F16_PIXEL_TILES; (None,) for conv_igemm.cu, whose block takes 128
+    consecutive output pixels wherever the rows break."""
+    if maths.of(math).own_source != F16_SOURCE:
+        return (None,)
+    return F16_PIXEL_TILES[(spec.kernel, spec.stride, tile)]
+
+
+def candidates_for(spec: ConvSpec | ConvKey, math: Math) -> tuple[tuple[int, tuple[int, int] | None], ...]:
+    """Every (channel tile, pixel tile) our family of `math` can run `spec` with: the kernels
+    the autotuner times (none: not a candidate)."""
+    return tuple(
+        (tile, pixels) for tile in tiles_for(spec, math) for pixels in pixel_tiles_for(spec, math, tile)
+    )
 
 
 def why_not(spec: ConvSpec | ConvKey, math: Math) -> str:
@@ -93,20 +138,20 @@ def why_not(spec: ConvSpec | ConvKey, math: Math) -> str:
 BLOCK_SHARED_MAX = 227 * 1024
 
 
-def f16_shared_bytes(kernel: int, stride: int, tile: int) -> int:
-    """conv_f16.cu's HaloTile<kernel, stride, tile>::SHARED_BYTES: the halo and the weights
-    of one K chunk, or the staged FP32 outputs, whichever is larger."""
+def f16_shared_bytes(kernel: int, stride: int, tile: int, rows: int, cols: int) -> int:
+    """conv_f16.cu's HaloTile<kernel, stride, tile, rows, cols>::SHARED_BYTES: the halo and
+    the weights of one K chunk, or the staged FP32 outputs, whichever is larger."""
     step = 1 if kernel == 1 else stride
     lda = 48 if step == 1 else 40
-    rows, cols = (F16_ROWS - 1) * step + kernel, (F16_COLS - 1) * step + kernel
-    loads = (rows * cols * lda + kernel * kernel * tile * F16_LDB) * 2
-    return max(loads, F16_ROWS * F16_COLS * (tile + F16_OUT_PAD) * 4)
+    halo_rows, halo_cols = (rows - 1) * step + kernel, (cols - 1) * step + kernel
+    loads = (halo_rows * halo_cols * lda + kernel * kernel * tile * F16_LDB) * 2
+    return max(loads, rows * cols * (tile + F16_OUT_PAD) * 4)
 
 
-def f16_grid(spec: ConvSpec, batch: int, tile: int) -> tuple[int, int, int]:
+def f16_grid(spec: ConvSpec, batch: int, tile: int, rows: int, cols: int) -> tuple[int, int, int]:
     """conv_f16.cu's grid: channel tiles fastest (they read the same halo, so it is in L2),
-    then 128-column tiles, then pairs of output rows of every image."""
-    return (spec.cout // tile, -(-spec.w_out // F16_COLS), batch * -(-spec.h_out // F16_ROWS))
+    then `cols`-column tiles, then `rows`-row tiles of every image."""
+    return (spec.cout // tile, -(-spec.w_out // cols), batch * -(-spec.h_out // rows))
 
 
 def shared_bytes(tile: int) -> int:
@@ -117,12 +162,14 @@ def shared_bytes(tile: int) -> int:
 class IgemmConv(OwnKernel):
     """One convolution of a plan bound to its buffers: `launch` enqueues it, fused epilogue
     included (`epilogue`: bias_only, bias_relu or bias_add_relu). In FP16 mode `flag` is
-    the plan's range flag."""
+    the plan's range flag, and `pixels` the pixel tile (output rows, columns per block) of
+    conv_f16.cu's entry point; None for conv_igemm.cu."""
 
     spec: ConvSpec
     batch: int
     math: Math
     tile: int
+    pixels: tuple[int, int] | None
     epilogue: str
     args: tuple
     grid: tuple[int, int, int]
@@ -133,8 +180,11 @@ class IgemmConv(OwnKernel):
 
     @classmethod
     def bind(cls, spec: ConvSpec, batch: int, math: Math, tile: int, epilogue: str, x, w, bias, residual, y,
-             flag=None):  # fmt: skip
+             flag=None, pixels: tuple[int, int] | None = None):  # fmt: skip
         assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
+        assert pixels in pixel_tiles_for(spec, math, tile), (
+            f"{spec.name}: pixel tile {pixels} not in {pixel_tiles_for(spec, math, tile)}"
+        )
         assert (residual is not None) == (epilogue == "bias_add_relu"), (epilogue, residual is None)
         table = maths.of(math)
         assert (flag is not None) == table.range_flag, "range-flag maths' convs, and only they, take the flag"
@@ -144,11 +194,12 @@ class IgemmConv(OwnKernel):
         if table.own_source == F16_SOURCE:
             sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
-            shared = f16_shared_bytes(spec.kernel, spec.stride, tile)
-            grid = f16_grid(spec, batch, tile)
-            return cls(spec, batch, math, tile, epilogue, args, grid, F16_THREADS, shared, F16_SOURCE)
-        pixels = batch * spec.h_out * spec.w_out
-        grid = (-(-pixels // BLOCK_PIXELS), spec.cout // tile, 1)
+            assert pixels is not None  # (pixel_tiles_for gives no None in FP16)
+            shared = f16_shared_bytes(spec.kernel, spec.stride, tile, *pixels)
+            grid = f16_grid(spec, batch, tile, *pixels)
+            return cls(spec, batch, math, tile, pixels, epilogue, args, grid, F16_THREADS, shared, F16_SOURCE)
+        outputs = batch * spec.h_out * spec.w_out
+        grid = (-(-outputs // BLOCK_PIXELS), spec.cout // tile, 1)
         sizes = (
             batch,
             spec.h_in,
@@ -161,11 +212,11 @@ class IgemmConv(OwnKernel):
             spec.stride,
         )
         args = (x, w, bias, residual, y, *(np.int32(v) for v in sizes), relu)
-        return cls(spec, batch, math, tile, epilogue, args, grid, THREADS, shared_bytes(tile), SOURCE)
+        return cls(spec, batch, math, tile, None, epilogue, args, grid, THREADS, shared_bytes(tile), SOURCE)
 
     @property
     def name(self) -> str:
-        return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride)
+        return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride, self.pixels)
 
     def launch(self, stream) -> None:
         function = _function(self.source, self.name, self.shared)

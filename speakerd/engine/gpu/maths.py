@@ -107,7 +107,7 @@ MATHS: dict[Math, MathSpec] = {
         MathSpec(
             Math.FP16, np.dtype(np.float16), "HALF", ALWAYS_EXCLUDED,
             False, "an FP16 fused graph rounds to half inside cuDNN, where an overflow cannot be flagged",
-            "conv_f16.cu", "conv_f16_r{kernel}s{stride}_n{tile}", "stem_f16", "stats_pool_f16",
+            "conv_f16.cu", "conv_f16_r{kernel}s{stride}_n{tile}_{rows}x{cols}", "stem_f16", "stats_pool_f16",
             1e-2, BOUNDS[Math.FP16], True, Math.TF32,
         ),
     )

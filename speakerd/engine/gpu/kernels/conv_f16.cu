@@ -8,15 +8,25 @@
 // activation, 0.08 ms) costs four of those floors; cuDNN's fused graphs cannot flag an FP16
 // overflow at all. (Ours, 0.28-0.32 ms, is only a few percent faster: see README.)
 //
-// Halo tiling: a block computes 2 output rows x 128 output columns of one image for BN
-// output channels. Per 32-channel K chunk it copies the input rows and columns those
-// outputs read (the halo: 4 x 130 pixels for a 3x3 stride-1 conv) into shared memory once,
-// and every one of the r x r taps reads its A fragments from there: the input crosses
-// L2 ~2x per conv instead of 9x for a per-tap implicit GEMM. The weights of the chunk (all
-// taps) sit beside it. One stage: two blocks per SM overlap one's copy with the other's
-// MMAs. (A persistent grid with two stages, the next chunk copied while this one computes,
-// ran slower on the H200: 0.344 vs 0.288 ms for layer1's b32 conv, at one block of 168-182
-// registers per SM; measurements/2026-12-03-h200-bench-fp16-afc55b1.jsonl.)
+// Halo tiling: a block computes a pixel tile of ROWS output rows x COLS output columns of
+// one image for BN output channels. Per 32-channel K chunk it copies the input rows and
+// columns those outputs read (the halo: (ROWS + 2) x (COLS + 2) pixels for a 3x3 stride-1
+// conv) into shared memory once, and every one of the r x r taps reads its A fragments from
+// there: the input crosses L2 ~2x per conv instead of 9x for a per-tap implicit GEMM. The
+// weights of the chunk (all taps) sit beside it. One stage: two blocks per SM overlap one's
+// copy with the other's MMAs. (A persistent grid with two stages, the next chunk copied
+// while this one computes, ran slower on the H200: 0.344 vs 0.288 ms for layer1's b32 conv,
+// at one block of 168-182 registers per SM; measurements/2026-12-03-h200-bench-fp16-afc55b1.jsonl.)
+//
+// Pixel tiles (template ROWS x COLS, entry points below; the autotuner times each): always
+// 256 threads, 8 warps, each warp PX = ROWS * COLS / 8 consecutive pixels of one output row
+// (PX / 16 m16 fragments) x BN channels.
+//   2 x 128: the first tile; fewest blocks, so the fewest reloads of the chunk's weights.
+//   1 x 128: twice the blocks, for grids too small to fill 132 SMs (layer2 at b1: 80 blocks
+//            of 2 x 128), at a halo of 3 x 130 = 3.05x the outputs.
+//   4 x 64, 8 x 32 (3x3 stride 1 only): squarer halos read fewer input pixels per output,
+//            6 x 66 = 1.55x and 10 x 34 = 1.33x instead of 4 x 130 = 2.03x, for layer1 at
+//            b32 (32 -> 32 channels, 80 x 998), which is bound by these loads.
 //
 // Fragments: within each 16-wide k slice, thread t's k pairs (2t, 2t+1) and (2t+8, 2t+9)
 // are read from the adjacent shared columns 4t..4t+3, for A and B alike (a dot product does
@@ -35,11 +45,11 @@
 
 #define F16_THREADS 256
 #define F16_BLOCKS_PER_SM 2  // caps registers at 128 a thread: two blocks share an SM
-// The 3x3 stride-2 halo (5 x 257 pixels, 158 KB with the weights) fits one block per SM:
-// no register cap there (at 128 its 64-channel variant spilled 8 bytes, H200 2026-12-03).
+// The 3x3 stride-2 halo of a 2 x 128 tile (5 x 257 pixels, 158 KB with 64 channels' weights)
+// fits one block per SM: no register cap there (at 128 its 64-channel variant spilled 8
+// bytes, H200 2026-12-03). Its 1 x 128 tiles keep the bound: uncapped, the registers they
+// use decide whether two blocks share an SM.
 #define F16_BLOCKS_PER_SM_WIDE 1
-#define F16_COLS 128   // output columns per block
-#define F16_ROWS 2     // output rows per block
 #define F16_CHUNK 32   // input channels per K chunk
 #define F16_LDB 48     // halves per shared weight row (32 + 16 padding)
 #define F16_OUT_PAD 8  // floats of padding per staged output row
@@ -48,53 +58,64 @@
 
 namespace {
 
-template <int R, int STRIDE, int BN>
+// The shared-memory layout of one block computing ROWS x COLS output pixels x BN channels.
+template <int R, int STRIDE, int BN, int ROWS, int COLS>
 struct HaloTile {
     // Shared pixels between consecutive output columns (and rows) of one tap: a 1x1 conv
     // copies only the pixels it reads, so its halo is dense whatever the stride.
     static constexpr int STEP = R == 1 ? 1 : STRIDE;
     static constexpr int PAD = R / 2;
     static constexpr int LDA = STEP == 1 ? 48 : 40;
-    static constexpr int ROWS = (F16_ROWS - 1) * STEP + R;
-    static constexpr int COLS = (F16_COLS - 1) * STEP + R;
-    static constexpr int A_HALVES = ROWS * COLS * LDA;
+    static constexpr int HALO_ROWS = (ROWS - 1) * STEP + R;
+    static constexpr int HALO_COLS = (COLS - 1) * STEP + R;
+    static constexpr int A_HALVES = HALO_ROWS * HALO_COLS * LDA;
     static constexpr int B_HALVES = R * R * BN * F16_LDB;
     static constexpr int LDO = BN + F16_OUT_PAD;
-    static constexpr int OUT_FLOATS = F16_ROWS * F16_COLS * LDO;
+    static constexpr int OUT_FLOATS = ROWS * COLS * LDO;
     static constexpr int LOAD_BYTES = (A_HALVES + B_HALVES) * 2;
     static constexpr int SHARED_BYTES = LOAD_BYTES > OUT_FLOATS * 4 ? LOAD_BYTES : OUT_FLOATS * 4;
 };
 
-template <int R, int STRIDE, int BN>
+template <int R, int STRIDE, int BN, int ROWS, int COLS>
 __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
                                          const float* __restrict__ bias,
                                          const unsigned short* __restrict__ residual,
                                          unsigned short* __restrict__ y, int* __restrict__ flag, int h, int wd,
                                          int c, int ho, int wo, int k, int relu) {
-    using T = HaloTile<R, STRIDE, BN>;
+    using T = HaloTile<R, STRIDE, BN, ROWS, COLS>;
+    // Warp tile: PX consecutive output pixels of one output row x BN channels, MI m16
+    // fragments; WARPS_PER_ROW warps share an output row.
+    constexpr int WARPS = F16_THREADS / 32;
+    constexpr int PX = ROWS * COLS / WARPS;
+    constexpr int MI = PX / 16;
+    constexpr int WARPS_PER_ROW = COLS / PX;
+    static_assert(PX == 16 || PX == 32, "a warp owns one or two m16 fragments of pixels");
+    static_assert(COLS % PX == 0 && ROWS * WARPS_PER_ROW == WARPS, "a warp's pixels lie in one output row");
     extern __shared__ float4 shared4[];
-    unsigned short* a_s = reinterpret_cast<unsigned short*>(shared4);  // ROWS x COLS x LDA
+    unsigned short* a_s = reinterpret_cast<unsigned short*>(shared4);  // HALO_ROWS x HALO_COLS x LDA
     unsigned short* b_s = a_s + T::A_HALVES;                           // taps x BN x LDB
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int group = lane >> 2, quad = lane & 3;  // mma fragment coordinates
-    const int n0 = blockIdx.x * BN, ow0 = blockIdx.y * F16_COLS;
-    const int row_blocks = (ho + F16_ROWS - 1) / F16_ROWS;
-    const int image = blockIdx.z / row_blocks, oh0 = (blockIdx.z - image * row_blocks) * F16_ROWS;
+    const int n0 = blockIdx.x * BN, ow0 = blockIdx.y * COLS;
+    const int row_blocks = (ho + ROWS - 1) / ROWS;
+    const int image = blockIdx.z / row_blocks, oh0 = (blockIdx.z - image * row_blocks) * ROWS;
     const int ih0 = oh0 * STRIDE - T::PAD, iw0 = ow0 * STRIDE - T::PAD;
     const int hstep = R == 1 ? STRIDE : 1;  // input pixels between consecutive halo pixels
     const long long image_base = static_cast<long long>(image) * h * wd * c;
     const int filter = R * R * c;
 
-    // Warp tile: 32 output pixels (one quarter of an output row) x BN channels.
-    const int warp_row = warp >> 2, warp_col = (warp & 3) * 32;
-    float acc[2][BN / 8][4];
+    // Unsigned: / and % by the power of two WARPS_PER_ROW become a shift and a mask (signed,
+    // they cost the 2 x 128 entry points 1-7 more registers than warp >> 2, ptxas sm_90).
+    const int warp_row = static_cast<unsigned>(warp) / WARPS_PER_ROW;
+    const int warp_col = static_cast<unsigned>(warp) % WARPS_PER_ROW * PX;
+    float acc[MI][BN / 8][4];
     zero_fragments(acc);
 
     for (int c0 = 0; c0 < c; c0 += F16_CHUNK) {
         // the halo of this chunk: 4 x 16-byte pieces per pixel, zeros in the padding
-        for (int index = tid; index < T::ROWS * T::COLS * 4; index += F16_THREADS) {
+        for (int index = tid; index < T::HALO_ROWS * T::HALO_COLS * 4; index += F16_THREADS) {
             const int pixel = index >> 2, piece = index & 3;
-            const int row = pixel / T::COLS, col = pixel - row * T::COLS;
+            const int row = pixel / T::HALO_COLS, col = pixel - row * T::HALO_COLS;
             const int ih = ih0 + row * hstep, iw = iw0 + col * hstep;
             const bool inside =
                 static_cast<unsigned>(ih) < static_cast<unsigned>(h) && static_cast<unsigned>(iw) < static_cast<unsigned>(wd);
@@ -113,13 +134,14 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
 #pragma unroll
         for (int tap = 0; tap < R * R; ++tap) {
             const int dh = tap / R, dw = tap - (tap / R) * R;
-            const unsigned short* a_tap = a_s + ((warp_row * T::STEP + dh) * T::COLS + warp_col * T::STEP + dw) * T::LDA;
+            const unsigned short* a_tap =
+                a_s + ((warp_row * T::STEP + dh) * T::HALO_COLS + warp_col * T::STEP + dw) * T::LDA;
             const unsigned short* b_tap = b_s + tap * BN * F16_LDB;
 #pragma unroll
             for (int kk = 0; kk < F16_CHUNK; kk += 16) {
-                unsigned a[2][4];
+                unsigned a[MI][4];
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
+                for (int i = 0; i < MI; ++i) {
                     const unsigned short* rows = a_tap + (i * 16 + group) * T::STEP * T::LDA + kk + 4 * quad;
                     const uint2 top = *reinterpret_cast<const uint2*>(rows);                               // pixel g
                     const uint2 bottom = *reinterpret_cast<const uint2*>(rows + 8 * T::STEP * T::LDA);  // g + 8
@@ -133,20 +155,20 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
                     const uint2 column = *reinterpret_cast<const uint2*>(b_tap + (j * 8 + group) * F16_LDB + kk + 4 * quad);
                     const unsigned b[2] = {column.x, column.y};
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) mma_f16(acc[i][j], a[i], b);
+                    for (int i = 0; i < MI; ++i) mma_f16(acc[i][j], a[i], b);
                 }
             }
         }
         __syncthreads();  // everyone is done with this chunk's tiles before they are refilled
     }
 
-    // Stage the accumulators (FP32) in shared memory: pixel p = row * 128 + column.
+    // Stage the accumulators (FP32) in shared memory: pixel p = row * COLS + column.
     float* out_s = reinterpret_cast<float*>(shared4);
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int pixel = warp_row * F16_COLS + warp_col + i * 16 + group + half * 8;
+            const int pixel = warp_row * COLS + warp_col + i * 16 + group + half * 8;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
                 *reinterpret_cast<float2*>(out_s + pixel * T::LDO + j * 8 + 2 * quad) =
@@ -156,9 +178,9 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
 
     // Bias, residual, ReLU, range check and the store, 8 channels (16 bytes) per step.
     bool bad = false;
-    for (int index = tid; index < F16_ROWS * F16_COLS * (BN / 8); index += F16_THREADS) {
+    for (int index = tid; index < ROWS * COLS * (BN / 8); index += F16_THREADS) {
         const int pixel = index / (BN / 8), part = index - pixel * (BN / 8);
-        const int oh = oh0 + pixel / F16_COLS, ow = ow0 + pixel % F16_COLS;
+        const int oh = oh0 + pixel / COLS, ow = ow0 + pixel % COLS;
         if (oh >= ho || ow >= wo) continue;
         const float* staged = out_s + pixel * T::LDO + part * 8;
         const int channel = n0 + part * 8;
@@ -183,16 +205,27 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
         int wd, int c, int ho, int wo, int k, int relu
 #define F16_ARGS x, w, bias, residual, y, flag, h, wd, c, ho, wo, k, relu
 
-// Entry points: conv_f16_r<R>s<STRIDE>_n<BN>. grid (cout / BN, ceil(wo / 128), n * ceil(ho / 2)),
-// block 256, dynamic shared memory HaloTile<R, STRIDE, BN>::SHARED_BYTES (the host computes
-// the same numbers, igemm.f16_shared_bytes); residual may be null.
-#define F16_ENTRY(R, S, BN, BLOCKS)                                                                      \
-    extern "C" __global__ __launch_bounds__(F16_THREADS, BLOCKS) void conv_f16_r##R##s##S##_n##BN(F16_PARAMS) { \
-        conv_f16<R, S, BN>(F16_ARGS);                                                                        \
+// Entry points: conv_f16_r<R>s<STRIDE>_n<BN>_<ROWS>x<COLS>. grid (cout / BN, ceil(wo / COLS),
+// n * ceil(ho / ROWS)), block 256, dynamic shared memory HaloTile<R, STRIDE, BN, ROWS,
+// COLS>::SHARED_BYTES (the host computes the same numbers, igemm.f16_shared_bytes and
+// igemm.f16_grid; igemm.F16_PIXEL_TILES lists these tiles); residual may be null.
+#define F16_ENTRY(R, S, BN, ROWS, COLS, BLOCKS)                                                   \
+    extern "C" __global__ __launch_bounds__(F16_THREADS, BLOCKS) void                             \
+        conv_f16_r##R##s##S##_n##BN##_##ROWS##x##COLS(F16_PARAMS) {                               \
+        conv_f16<R, S, BN, ROWS, COLS>(F16_ARGS);                                                 \
     }
-F16_ENTRY(3, 1, 32, F16_BLOCKS_PER_SM)
-F16_ENTRY(3, 1, 64, F16_BLOCKS_PER_SM)
-F16_ENTRY(3, 2, 32, F16_BLOCKS_PER_SM_WIDE)
-F16_ENTRY(3, 2, 64, F16_BLOCKS_PER_SM_WIDE)
-F16_ENTRY(1, 2, 32, F16_BLOCKS_PER_SM)
-F16_ENTRY(1, 2, 64, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 32, 2, 128, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 32, 1, 128, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 32, 4, 64, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 32, 8, 32, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 64, 2, 128, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 64, 1, 128, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 1, 64, 4, 64, F16_BLOCKS_PER_SM)
+F16_ENTRY(3, 2, 32, 2, 128, F16_BLOCKS_PER_SM_WIDE)
+F16_ENTRY(3, 2, 32, 1, 128, F16_BLOCKS_PER_SM_WIDE)
+F16_ENTRY(3, 2, 64, 2, 128, F16_BLOCKS_PER_SM_WIDE)
+F16_ENTRY(3, 2, 64, 1, 128, F16_BLOCKS_PER_SM_WIDE)
+F16_ENTRY(1, 2, 32, 2, 128, F16_BLOCKS_PER_SM)
+F16_ENTRY(1, 2, 32, 1, 128, F16_BLOCKS_PER_SM)
+F16_ENTRY(1, 2, 64, 2, 128, F16_BLOCKS_PER_SM)
+F16_ENTRY(1, 2, 64, 1, 128, F16_BLOCKS_PER_SM)
