@@ -8,8 +8,11 @@
 - The stem kernels (FP32 arithmetic; FP32 or FP16 out) against float64.
 - The range flag: raised by an FP16 kernel whose output leaves FP16's range (weights scaled
   up) or meets a NaN, never on normal data.
+- A fused cuDNN graph's range check (its AMAX reduction, read by the FP16 pooling kernel):
+  the flag is raised for outputs beyond 65504 and stays down on normal data.
 - The engine's fallback (docs/parity.md: a batch with an out-of-range value is recomputed without
-  FP16): a model whose layer1.0.bn1 is scaled by OVERFLOW_SCALE overflows FP16 in the
+  FP16): a model whose layer1.0.bn1 (our kernel runs its conv) or layer4.1.bn1 (cuDNN runs
+  it, fused or bare + our epilogue) is scaled by OVERFLOW_SCALE overflows FP16 in the
   trunk; the FP16 engine must flag the batch, recompute it in TF32, count it, and still
   meet the FP16 bound against the float64 forward of the same scaled model.
 The tables printed: (shape, kernel, epilogue, max |error| / max |reference|).
@@ -141,6 +144,80 @@ def test_f16_kernel_flags_values_out_of_half_range() -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("epilogue", ["bias_relu", "bias_add_relu", "bias_only"])
+def test_fused_cudnn_graph_range_check_raises_the_flag_through_the_pool_kernel(epilogue, capsys) -> None:
+    """A fused FP16 cuDNN graph (conv + epilogue + its AMAX reduction, convs.build_graph)
+    writes the largest magnitude of its result into its slot; the FP16 pooling kernel reads
+    the slots, raises the range flag for one beyond 65504 and clears them. Normal data: the
+    slot holds the output's true max and the flag stays down; weights pushing outputs past
+    65504: the flag is raised. The output agrees with float64 like our kernels'."""
+    import cudnn
+    import cupy
+
+    from speakerd.engine.gpu import igemm, kernels
+    from speakerd.engine.gpu.convs import ConvKey, time_plans
+    from speakerd.model.architecture import TRUNK_CHANNELS, TRUNK_FRAMES, TRUNK_MELS
+
+    spec = ConvSpec("test", "test", 128, 128, 3, 1, 20, 250)
+    batch = 2
+    x, weight, bias, residual = _f16_inputs(spec, batch)
+    huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
+    assert bool(cupy.isfinite(huge).all())
+    y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
+    amax = cupy.zeros((4,), dtype=cupy.float32)
+    flag = cupy.zeros((1,), dtype=cupy.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=stream.ptr)
+    add = residual if epilogue == "bias_add_relu" else None
+    buffers = {"X": x.data.ptr, "W": weight.data.ptr, "Y": y.data.ptr, "B": bias.data.ptr,
+               "A": amax[2:3].data.ptr}  # fmt: skip
+    if add is not None:
+        buffers["Z"] = add.data.ptr
+    key = ConvKey.of(spec, batch, Math.FP16, epilogue)
+    # a trunk output and masks for the pooling kernel: its pooling is not what is tested
+    trunk = cupy.zeros((1, TRUNK_MELS, TRUNK_FRAMES, TRUNK_CHANNELS), dtype=cupy.float16)
+    masks = cupy.ones((1, MAX_SPEAKERS, TRUNK_FRAMES), dtype=cupy.float32)
+    frames = cupy.full((1,), TRUNK_FRAMES, dtype=cupy.int32)
+    pooled = cupy.empty((MAX_SPEAKERS, 2 * TRUNK_CHANNELS * TRUNK_MELS), dtype=cupy.float32)
+    active = cupy.empty((MAX_SPEAKERS,), dtype=cupy.int32)
+    pool = kernels.function("stats_pool_f16")
+    try:
+        graph = time_plans(key, handle, stream, buffers)
+        rows = []
+        for name, w in (("normal", weight), ("huge", huge)):
+            pack = graph.pack(dict(buffers, W=w.data.ptr))
+            workspace = cupy.empty((max(1, graph.workspace_bytes),), dtype=cupy.uint8)
+            with stream:
+                flag.fill(0)
+                amax.fill(0)
+                graph.execute(pack, workspace.data.ptr, handle)
+                slot = float(amax[2].get())
+                true_max = float(cupy.abs(y.astype(cupy.float32)).max().get())
+                pool((1, TRUNK_MELS), (TRUNK_CHANNELS,),
+                     (trunk, masks, frames, pooled, active, amax, np.int32(amax.size), flag))  # fmt: skip
+                raised, left = int(flag.get()[0]), float(cupy.abs(amax).max().get())
+            rows.append((name, slot, true_max, raised, left))
+            if name == "normal":
+                reference = _reference(x.astype(cupy.float32), weight.astype(cupy.float32), bias,
+                                       None if add is None else add.astype(cupy.float64), 3, 1,
+                                       epilogue != "bias_only")  # fmt: skip
+                error = igemm.relative_difference(y.astype(cupy.float64), reference)
+    finally:
+        cudnn.destroy_handle(handle)
+    with capsys.disabled():
+        print(f"\nfused FP16 {key.label()} ({graph.plan_name}, {graph.ms:.4f} ms): error {error:.3e}; "
+              + "; ".join(f"{n}: slot {s:.6g}, |y| max {t:.6g}, flag {r}, slots after pool {a:g}"
+                          for n, s, t, r, a in rows))  # fmt: skip
+    (_, slot, true_max, raised, left), (_, huge_slot, _, huge_raised, huge_left) = rows
+    assert error <= F16_BOUND, f"fused output differs from float64 by {error:.3e} (bound {F16_BOUND:g})"
+    # the slot holds the max of the result as rounded to half (H200) or before it: within a half ulp
+    assert abs(slot - true_max) <= true_max * 2**-10 and raised == 0 and left == 0, rows[0]
+    assert not huge_slot <= 65504 and huge_raised == 1 and huge_left == 0, rows[1]
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_stem_kernels_match_float64(capsys) -> None:
     import cupy
 
@@ -173,8 +250,9 @@ def test_stem_kernels_match_float64(capsys) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("block", ["layer1.0", "layer4.1"])  # ours runs layer1; cuDNN, fused or not, layer4
 def test_fp16_overflow_is_recomputed_in_tf32_and_meets_the_bound(
-    weights_path, reference_cases, capsys
+    block, weights_path, reference_cases, capsys
 ) -> None:
     from speakerd.engine.gpu.engine import GpuEngine
     from speakerd.model.forward import forward_float64
@@ -182,7 +260,7 @@ def test_fp16_overflow_is_recomputed_in_tf32_and_meets_the_bound(
 
     state = load_state_dict(weights_path)
     for field in ("weight", "bias"):
-        key = f"resnet.layer1.0.bn1.{field}"
+        key = f"resnet.{block}.bn1.{field}"
         state[key] = (state[key] * OVERFLOW_SCALE).astype(np.float32)
     model = fold_state_dict(state, "overflow-test")
     case = next(c for c in reference_cases if c.name == "first_b1")
@@ -190,15 +268,16 @@ def test_fp16_overflow_is_recomputed_in_tf32_and_meets_the_bound(
     engine = GpuEngine(model, Math.FP16, (1,))
     try:
         taps = engine.forward_with_taps(case.fbank, case.masks)
-        hidden = float(np.max(np.abs(taps["layer1.0.hidden"])))
+        hidden = float(np.max(np.abs(taps[f"{block}.hidden"])))
+        runner = next(c.runner for c in engine.plans[1].convs if c.name == f"{block}.conv1")
         run = engine.run_batch(case.fbank, case.masks)
         again = engine.run_batch(case.fbank, case.masks)
     finally:
         engine.close()
     parity = compare(run.embeddings, expected.reshape(1, MAX_SPEAKERS, EMBEDDING_DIM))
     with capsys.disabled():
-        print(f"\nforced overflow (layer1.0.bn1 x {OVERFLOW_SCALE:g}): FP16 layer1.0.hidden "
-              f"max |x| {hidden:.4g}; "
+        print(f"\nforced overflow ({block}.bn1 x {OVERFLOW_SCALE:g}, {block}.conv1 run by {runner}): "
+              f"FP16 {block}.hidden max |x| {hidden:.4g}; "
               f"plans {run.plans}, fallbacks {run.fp16_fallbacks}; vs float64: min cosine "
               f"{parity.min_cosine:.9f}, max abs {parity.max_abs:.3e}")  # fmt: skip
     assert not np.isfinite(hidden) or hidden > 65504, f"the scaled model did not overflow FP16 ({hidden})"

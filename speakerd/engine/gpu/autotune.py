@@ -4,7 +4,7 @@ The candidates, in the order they are tried (a later one must be strictly faster
 - `CudnnBare`: cuDNN's fastest execution plan of the bare convolution (convs.time_plans)
   followed by our epilogue kernel (epilogue.py);
 - `CudnnFused`: cuDNN's fused graph, conv + bias [+ residual] [+ ReLU], where the math
-  allows one (maths.py: TF32 only);
+  allows one (maths.py: TF32, and FP16 with its range check, an AMAX reduction, in the graph);
 - `OwnStem`: our direct stem kernel (stem.py), the stem only;
 - `OwnIgemm`: our implicit-GEMM kernels (igemm.py), every channel tile (and in FP16 every
   pixel tile) the shape allows.
@@ -72,6 +72,9 @@ class ConvRequest:
     epilogue: str
     residual: object | None = None
     flag: object | None = None  # the plan's range flag, in range-flag maths
+    #: this conv's one-float slot of the plan's range maxima, in range-flag maths: a fused
+    #: cuDNN graph writes the largest magnitude of its FP32 result there (plan.py)
+    amax: object | None = None
 
     @property
     def spec(self) -> ConvSpec:
@@ -307,6 +310,9 @@ class Autotuner:
         if self.fusion in able and best is not None:
             if request.residual is not None:
                 fused_buffers["Z"] = request.residual.data.ptr
+            if table.range_flag:
+                assert request.amax is not None, f"{request.name}: no range-maximum slot for a fused graph"
+                fused_buffers["A"] = request.amax.data.ptr
             fused = self.conv_graph(key, fused_buffers, required=False)
             if fused is None:
                 refusals.append(Refusal(self.fusion.name, _label(key), self.failed[key]))

@@ -10,7 +10,8 @@ Math (the rows of maths.py): strict FP32 deselects tensor-core engines too (an F
 cuDNN convolution otherwise runs TF32), TF32 allows them (never FP16 down-conversion),
 FP16 mixed uses half X, W and Y with FP32 compute (FP16 accumulation deselected). Fused
 graphs (conv + bias [+ residual] [+ ReLU]) are built only where the math allows them
-(TF32); elsewhere our epilogue kernel follows the bare conv (autotune.py says why).
+(TF32, and FP16 with an AMAX reduction as its range check, "A"); in strict FP32 our
+epilogue kernel follows the bare conv (autotune.py says why).
 Non-deterministic engines are always excluded, so two eager passes agree bit for bit.
 Plans are timed as they serve: one execution captured into a CUDA graph and replayed.
 A plan whose replay does not write the same bits as its eager execution is no candidate,
@@ -115,7 +116,7 @@ class ConvGraph:
 
     key: ConvKey
     graph: object  # cudnn.pygraph
-    tensors: dict[str, object]  # "X", "W", "Y" (+ "B", "Z" when fused) -> cudnn tensor
+    tensors: dict[str, object]  # "X", "W", "Y" (+ "B", "Z" when fused, "A" fused in FP16) -> cudnn tensor
     plan_index: int
     plan_name: str
     workspace_bytes: int
@@ -216,6 +217,14 @@ def build_graph(key: ConvKey, handle):
             y = graph.relu(input=y)
     y.set_output(True).set_data_type(io)
     tensors["Y"] = y
+    if key.epilogue is not None and maths.of(key.math).range_flag:
+        # the range check of a fused graph: the largest |value| of its result. On the H200
+        # (scripts/probe_fp16_fusion.py, every plan of every trunk shape) an output beyond
+        # 65504 reads inf here, as Y holds it (cuDNN rounds to half without saturating), and
+        # the reduction overwrites its output, so the slot needs no clearing before a run
+        amax = graph.reduction(input=y, mode=cudnn.reduction_mode.AMAX, compute_data_type=fp32)
+        amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+        tensors["A"] = amax
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])

@@ -88,7 +88,9 @@ class MathSpec:
 #: The rows. FP32 strict: engines with TENSOR_CORE are excluded too, because an FP32-io cuDNN
 #: convolution otherwise runs TF32 (measured on the H200); its fused graphs fell back to a
 #: 26-76 ms engine. FP16: a fused graph converts its result to half inside cuDNN, where an
-#: overflow cannot be flagged, so our FP16 epilogue (which checks) follows a bare conv.
+#: overflow cannot be flagged by a kernel of ours, so in a range-flag math every fused graph
+#: also reduces its FP32 result to its largest magnitude (a cuDNN AMAX reduction node, read
+#: by the pooling kernel: plan.py); the range check is then as strict as our kernels'.
 MATHS: dict[Math, MathSpec] = {
     spec.math: spec
     for spec in (
@@ -106,7 +108,7 @@ MATHS: dict[Math, MathSpec] = {
         ),
         MathSpec(
             Math.FP16, np.dtype(np.float16), "HALF", ALWAYS_EXCLUDED,
-            False, "an FP16 fused graph rounds to half inside cuDNN, where an overflow cannot be flagged",
+            True, "",
             "conv_f16.cu", "conv_f16_r{kernel}s{stride}_n{tile}_{rows}x{cols}", "stem_f16", "stats_pool_f16",
             1e-2, BOUNDS[Math.FP16], True, Math.TF32,
         ),

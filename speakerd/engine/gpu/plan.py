@@ -12,7 +12,10 @@ allocates nothing and can be captured once into a CUDA graph and replayed (captu
   engine serialises them on one stream under a lock);
 - in a range-flag math (FP16) a device int32 range flag, cleared at the start of the
   forward and raised by any kernel that produced a value outside FP16's range; read back
-  with the outputs;
+  with the outputs. A convolution that a fused cuDNN graph runs cannot raise it itself: the
+  graph writes the largest magnitude of its FP32 result into the convolution's slot of
+  `amax` (one float per convolution), and the pooling kernel, which runs after the whole
+  trunk, raises the flag for any slot beyond FP16's range;
 - pooled [3b, 5120], output [3b, 256], active frames [3b];
 - pinned host buffers for the outputs (asynchronous copies). Inputs arrive through the
   engine's staging slots (staging.py), copied in while the previous batch computes.
@@ -57,6 +60,8 @@ from speakerd.model.weights import FoldedConv, FoldedModel
 #: fbank_to_stem tile (kernels/speakerd.cu TILE) and its block shape.
 TRANSPOSE_TILE = 32
 TRANSPOSE_ROWS = 8
+#: Convolutions of the trunk: the stem, two per block and the blocks' shortcuts.
+CONVOLUTIONS = 1 + sum(2 + (block.shortcut is not None) for block in BLOCKS)
 #: (tap name, device view, tap shape) -> None, called after each tap is computed.
 TapHook = Callable[[str, object, tuple[int, ...]], None]
 
@@ -149,7 +154,8 @@ class TapStep:
 @dataclass
 class PoolStep:
     """Masked statistics pooling of the trunk's output into pooled [3b, 5120], counting each
-    row's active frames (the kernel resizes the F mask frames itself)."""
+    row's active frames (the kernel resizes the F mask frames itself). In a range-flag math
+    it also reads (and clears) the fused convolutions' range maxima `amax` into `flag`."""
 
     kernel: str
     batch: int
@@ -158,6 +164,8 @@ class PoolStep:
     mask_frames: object
     pooled: object
     active: object
+    amax: object | None = None
+    flag: object | None = None
     label: ClassVar[str] = "pool"
 
     @property
@@ -166,6 +174,8 @@ class PoolStep:
 
     def enqueue(self, ctx: DeviceContext) -> None:
         args = (self.trunk_out, self.masks, self.mask_frames, self.pooled, self.active)
+        if self.amax is not None:
+            args += (self.amax, np.int32(self.amax.size), self.flag)
         ctx.kernels[self.kernel]((self.batch, TRUNK_MELS), (TRUNK_CHANNELS,), args, stream=ctx.stream)
 
 
@@ -215,6 +225,8 @@ class Plan:
         sizes = activation_elements(batch)
         self.act = {name: ctx.arena[name].view(self.table.io_dtype)[: sizes[name]] for name in sizes}
         self.flag = cupy.zeros((1,), dtype=cupy.int32)  # the range flag (see the module docstring)
+        # one range maximum per convolution, written by the fused cuDNN graphs (range-flag maths)
+        self.amax = cupy.zeros((CONVOLUTIONS,), dtype=cupy.float32) if self.table.range_flag else None
         self.host_flag = pinned((1,), np.int32)
         self.fbank = cupy.zeros((batch, FRAMES, MEL_BINS), dtype=cupy.float32)
         # random, not zeros, while the stem's plans are timed (zeros can run faster)
@@ -228,12 +240,17 @@ class Plan:
         self.active = cupy.zeros((rows,), dtype=cupy.int32)
         self.host_output = pinned((rows, EMBEDDING_DIM), np.float32)
         self.host_active = pinned((rows,), np.int32)
+        self._requests: list[ConvRequest] = []
         self.steps: list[Step] = self._build(model)
 
     # ----- set-up -------------------------------------------------------------------
     def _conv(self, name: str, folded: FoldedConv, x, y, epilogue: str, residual=None) -> ConvStep:
-        flag = self.flag if self.table.range_flag else None
-        request = ConvRequest(name, folded, self.batch, self.math, x, y, epilogue, residual, flag)
+        flag = amax = None
+        if self.table.range_flag:
+            flag, slot = self.flag, len(self._requests)
+            amax = self.amax[slot : slot + 1]
+        request = ConvRequest(name, folded, self.batch, self.math, x, y, epilogue, residual, flag, amax)
+        self._requests.append(request)
         return ConvStep(request, self.tuner.choose(request))
 
     def _build(self, model: FoldedModel) -> list[Step]:
@@ -258,8 +275,9 @@ class Plan:
                       tap(spec_block.out_tap, out)]  # fmt: skip
             x, out = out, x
         self.trunk_out = x
+        assert len(self._requests) == CONVOLUTIONS, (len(self._requests), CONVOLUTIONS)
         pool = PoolStep(self.table.pool_kernel, self.batch, x, self.masks, self.mask_frames, self.pooled,
-                        self.active)  # fmt: skip
+                        self.active, self.amax, self.flag if self.amax is not None else None)  # fmt: skip
         bias = Epilogue.bind("bias_only", self.output, self.ctx.weights.seg_bias, None, EMBEDDING_DIM,
                              self.output.size, None, self.ctx.sm_count)  # fmt: skip
         steps += [pool, tap("pooled", self.pooled), LinearStep(self.pooled, self.output),
@@ -326,8 +344,8 @@ class Plan:
     def own_bytes(self) -> int:
         """Device bytes of the buffers this plan owns (not its arena views)."""
         own = (self.fbank, self.stem_in, self.masks, self.mask_frames, self.pooled, self.output, self.active,
-               self.flag)  # fmt: skip
-        return sum(int(a.nbytes) for a in own)
+               self.flag, self.amax)  # fmt: skip
+        return sum(int(a.nbytes) for a in own if a is not None)
 
     def pinned_bytes(self) -> int:
         return int(self.host_output.nbytes + self.host_active.nbytes + self.host_flag.nbytes)

@@ -275,8 +275,22 @@ extern "C" __global__ void stats_pool_f32(const float* x, const float* masks, co
     stats_pool(x, masks, mask_frames, pooled, active);
 }
 
-// The FP16 trunk's output (halves), pooled in FP32.
+// The FP16 trunk's output (halves), pooled in FP32; block (0, 0) also reads the trunk's
+// range maxima. Each convolution run by a fused cuDNN graph writes the largest magnitude
+// of its FP32 result (before the rounding to half) into its slot of `amax` (0 for the
+// others); one beyond 65504, or NaN, raises the range flag like our own kernels do. Read
+// here rather than by a kernel of its own because the pool runs after the whole trunk
+// anyway (one launch less: ~2 us of a b1 forward). Slots are cleared as they are read, so
+// a slot whose convolution stops being fused cannot keep a stale value.
 extern "C" __global__ void stats_pool_f16(const unsigned short* x, const float* masks, const int* mask_frames,
-                                          float* pooled, int* active) {
+                                          float* pooled, int* active, float* amax, int amax_count, int* flag) {
+    if (blockIdx.x == 0 && blockIdx.y == 0) {
+        bool bad = false;
+        for (int i = threadIdx.x; i < amax_count; i += blockDim.x) {
+            bad |= out_of_half_range(amax[i]);
+            amax[i] = 0.0f;
+        }
+        raise_flag(bad, flag);
+    }
     stats_pool(x, masks, mask_frames, pooled, active);
 }
