@@ -388,6 +388,20 @@ def test_the_maths_table_has_a_row_per_math() -> None:
         maths.of("bf16")
 
 
+def test_fused_range_check_graphs_time_fewer_plans() -> None:
+    """An FP16 fused graph carries its range check (AMAX) and every plan of it is compiled
+    at start-up, so fewer are tried; bare graphs and TF32's fused ones keep the full count."""
+    from speakerd.engine.gpu.convs import MAX_PLANS, MAX_RANGE_FUSED_PLANS, ConvKey, plan_limit
+
+    def key(math: Math, epilogue: str | None) -> ConvKey:
+        return ConvKey(32, 128, 128, 3, 1, 20, 250, math, epilogue)
+
+    assert MAX_RANGE_FUSED_PLANS < MAX_PLANS
+    assert plan_limit(key(Math.FP16, "bias_add_relu")) == MAX_RANGE_FUSED_PLANS
+    assert plan_limit(key(Math.FP16, None)) == MAX_PLANS
+    assert plan_limit(key(Math.TF32, "bias_relu")) == MAX_PLANS
+
+
 def test_no_math_comparisons_outside_the_maths_table() -> None:
     """The GPU engine reads what a math means from maths.py; no module compares Math values."""
     import re

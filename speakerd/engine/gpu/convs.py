@@ -52,6 +52,12 @@ HOPELESS = 3.0
 #: trunk shape (measured on an H200 on 2026-12-02: docs/performance.md) was within the first 12, and
 #: each runtime-compiled plan costs an NVRTC build at start-up.
 MAX_PLANS = 12
+#: The same for an FP16 fused graph (conv, epilogue and its AMAX range check): every plan
+#: of those is runtime-compiled by cuDNN (eng4), ~3 s of start-up per graph at 12 plans
+#: (an FP16 engine took 129 s to build, 28 s before fusion). On the H200 the fastest of
+#: the first six was among the first five for all twelve trunk shapes probed
+#: (measurements/2026-12-04-h200-fp16-fusion-probe-97780cc.jsonl).
+MAX_RANGE_FUSED_PLANS = 5
 #: Plans needing more workspace than this are not candidates. Strict FP32's fastest plans
 #: need a lot: eng70 ran layer1's b32 conv in 2.10 ms with 654 MB of workspace where the
 #: best plan without workspace took 4.79 ms, layer2's in 1.40 ms with 327 MB vs 4.68
@@ -307,6 +313,12 @@ def _time_candidate(
     return statistics.median(times), strict
 
 
+def plan_limit(key: ConvKey) -> int:
+    """Execution plans built and timed for `key` (see MAX_PLANS, MAX_RANGE_FUSED_PLANS)."""
+    fused_with_range_check = key.epilogue is not None and maths.of(key.math).range_flag
+    return MAX_RANGE_FUSED_PLANS if fused_with_range_check else MAX_PLANS
+
+
 def time_plans(
     key: ConvKey, handle, stream, buffers: dict[str, int], banned: frozenset[int] = frozenset()
 ) -> ConvGraph:
@@ -322,7 +334,7 @@ def time_plans(
     best: tuple[bool, float, int] | None = None  # (not strict, median ms, index) of the best so far
     tried = 0
     for index in range(graph.get_execution_plan_count()):
-        if tried >= MAX_PLANS:
+        if tried >= plan_limit(key):
             break
         try:
             if index in banned:
