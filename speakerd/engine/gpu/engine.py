@@ -88,6 +88,7 @@ class GpuEngine(Engine):
         self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
         self._lock = threading.RLock()
         self._fallbacks_logged = False
+        self._last_active: dict[int, np.ndarray] = {}  # plan batch -> the last run's active frames
         stream = cupy.cuda.Stream(non_blocking=True)
         handle = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=stream.ptr)
@@ -194,9 +195,10 @@ class GpuEngine(Engine):
                 plan.enqueue_download(chunks, slot.host_output, slot.host_active, slot.host_flag)
                 slot.finished.record(self.stream)
             slot.finished.synchronize()
-            output, _active, flagged = read_results(
+            output, active, flagged = read_results(
                 chunks, slot.host_output, slot.host_active, slot.host_flag, self.table.range_flag
             )
+            self._last_active[plan.batch] = active  # for active_frames (one reference, swapped whole)
             compute_s = cupy.cuda.get_elapsed_time(slot.started, slot.computed) / 1e3
             d2h_s = cupy.cuda.get_elapsed_time(slot.computed, slot.finished) / 1e3
             plans = [f"b{plan.batch}/{mode}"]
@@ -246,11 +248,15 @@ class GpuEngine(Engine):
             self._free_slots.put(slot)
 
     def active_frames(self, chunks: int) -> np.ndarray:
-        """[chunks, 3] trunk frames with non-zero weight of the last batch of that plan,
-        as the pooling kernel counted them (0 flags an empty mask)."""
-        with self._lock:
-            plan = self.plan_for(chunks)
-            return plan.host_active[: chunks * MAX_SPEAKERS].reshape(chunks, MAX_SPEAKERS).copy()
+        """[chunks, 3] trunk frames with non-zero weight of the last batch `run_batch` ran on
+        that plan, as the pooling kernel counted them (0 flags an empty mask). Kept per plan
+        by run_batch: the plan's own pinned arrays are no longer where results land (each
+        batch downloads into its staging slot, engine.run_batch)."""
+        plan = self.plan_for(chunks)
+        active = self._last_active.get(plan.batch)
+        if active is None:
+            raise RuntimeError(f"{self.name}: no batch has run on plan b{plan.batch} yet")
+        return active[: chunks * MAX_SPEAKERS].reshape(chunks, MAX_SPEAKERS).copy()
 
     def forward_with_taps(self, fbank: Pieces, masks: Pieces) -> dict[str, np.ndarray]:
         """Eager forward returning FP32 host copies of all 38 taps (NCHW trunk taps; rows
