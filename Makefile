@@ -31,7 +31,7 @@ serve: venv
 	@echo "  Start-up: health is NOT_SERVING until the log says 'SERVING ... after N s of start-up'."
 	@echo "  On 2 idle CPU cores that is about 10 s (engine build and parity self-check); the first"
 	@echo "  start also makes the default model in $(SPEAKERD_CACHE) (about 15 s more). A GPU start"
-	@echo "  times kernels and captures graphs: about 30 s on an H200 (FP16: 28 s measured)."
+	@echo "  times kernels and captures graphs: about 30 s on an H200 (FP16: 31.5 s measured)."
 	@echo "  The console scripts are in $(BIN) only (not on PATH): $(BIN)/speakerd and"
 	@echo "  $(BIN)/speakerd-client (the same as $(BIN)/python -m speakerd / -m speakerd.client)."
 	@echo "  From another shell in this directory:"
