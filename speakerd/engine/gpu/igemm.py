@@ -78,11 +78,7 @@ def kernel_name(
     (rows, cols): conv_f16.cu's names carry the pixel tile, conv_igemm.cu's have none."""
     row = maths.of(math)
     assert (pixels is not None) == (row.own_source == F16_SOURCE), (math, pixels)
-    if pixels is None:
-        return row.own_kernel(tile, kernel, stride)
-    # MathSpec.own_kernel formats tile, kernel and stride only; the FP16 name adds rows and cols
-    rows, cols = pixels
-    return row.own_name.format(tile=tile, kernel=kernel, stride=stride, rows=rows, cols=cols)
+    return row.own_kernel(tile, kernel, stride, pixels)
 
 
 #: Every entry point of kernels/conv_igemm.cu this module launches, then of kernels/conv_f16.cu.

@@ -39,7 +39,7 @@ class MathSpec:
     #: why not, when they may not (reported as a refusal)
     no_fusion_reason: str
     #: kernels/ file of our convolution family, and its entry-point names (str.format with
-    #: tile, kernel, stride)
+    #: tile, kernel, stride, and for conv_f16.cu the pixel tile's rows and cols)
     own_source: str
     own_name: str
     #: our stem kernel (kernels/speakerd.cu) and statistics pooling kernel
@@ -80,9 +80,13 @@ class MathSpec:
 
         return [getattr(cudnn.numerical_note, name) for name in self.excluded_notes]
 
-    def own_kernel(self, tile: int, kernel: int = 3, stride: int = 1) -> str:
-        """The entry point of our convolution family for this tile and shape."""
-        return self.own_name.format(tile=tile, kernel=kernel, stride=stride)
+    def own_kernel(
+        self, tile: int, kernel: int = 3, stride: int = 1, pixels: tuple[int, int] | None = None
+    ) -> str:
+        """The entry point of our convolution family for this channel tile, shape and pixel
+        tile (rows, cols; None for a family whose names carry none)."""
+        rows, cols = pixels if pixels is not None else (None, None)
+        return self.own_name.format(tile=tile, kernel=kernel, stride=stride, rows=rows, cols=cols)
 
 
 #: The rows. FP32 strict: engines with TENSOR_CORE are excluded too, because an FP32-io cuDNN
