@@ -62,6 +62,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--recording", type=float, default=None, metavar="SECONDS",
         help="instead: a whole recording of SECONDS through the GPU engine (EmbedRecording's path)",
     )  # fmt: skip
+    parser.add_argument(
+        "--batcher", type=int, default=None, metavar="STREAMS",
+        help="instead: STREAMS callers of 32-chunk requests through the server's batcher, in process",
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=10.0, help="with --batcher: run time")
     parser.add_argument("--sample-rate", type=int, default=16_000, help="with --recording: its PCM rate")
     parser.add_argument("--channels", type=int, default=1, help="with --recording: its channel count")
 
@@ -161,6 +166,21 @@ def bench_ours(math: Math, model, cases, args) -> dict[tuple[int, str], float]:
         engine.close()
         cupy.get_default_memory_pool().free_all_blocks()
     return medians
+
+
+def _whole_path(engine, args: argparse.Namespace) -> dict[str, object]:
+    """--recording or --batcher: one line for `engine` on that path."""
+    if args.batcher is not None:
+        from speakerd.model.cases import case_inputs
+        from speakerd.tools.bench_batcher import bench as bench_batcher
+
+        if args.batcher < 1:
+            raise SystemExit(f"--batcher: {args.batcher} streams, expected at least 1")
+        fbank, masks = case_inputs(CASE_FOR_BATCH[32])
+        return bench_batcher(engine, fbank, pad_speakers(masks), args.batcher, args.seconds)
+    from speakerd.tools.bench_recording import bench as bench_recording
+
+    return bench_recording(engine, args.recording, args.sample_rate, args.channels, args.runs)
 
 
 # ----- the PyTorch comparison ------------------------------------------------------------
@@ -288,14 +308,13 @@ def run(args: argparse.Namespace) -> int:
         model_id=model.model_id[:16],
         gflop_per_chunk=round(TRUNK_FLOPS_PER_CHUNK / 1e9, 2),
     )
-    if args.recording is not None:
+    if args.recording is not None or args.batcher is not None:
         from speakerd.engine.gpu.engine import GpuEngine
-        from speakerd.tools.bench_recording import bench as bench_recording
 
         for math in maths:
             engine = GpuEngine(model, math, (1, 32), own_kernels=args.conv_kernels == "auto")
             try:
-                say(**bench_recording(engine, args.recording, args.sample_rate, args.channels, args.runs))
+                say(**_whole_path(engine, args))
             finally:
                 engine.close()
         return 0
