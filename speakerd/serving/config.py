@@ -45,6 +45,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CONV_KERNELS = ("auto", "cudnn")
 #: `--devices` value for every device of the engine's kind on this machine.
 ALL_DEVICES = "all"
+#: Most `--receivers`: each is a process with its own shared-memory slots; past a few per
+#: GPU they only add memory (docs/service.md: 4 took an H200's FP16 server past 90% of its
+#: engine).
+MAX_RECEIVERS = 32
+#: Log lines of the server and of its receiver processes.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class UsageError(ValueError):
@@ -104,6 +110,9 @@ class ServeConfig:
     #: One engine per listed device, each in its own worker process; None: one engine in
     #: this process (the default, as before --devices existed).
     devices: DeviceRequest | None = None
+    #: Processes that receive gRPC calls on the port and hand them over through shared
+    #: memory (receiver_link.py); 0: this process receives them itself.
+    receivers: int = 0
 
     @property
     def max_message_bytes(self) -> int:
@@ -152,6 +161,15 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port}: expected 0..65535 (0 picks a free port)")
     return port
+
+
+def _receivers(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_RECEIVERS:
+        raise argparse.ArgumentTypeError(
+            f"{value}: expected 0 (this process receives calls) to {MAX_RECEIVERS} receiver processes"
+        )
+    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -210,6 +228,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"one engine per device, each in a worker process: {ALL_DEVICES} or indices like 0,1 "
         "(off: one engine in this process)",
         type=parse_devices,
+    )
+    add(
+        "receivers",
+        0,
+        "processes that receive gRPC calls on the port and hand 32-chunk requests to this one "
+        "through shared memory (0: this process receives them)",
+        type=_receivers,
     )
 
 
@@ -284,4 +309,5 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         tls_client_ca=tls_client_ca,
         auth_tokens=_readable_file(args, "auth-tokens"),
         devices=devices,
+        receivers=int(args.receivers),
     )

@@ -32,9 +32,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +57,8 @@ from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.batcher import Batcher
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
 from speakerd.serving.metrics import Metrics
+from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
+from speakerd.serving.receivers import ReceiverFailed, ReceiverGroup
 from speakerd.serving.security import TlsFileError, TlsFiles, server_credentials
 from speakerd.serving.service import (
     MAX_CONCURRENT_STREAMS,
@@ -76,7 +80,6 @@ FAIL_LEFTOVERS_S = 0.5
 #: a failed self-check keeps exit code 1.
 USAGE_EXIT = 2
 START_FAILED_EXIT = 1
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 T = TypeVar("T")
 
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     except config.UsageError as error:
         print(f"speakerd serve: error: {error}", file=sys.stderr)
         return USAGE_EXIT
-    logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
+    logging.basicConfig(level=settings.log_level, format=config.LOG_FORMAT)
     try:
         prepared = preflight(settings)
     except config.UsageError as error:
@@ -166,23 +169,37 @@ def preflight(settings: config.ServeConfig) -> Prepared:
         from speakerd.engine.factory import device_count
 
         devices = settings.devices.resolve(*device_count(kind))
-        _check_shared_memory(len(devices), settings.plans[-1])
+    _check_shared_memory(len(devices or ()), settings.plans[-1], settings.receivers)
     _check_bindable(settings.host, settings.port, "--port")
     _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
     return Prepared(kind, model, credentials, tokens, devices)
 
 
-def _check_shared_memory(devices: int, max_batch: int) -> None:
-    """The batch slots of `devices` workers must fit in /dev/shm: past its end a write is a
-    SIGBUS that kills the server mid-batch, so a small one is a usage error now."""
-    needed = devices * SLOTS_PER_DEVICE * SlotLayout(max_batch).nbytes
+def _check_shared_memory(devices: int, max_batch: int, receivers: int) -> None:
+    """The batch slots of `devices` workers and the request slots of `receivers` must fit in
+    /dev/shm: past its end a write is a SIGBUS that kills the writer mid-batch, so a small
+    one is a usage error now."""
+    needs = {
+        "--devices": devices * SLOTS_PER_DEVICE * SlotLayout(max_batch).nbytes,
+        "--receivers": receivers * SLOTS_PER_RECEIVER * SLOT_BYTES,
+    }
+    needed = sum(needs.values())
     free = shared_memory_free()
-    if free is not None and free < needed:
+    if needed and free is not None and free < needed:
+        flags = " and ".join(f"{flag} ({size / 1e6:.0f} MB)" for flag, size in needs.items() if size)
         raise config.UsageError(
-            f"--devices: {devices} devices need {needed / 1e6:.0f} MB of shared memory in {SHM_DIR}, "
-            f"{free / 1e6:.0f} MB are free; give the container more (docker run --shm-size 512m, or a "
-            f"memory-backed emptyDir at {SHM_DIR} as deploy/k8s-multi-gpu does)"
+            f"{flags}: need {needed / 1e6:.0f} MB of shared memory in {SHM_DIR}, {free / 1e6:.0f} MB are "
+            f"free; give the container more (docker run --shm-size 1g, or a memory-backed emptyDir at "
+            f"{SHM_DIR} as deploy/k8s-multi-gpu does), or ask for fewer"
         )
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now (for --port 0 with --receivers, which must share one)."""
+    family = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def _load_weights(weights: str) -> FoldedModel:
@@ -340,6 +357,10 @@ class SpeakerServer:
         self.metrics_port = 0
         self.abandoned_work = False
         self._server: grpc.aio.Server | None = None
+        #: --receivers: the processes taking calls on the port, and the private directory
+        #: of this server's own socket, where they forward what they do not hand over
+        self.receivers: ReceiverGroup | None = None
+        self._internal_dir: str | None = None
         self._started = time.monotonic()
         self._stop = asyncio.Event()
         self._exit_code = 0
@@ -371,17 +392,14 @@ class SpeakerServer:
         )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{s.host}:{s.port}"
-        try:
-            if self.prepared.credentials is None:
-                self.port = self._server.add_insecure_port(address)
-            else:
-                self.port = self._server.add_secure_port(address, self.prepared.credentials)
-        except RuntimeError as error:  # gRPC: "Failed to bind to address ..."
-            message = f"--host {s.host} --port {s.port}: cannot listen there ({error})"
-            raise config.UsageError(message) from error
-        if self.port == 0:
-            raise config.UsageError(f"--host {s.host} --port {s.port}: cannot listen there")
+        internal = None
+        if s.receivers:  # they listen on the port; this server only on its private socket
+            self._internal_dir = tempfile.mkdtemp(prefix="speakerd-")  # mode 0700: this user only
+            internal = f"unix:{self._internal_dir}/server.sock"
+            if self._server.add_insecure_port(internal) == 0:
+                raise config.UsageError(f"--receivers: cannot listen on {internal} (is /tmp writable?)")
+        else:
+            self.port = self._bind_port()
         try:
             self.metrics_port = self.metrics.serve_http(s.metrics_port, s.host)
         except OSError as error:
@@ -390,12 +408,60 @@ class SpeakerServer:
                 "pick a free --metrics-port (0 picks one)"
             ) from error
         await self._server.start()
+        if internal is not None:
+            self.port = await self._start_receivers(internal)
         self.metrics.build_info.labels(version=package_version()).set(1)
         log.info("listening on %s:%d (metrics on :%d, plain HTTP), gRPC %s%s; NOT_SERVING until the "
                  "warm-up (model, engine build, parity self-check) passes", s.host, self.port,
                  self.metrics_port, self._transport(), "" if self.prepared.tokens is None else
                  ", bearer tokens required (health open)")  # fmt: skip
         self._warm_up = asyncio.ensure_future(self._warm())
+
+    def _bind_port(self) -> int:
+        """Listen on --host:--port in this process; the port bound."""
+        s = self.settings
+        address = f"{s.host}:{s.port}"
+        assert self._server is not None
+        try:
+            if self.prepared.credentials is None:
+                port = self._server.add_insecure_port(address)
+            else:
+                port = self._server.add_secure_port(address, self.prepared.credentials)
+        except RuntimeError as error:  # gRPC: "Failed to bind to address ..."
+            message = f"--host {s.host} --port {s.port}: cannot listen there ({error})"
+            raise config.UsageError(message) from error
+        if port == 0:
+            raise config.UsageError(f"--host {s.host} --port {s.port}: cannot listen there")
+        return port
+
+    async def _start_receivers(self, internal: str) -> int:
+        """Start --receivers processes on --host:--port (a free port first when it is 0:
+        they must all bind the same one); the port."""
+        s = self.settings
+        port = s.port or _free_port(s.host)
+        template = ReceiverSpec(
+            index=0, host=s.host, port=port, max_message_bytes=s.max_message_bytes,
+            max_concurrent_streams=MAX_CONCURRENT_STREAMS, internal_target=internal, slot_names=(),
+            slot_bytes=SLOT_BYTES, tls_cert=s.tls_cert, tls_key=s.tls_key, tls_client_ca=s.tls_client_ca,
+            auth_tokens=s.auth_tokens, log_level=s.log_level,
+        )  # fmt: skip
+        self.receivers = ReceiverGroup(s.receivers, template, self.service.EmbedChunks)
+        try:
+            await self.receivers.start()
+        except ReceiverFailed as error:
+            flags = f"--host {s.host} --port {port} --receivers {s.receivers}"
+            raise config.UsageError(f"{flags}: {error}") from error
+        log.info("%d receiver processes take calls on port %d (pids %s); EmbedChunks requests of up to "
+                 "%d MiB reach this process through shared memory", s.receivers, port,
+                 self.receivers.pids, SLOT_BYTES >> 20)  # fmt: skip
+        return port
+
+    async def _stop_receivers(self, grace_s: float) -> None:
+        """Stop the receivers (each finishes its calls within `grace_s`) and remove the socket."""
+        if self.receivers is not None:
+            await self.receivers.stop(grace_s)
+        if self._internal_dir is not None:
+            shutil.rmtree(self._internal_dir, ignore_errors=True)
 
     def _transport(self) -> str:
         if self.prepared.credentials is None:
@@ -404,6 +470,7 @@ class SpeakerServer:
 
     async def close_unstarted(self) -> None:
         """Release what start() got before it failed; nothing was served, nothing drains."""
+        await self._stop_receivers(0.0)
         if self._server is not None:
             await self._server.stop(None)
         self.service.close()
@@ -485,6 +552,7 @@ class SpeakerServer:
         if served:
             await self._drain(started)
         elif self._server is not None:  # never served: no calls to drain
+            await self._stop_receivers(0.0)
             await self._server.stop(None)
         self.service.close()
         self.metrics.close()
@@ -511,6 +579,7 @@ class SpeakerServer:
         except TimeoutError:
             batches_done = False
         # calls still waiting on a running batch: the server cancels them (clients: UNAVAILABLE)
+        await self._stop_receivers(STOP_GRACE_S if idle else 0)
         await self._server.stop(STOP_GRACE_S if idle else 0)
         if batches_done or isinstance(self.engine, DevicePool):
             # worker processes end whatever they run: nothing in this process is cut short
