@@ -81,6 +81,7 @@ def assert_one_line_usage_error(done: subprocess.CompletedProcess[str], *expecte
         (["--auth-tokens", "/nonexistent/tokens"], ["--auth-tokens /nonexistent/tokens", "no such file"]),
         (["--devices", "0,999"], ["--devices 0,999", "device 999 does not exist", "CPU worker slots"]),
         (["--devices", "gpu0"], ["--devices", "expected all or comma-separated device indices"]),
+        (["--receivers", "33"], ["--receivers", "expected 0 (this process receives calls) to 32"]),
     ],
     ids=[
         "fp16-on-cpu",
@@ -91,6 +92,7 @@ def assert_one_line_usage_error(done: subprocess.CompletedProcess[str], *expecte
         "no-tokens",
         "device-missing",
         "devices-garbled",
+        "too-many-receivers",
     ],
 )
 def test_misconfiguration_is_one_line_and_exit_2(flags: list[str], expected: list[str]) -> None:

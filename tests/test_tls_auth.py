@@ -4,6 +4,8 @@ One server runs with --tls-cert/--tls-key/--tls-client-ca and --auth-tokens: a c
 the CA, a client certificate and a token, except for health, which stays open (Kubernetes'
 gRPC probes send no metadata). The certificate and token files are rewritten while it runs:
 new connections get the new certificate and calls the new tokens, without a restart.
+Every test runs twice: against a server that receives its calls itself, and against one
+with `--receivers 2`, whose receiver processes check certificates and tokens themselves.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def server(weights_path, pki):
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "2-receivers"])
+def server(request, weights_path, pki):
+    """The server receiving calls itself, then with two receiver processes (each its own
+    TLS and token checks, reloading the same files)."""
+    receivers = ["--receivers", str(request.param)] if request.param else []
     options = {
         "tls_ca": pki["ca"],
         "tls_cert": pki["client_cert"],
@@ -67,7 +72,7 @@ def server(weights_path, pki):
     }
     running = start_server(weights_path, "--plans", "1,2", "--tls-cert", str(pki["live_cert"]),
                            "--tls-key", str(pki["live_key"]), "--tls-client-ca", str(pki["live_ca"]),
-                           "--auth-tokens", str(pki["tokens"]), client_options=options)  # fmt: skip
+                           "--auth-tokens", str(pki["tokens"]), *receivers, client_options=options)  # fmt: skip
     yield running
     assert running.terminate() == 0, running.log()
 
