@@ -1,0 +1,34 @@
+# One H200 run of FP16 servers under 32-chunk load (16 streams), one per CONFIGS entry
+# DEPTH:SWITCH_MS:RECEIVERS (scripts/serve_depth.py applies the first two; "-" keeps the
+# server's own), two 10 s loads each; PROFILE=1 samples the first server with py-spy
+# (--gil --native) during a third load. Logs and JSON land in $OUT.
+set -o pipefail
+source scripts/device_env.sh
+first=1
+for config in ${CONFIGS:-3:-:4 5:-:4 3:1:4}; do
+  IFS=: read -r depth switch receivers <<< "$config"
+  env=""
+  [ "$depth" != - ] && env="$env DEPTH=$depth"
+  [ "$switch" != - ] && env="$env SWITCH_MS=$switch"
+  tag="d$depth-s$switch-r$receivers"
+  env $env python3 scripts/serve_depth.py serve --engine gpu --math fp16 --port 50051 --metrics-port 9100 \
+    --receivers $receivers > $OUT/serve-$tag.log 2>&1 &
+  SPID=$!
+  timeout 120 python3 -m speakerd.client health --wait 110 > /dev/null 2>&1; echo "$tag health rc $? at $SECONDS s"
+  for run in 1 2; do
+    timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 10 \
+      --metrics-url http://127.0.0.1:9100/metrics 2>&1 | tee $OUT/load-$tag-$run.json | cut -c1-420
+  done
+  if [ -n "$PROFILE" ] && [ $first = 1 ]; then
+    py-spy record --pid $SPID --rate 200 --format raw --gil --native --threads --duration 8 \
+      --output $OUT/gil-$tag.txt > $OUT/py-spy.log 2>&1 &
+    SPY=$!
+    timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 9 \
+      --metrics-url http://127.0.0.1:9100/metrics > $OUT/load-$tag-profiled.json 2>&1
+    wait $SPY; tail -1 $OUT/py-spy.log
+  fi
+  first=0
+  kill $SPID; wait $SPID
+done
+(cd $OUT && tar czf logs.tgz *.log 2>/dev/null && rm -f *.log)
+echo "all done at $SECONDS s"
