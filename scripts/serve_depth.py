@@ -22,12 +22,18 @@ import speakerd.serving.batcher as batcher
 import speakerd.tools.bench_batcher as bench_batcher
 from speakerd.cli import main
 
-depth = int(os.environ.get("DEPTH", batcher.PIPELINE_DEPTH))
-batcher.PIPELINE_DEPTH = depth
-bench_batcher.PIPELINE_DEPTH = depth
-gpu_engine.INPUT_SLOTS = depth
-if "SWITCH_MS" in os.environ:
-    sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1e3)
-print(f"serve_depth: {depth} batches in flight, switch interval {1e3 * sys.getswitchinterval():g} ms",
-      file=sys.stderr, flush=True)  # fmt: skip
-sys.exit(main())
+def apply_knobs() -> None:
+    depth = int(os.environ.get("DEPTH", batcher.PIPELINE_DEPTH))
+    batcher.PIPELINE_DEPTH = depth
+    bench_batcher.PIPELINE_DEPTH = depth
+    gpu_engine.INPUT_SLOTS = depth
+    if "SWITCH_MS" in os.environ:
+        sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1e3)
+    print(f"serve_depth: {depth} batches in flight, switch interval {1e3 * sys.getswitchinterval():g} ms",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+# guarded: `serve --receivers` spawns processes that import this module again
+if __name__ == "__main__":
+    apply_knobs()
+    sys.exit(main())
