@@ -22,6 +22,7 @@ import speakerd.serving.batcher as batcher
 import speakerd.tools.bench_batcher as bench_batcher
 from speakerd.cli import main
 
+
 def apply_knobs() -> None:
     depth = int(os.environ.get("DEPTH", batcher.PIPELINE_DEPTH))
     batcher.PIPELINE_DEPTH = depth
