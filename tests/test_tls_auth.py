@@ -72,7 +72,8 @@ def server(request, weights_path, pki):
     }
     running = start_server(weights_path, "--plans", "1,2", "--tls-cert", str(pki["live_cert"]),
                            "--tls-key", str(pki["live_key"]), "--tls-client-ca", str(pki["live_ca"]),
-                           "--auth-tokens", str(pki["tokens"]), *receivers, client_options=options)  # fmt: skip
+                           "--auth-tokens", str(pki["tokens"]), *receivers,
+                           client_options=options)  # fmt: skip
     yield running
     assert running.terminate() == 0, running.log()
 

@@ -52,6 +52,7 @@ METRIC_NAMES = (
     "speakerd_device_batches_total",
     "speakerd_device_batch_seconds",
     "speakerd_device_failures_total",
+    "speakerd_receiver_restarts_total",
 )
 
 #: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
@@ -173,6 +174,11 @@ class Metrics:
             Counter,
             "speakerd_device_failures_total",
             "Devices taken out: the worker process died or its engine raised",
+        )
+        self.receiver_restarts = Counter(
+            "speakerd_receiver_restarts_total",
+            "Receiver processes (serve --receivers) that exited while serving and were replaced",
+            registry=r,
         )
         for reason in REJECT_REASONS:  # export zeros, so a rate() alert has a series from the start
             self.rejected.labels(reason=reason)

@@ -97,11 +97,13 @@ class _Receiver:
 
 
 class ReceiverGroup:
-    """`count` receiver processes on `port`, serving handed-over calls with `serve`."""
+    """`count` receiver processes on `port`, serving handed-over calls with `serve`;
+    `on_lost` is told of each that exits while serving (before it is replaced)."""
 
-    def __init__(self, count: int, template: ReceiverSpec, serve: Serve) -> None:
+    def __init__(self, count: int, template: ReceiverSpec, serve: Serve, on_lost: Callable[[], None]) -> None:
         self._template = template
         self._serve = serve
+        self._on_lost = on_lost
         self._count = count
         self._receivers: list[_Receiver] = []
         self._context = multiprocessing.get_context("spawn")  # fork would copy gRPC and CUDA state
@@ -197,6 +199,7 @@ class ReceiverGroup:
         code = receiver.process.exitcode if receiver.process is not None else None
         log.error("receiver %d (pid %d) exited (code %s) with %d calls in progress; starting another",
                   receiver.spec.index, receiver.pid, code, len(receiver.calls))  # fmt: skip
+        self._on_lost()
         for task in list(receiver.calls.values()):
             task.cancel()
         task = asyncio.ensure_future(self._replace(receiver))

@@ -445,7 +445,9 @@ class SpeakerServer:
             slot_bytes=SLOT_BYTES, tls_cert=s.tls_cert, tls_key=s.tls_key, tls_client_ca=s.tls_client_ca,
             auth_tokens=s.auth_tokens, log_level=s.log_level,
         )  # fmt: skip
-        self.receivers = ReceiverGroup(s.receivers, template, self.service.EmbedChunks)
+        self.receivers = ReceiverGroup(
+            s.receivers, template, self.service.EmbedChunks, self.metrics.receiver_restarts.inc
+        )
         try:
             await self.receivers.start()
         except ReceiverFailed as error:
