@@ -1,17 +1,25 @@
-# One H200 run of FP16 servers under 32-chunk load (16 streams), one per CONFIGS entry
+# One H200 run of servers (MATH, fp16 by default) under 32-chunk load (16 streams), one per CONFIGS entry
 # DEPTH:SWITCH_MS:RECEIVERS (scripts/serve_depth.py applies the first two; "-" keeps the
 # server's own), two 10 s loads each; PROFILE=1 samples the first server with py-spy
-# (--gil --native) during a third load. Logs and JSON land in $OUT.
+# (--gil --native) during a third load; BENCH=1 first times MATH's plans with the PyTorch
+# anchor. Logs and JSON land in $OUT.
 set -o pipefail
 source scripts/device_env.sh
+math=${MATH:-fp16}
+if [ -n "$BENCH" ]; then
+  python3 -m speakerd make-references --out /tmp/refs > $OUT/refs.log 2>&1
+  timeout 200 python3 -m speakerd bench --math $math --batches 32 --no-profile --references /tmp/refs \
+    2> $OUT/bench.err | tee $OUT/bench-$math.jsonl | grep -E '"kind": "ratio"' | cut -c1-300
+  echo "bench at $SECONDS s"
+fi
 first=1
 for config in ${CONFIGS:-3:-:4 5:-:4 3:1:4}; do
   IFS=: read -r depth switch receivers <<< "$config"
   env=""
   [ "$depth" != - ] && env="$env DEPTH=$depth"
   [ "$switch" != - ] && env="$env SWITCH_MS=$switch"
-  tag="d$depth-s$switch-r$receivers"
-  env $env python3 scripts/serve_depth.py serve --engine gpu --math fp16 --port 50051 --metrics-port 9100 \
+  tag="$math-d$depth-s$switch-r$receivers"
+  env $env python3 scripts/serve_depth.py serve --engine gpu --math $math --port 50051 --metrics-port 9100 \
     --receivers $receivers > $OUT/serve-$tag.log 2>&1 &
   SPID=$!
   timeout 120 python3 -m speakerd.client health --wait 110 > /dev/null 2>&1; echo "$tag health rc $? at $SECONDS s"
@@ -30,5 +38,5 @@ for config in ${CONFIGS:-3:-:4 5:-:4 3:1:4}; do
   first=0
   kill $SPID; wait $SPID
 done
-(cd $OUT && tar czf logs.tgz *.log 2>/dev/null && rm -f *.log)
+(cd $OUT && tar czf logs.tgz *.log *.err 2>/dev/null && rm -f *.log *.err)
 echo "all done at $SECONDS s"
