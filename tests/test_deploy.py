@@ -31,7 +31,6 @@ from prometheus_client.metrics import MetricWrapperBase
 from speakerd.serving import config
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE
 from speakerd.serving.metrics import METRIC_NAMES, Metrics
-from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
 from speakerd.serving.serve import STOP_GRACE_S
 from speakerd.serving.shared_slots import SlotLayout
 
@@ -343,28 +342,6 @@ def quantity_bytes(text: str) -> int:
     return int(text[:-2]) * units[text[-2:]] if text[-2:] in units else int(text)
 
 
-def receiver_slots(settings: config.ServeConfig) -> int:
-    """Bytes of shared memory the receivers of `settings` may fill."""
-    return settings.receivers * SLOTS_PER_RECEIVER * SLOT_BYTES
-
-
-def test_receivers_have_a_shared_memory_volume_for_their_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The base pod receives calls in SPEAKERD_RECEIVERS processes, whose request slots need
-    a memory-backed /dev/shm larger than a container's default 64 MiB."""
-    main = container()
-    for env in serve_flags():
-        monkeypatch.delenv(env, raising=False)
-    for item in main["env"]:
-        monkeypatch.setenv(item["name"], item["value"])
-    settings = config.from_args(serve_parser().parse_args([]))
-    assert settings.receivers >= 2, f"{settings.receivers} receivers: one process would still receive alone"
-    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
-    shm = next(mount for mount in main["volumeMounts"] if mount["mountPath"] == "/dev/shm")
-    volume = next(volume for volume in pod["volumes"] if volume["name"] == shm["name"])
-    assert volume["emptyDir"]["medium"] == "Memory", volume
-    assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= receiver_slots(settings), volume
-
-
 def test_multi_gpu_overlay_serves_every_gpu_of_its_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     """N GPUs per pod, SPEAKERD_DEVICES=all accepted by serve, and a memory-backed /dev/shm
     holding every worker's batch slots (a container's default /dev/shm is 64 MiB)."""
@@ -384,7 +361,7 @@ def test_multi_gpu_overlay_serves_every_gpu_of_its_pod(monkeypatch: pytest.Monke
     shm = next(mount for mount in main["volumeMounts"] if mount["mountPath"] == "/dev/shm")
     volume = next(volume for volume in pod["volumes"] if volume["name"] == shm["name"])
     assert volume["emptyDir"]["medium"] == "Memory", volume
-    slots = gpus * SLOTS_PER_DEVICE * SlotLayout(config.MAX_PLAN_SIZE).nbytes + receiver_slots(settings)
+    slots = gpus * SLOTS_PER_DEVICE * SlotLayout(config.MAX_PLAN_SIZE).nbytes
     assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= slots, (volume, slots)
     assert quantity_bytes(main["resources"]["limits"]["memory"]) > quantity_bytes(
         container()["resources"]["limits"]["memory"]
