@@ -34,6 +34,7 @@ from speakerd.serving import config as serve_config
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, PoolConfig
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.queue import NoDevice
+from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
 from speakerd.serving.serve import _check_shared_memory
 from speakerd.serving.shared_slots import SlotLayout, shared_memory_free
 from tests.serving import ServerProcess, scrape, start_server
@@ -192,11 +193,16 @@ def test_an_engine_error_takes_its_device_out_once(weights_path, expected) -> No
 
 
 def test_too_little_shared_memory_is_a_usage_error_before_start() -> None:
-    """A write past the end of /dev/shm is a SIGBUS mid-batch: the room is checked first."""
+    """A write past the end of /dev/shm is a SIGBUS mid-batch: the room for the devices'
+    batch slots and the receivers' request slots is checked first, naming the flag."""
     free = shared_memory_free()
     if free is None:
         pytest.skip("no /dev/shm on this system")
     per_device = SLOTS_PER_DEVICE * SlotLayout(serve_config.MAX_PLAN_SIZE).nbytes
-    _check_shared_memory(1, serve_config.MAX_PLAN_SIZE)  # one device's slots fit here
-    with pytest.raises(serve_config.UsageError, match=r"devices need \d+ MB of shared memory in /dev/shm"):
-        _check_shared_memory(free // per_device + 1, serve_config.MAX_PLAN_SIZE)
+    per_receiver = SLOTS_PER_RECEIVER * SLOT_BYTES
+    _check_shared_memory(1, serve_config.MAX_PLAN_SIZE, 0)  # one device's slots fit here
+    too_much = r"\(\d+ MB\): need \d+ MB of shared memory in /dev/shm"
+    with pytest.raises(serve_config.UsageError, match="--devices " + too_much):
+        _check_shared_memory(free // per_device + 1, serve_config.MAX_PLAN_SIZE, 0)
+    with pytest.raises(serve_config.UsageError, match="--receivers " + too_much):
+        _check_shared_memory(0, serve_config.MAX_PLAN_SIZE, free // per_receiver + 1)

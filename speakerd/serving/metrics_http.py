@@ -69,10 +69,16 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         super().handle_error(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:
+        """ThreadingMixIn's, with the slot given back before the connection is closed: a
+        client that sees its connection end may connect again at once and must find the
+        slot free (released after the close, a quick reconnect was refused with 503)."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
             self.slots.release()
+            self.shutdown_request(request)
 
 
 def serve_metrics(

@@ -196,17 +196,21 @@ class ReceiverGroup:
         start another in its place (same index, same slots)."""
         if conn is not receiver.conn or self._stopping:
             return
-        code = receiver.process.exitcode if receiver.process is not None else None
-        log.error("receiver %d (pid %d) exited (code %s) with %d calls in progress; starting another",
-                  receiver.spec.index, receiver.pid, code, len(receiver.calls))  # fmt: skip
         self._on_lost()
+        calls = len(receiver.calls)
         for task in list(receiver.calls.values()):
             task.cancel()
-        task = asyncio.ensure_future(self._replace(receiver))
+        task = asyncio.ensure_future(self._replace(receiver, calls))
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
 
-    async def _replace(self, receiver: _Receiver) -> None:
+    async def _replace(self, receiver: _Receiver, calls: int) -> None:
+        process = receiver.process
+        if process is not None:  # reaped first, so that its exit code is known
+            await asyncio.get_running_loop().run_in_executor(None, process.join, EXIT_WAIT_S)
+        log.error("receiver %d (pid %d) exited (code %s) with %d calls in progress; starting another",
+                  receiver.spec.index, receiver.pid, None if process is None else process.exitcode,
+                  calls)  # fmt: skip
         await asyncio.sleep(RESTART_PAUSE_S)
         if self._stopping:
             return
