@@ -3,7 +3,9 @@
 The contract: a recording's rows equal EmbedChunks on the windows pyannote's pipeline would
 cut from it (resampled, downmixed, exclude_overlap applied), in window order with their
 start times; every bad input is INVALID_ARGUMENT naming its field; a client that cancels
-mid-recording costs no further engine work.
+mid-recording costs no further engine work. Every test runs twice: against a server that
+receives its calls itself, and against one with `--receivers 2` (which forwards these
+streams to the server: the same rows, errors and cancellations must come through).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ IN_FLIGHT_AFTER_ANSWERS = BATCHES_IN_FLIGHT + 2
 SCRAPE_EVERY_S = 0.5
 
 
-@pytest.fixture(scope="module")
-def server(weights_path):
-    running = start_server(weights_path, "--plans", PLANS)
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "2-receivers"])
+def server(request, weights_path):
+    """The server receiving its calls itself, then with two receiver processes forwarding
+    the EmbedRecording streams (and their cancellations) to it."""
+    receivers = ["--receivers", str(request.param)] if request.param else []
+    running = start_server(weights_path, "--plans", PLANS, *receivers)
     yield running
     assert running.terminate() == 0, running.log()
 

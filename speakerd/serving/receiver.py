@@ -135,7 +135,10 @@ class Receiver:
         if kind == STOP:
             self._request_stop(float(message[1]))
             return
-        future, slot = self._pending.pop(message[1])
+        pending = self._pending.pop(message[1], None)
+        if pending is None:  # a call failed already when the server was seen to go
+            return
+        future, slot = pending
         self._free.put_nowait(slot)  # the server is done with it: RESPONSE or ABORT is its last word
         if not future.done():
             future.set_result(message)
@@ -215,6 +218,8 @@ class Receiver:
                 yield response
         except grpc.aio.AioRpcError as error:
             await _abort_as(context, error)
+        finally:  # the caller went away (this generator cancelled or closed): so does the call
+            call.cancel()
 
 
 async def _abort_as(context: grpc.aio.ServicerContext, error: grpc.aio.AioRpcError) -> None:
