@@ -165,3 +165,34 @@ def test_a_killed_receiver_is_replaced(weights_path, mixed, direct) -> None:
                 )
     finally:
         assert running.terminate() == 0, running.log()
+
+
+def test_sigterm_to_every_process_drains_the_calls_in_progress(weights_path, mixed, direct) -> None:
+    """What systemd does by default: SIGTERM to the server and its receivers at once. Calls
+    already received are answered (each receiver drains as the server does), and every
+    process exits."""
+    running = start_server(weights_path, "--plans", PLANS, "--receivers", str(RECEIVERS))
+    pids = receiver_pids(running)
+
+    def call() -> np.ndarray:
+        with running.client(retry=NO_RETRY, timeout_s=120) as client:
+            return client.embed(mixed.fbank[:8], mixed.masks[:8]).embeddings
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(call) for _ in range(2)]
+            deadline = time.monotonic() + 60
+            while scrape(running).get("speakerd_inflight_requests{}", 0) < 2:
+                assert time.monotonic() < deadline, "the calls never reached the server"
+                time.sleep(0.05)
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
+            running.process.send_signal(signal.SIGTERM)
+            for result in [future.result() for future in calls]:
+                assert np.array_equal(result, direct)
+        assert running.wait(60) == 0, running.log()
+    finally:
+        if running.process.poll() is None:
+            running.process.kill()
+    assert "SIGTERM, stopping" in running.log(), running.log()
+    assert not [pid for pid in pids if alive(pid)], "receivers outlived the server"

@@ -9,9 +9,12 @@ included, and its answer or status comes back unchanged. Authentication (bearer 
 and TLS are this process's, from the same flags as the server's, so a call is refused or
 accepted here exactly as the server would.
 
-The server process decides when a receiver stops: SIGINT and SIGTERM are ignored here (a
-Ctrl-C reaches the whole process group, and the server drains first); a STOP message or
-the server's end of the pipe closing (the server died) ends the receiver.
+The server process decides when a receiver stops: a STOP message (sent once the server has
+drained), or the server's end of the pipe closing (the server died). SIGINT is ignored (a
+Ctrl-C reaches the whole process group, and the server drains first). SIGTERM, which only
+a supervisor signalling every process (systemd's default) or the server's own exit sends
+here, stops the receiver as a drain does: no new calls, up to --drain-seconds for the
+calls in progress.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ log = logging.getLogger(__name__)
 def receiver_main(spec: ReceiverSpec, conn: Connection) -> None:
     """Process entry point (spawned by receivers.ReceiverGroup)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format=LOG_FORMAT)
     asyncio.run(Receiver(spec, conn).run())
 
@@ -77,6 +79,7 @@ class Receiver:
         s = self.spec
         self._loop = asyncio.get_running_loop()
         self._stop = self._loop.create_future()
+        self._loop.add_signal_handler(signal.SIGTERM, self._terminated)
         for index in range(len(self._slots)):
             self._free.put_nowait(index)
         sizes = [("grpc.max_receive_message_length", s.max_message_bytes),
@@ -152,6 +155,11 @@ class Receiver:
                 future.set_result((ABORT, -1, "UNAVAILABLE", "the server process stopped; retry", ()))
         self._pending.clear()
         self._request_stop(0.0)
+
+    def _terminated(self) -> None:
+        log.info("receiver %d: SIGTERM, stopping (up to %.1f s for calls in progress)",
+                 self.spec.index, self.spec.drain_seconds)  # fmt: skip
+        self._request_stop(self.spec.drain_seconds)
 
     def _request_stop(self, grace_s: float) -> None:
         if self._stop is not None and not self._stop.done():

@@ -71,6 +71,8 @@ class ReceiverSpec:
     tls_client_ca: Path | None
     auth_tokens: Path | None
     log_level: str
+    #: what SIGTERM gives calls in progress (the server's --drain-seconds)
+    drain_seconds: float
 
 
 def forwardable(metadata: tuple[tuple[str, str | bytes], ...] | None) -> tuple[tuple[str, str | bytes], ...]:

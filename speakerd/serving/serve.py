@@ -443,7 +443,7 @@ class SpeakerServer:
             index=0, host=s.host, port=port, max_message_bytes=s.max_message_bytes,
             max_concurrent_streams=MAX_CONCURRENT_STREAMS, internal_target=internal, slot_names=(),
             slot_bytes=SLOT_BYTES, tls_cert=s.tls_cert, tls_key=s.tls_key, tls_client_ca=s.tls_client_ca,
-            auth_tokens=s.auth_tokens, log_level=s.log_level,
+            auth_tokens=s.auth_tokens, log_level=s.log_level, drain_seconds=s.drain_seconds,
         )  # fmt: skip
         self.receivers = ReceiverGroup(
             s.receivers, template, self.service.EmbedChunks, self.metrics.receiver_restarts.inc
