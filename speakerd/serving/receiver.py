@@ -129,9 +129,13 @@ class Receiver:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._server_gone)
+                with contextlib.suppress(RuntimeError):  # a closed loop: this receiver has stopped
+                    self._loop.call_soon_threadsafe(self._server_gone)
                 return
-            self._loop.call_soon_threadsafe(self._on_message, message)
+            try:
+                self._loop.call_soon_threadsafe(self._on_message, message)
+            except RuntimeError:
+                return
 
     def _on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
