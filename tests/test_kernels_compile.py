@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from speakerd.engine.gpu import igemm, kernels
+from speakerd.engine.gpu import block, igemm, kernels
 from speakerd.model import architecture
 
 
@@ -41,7 +41,7 @@ def test_kernel_file_compiles_for_sm90(name: str) -> None:
     assert cubin[:4] == b"\x7fELF", f"{name}: NVRTC output is not an ELF cubin ({cubin[:16]!r})"
     launched = {
         kernels.ENGINE_SOURCE: kernels.KERNEL_NAMES, igemm.SOURCE: igemm.KERNEL_NAMES,
-        igemm.F16_SOURCE: igemm.F16_KERNEL_NAMES,
+        igemm.F16_SOURCE: igemm.F16_KERNEL_NAMES, block.SOURCE: block.KERNEL_NAMES,
     }.get(name, ())  # fmt: skip
     for entry in {*re.findall(ENTRY, source), *launched}:  # F16_ENTRY's names appear only in the cubin
         assert entry.encode() in cubin, f"{name}: entry point {entry} missing from the cubin"

@@ -67,7 +67,8 @@ def create_engine(
     cpu_threads: int | None = None,
 ) -> Engine:
     """Build, warm up and time an engine of `kind` (auto | cpu | gpu) for `model`;
-    `conv_kernels` ("auto" | "cudnn") says whether the GPU engine may run our kernels;
+    `conv_kernels` ("auto" | "cudnn" | "blocks") says whether the GPU engine may run our
+    kernels, and (blocks) our one-kernel BasicBlocks too;
     `cpu_threads` caps the CPU engine's threads (None: every core)."""
     resolved = resolve_kind(kind)
     if resolved == "cpu":
@@ -76,4 +77,11 @@ def create_engine(
         return CpuEngine(model, Math(math), plan_sizes, threads=cpu_threads)
     from speakerd.engine.gpu.engine import GpuEngine
 
-    return GpuEngine(model, Math(math), plan_sizes, own_kernels=conv_kernels == "auto")
+    return GpuEngine(model, Math(math), plan_sizes, **gpu_kernel_options(conv_kernels))
+
+
+def gpu_kernel_options(conv_kernels: str) -> dict[str, bool]:
+    """GpuEngine's keyword arguments for a --conv-kernels value: auto (our convolution
+    kernels where faster than cuDNN), cudnn (cuDNN only), blocks (auto, and layer1's
+    BasicBlocks by one kernel each where faster than their two convolutions)."""
+    return {"own_kernels": conv_kernels != "cudnn", "fused_blocks": conv_kernels == "blocks"}

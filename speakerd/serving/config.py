@@ -41,8 +41,11 @@ DEFAULT_DRAIN_SECONDS = 25.0
 DEFAULT_MAX_MESSAGE_MB = 64
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Who may run the trunk's convolutions on the GPU: "auto" times our tensor-core kernel
-#: against cuDNN per convolution; "cudnn" never runs ours (an operator's escape hatch).
-CONV_KERNELS = ("auto", "cudnn")
+#: against cuDNN per convolution; "cudnn" never runs ours (an operator's escape hatch);
+#: "blocks" is auto plus one kernel per layer1 BasicBlock (both convolutions, the hidden
+#: activation kept on chip) where it beats the two (FP16; not the default until measured
+#: on a GPU: docs/performance.md).
+CONV_KERNELS = ("auto", "cudnn", "blocks")
 #: `--devices` value for every device of the engine's kind on this machine.
 ALL_DEVICES = "all"
 #: Most `--receivers`: each is a process with its own shared-memory slots; past a few per
@@ -216,7 +219,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("max-message-mb", DEFAULT_MAX_MESSAGE_MB, "largest gRPC message in MiB", type=_positive_int)
     add("log-level", "INFO", "log level", choices=LOG_LEVELS, type=str.upper)
-    add("conv-kernels", "auto", "GPU convolutions: auto (ours where faster), cudnn", choices=CONV_KERNELS)
+    kernels = "GPU convolutions: auto (ours where faster), cudnn, blocks (auto + one-kernel layer1 blocks)"
+    add("conv-kernels", "auto", kernels, choices=CONV_KERNELS)
     # optional transport security; the metrics port stays plain HTTP (scraped inside the cluster)
     add("tls-cert", None, "PEM certificate chain: serve gRPC over TLS (reloaded when the file changes)")
     add("tls-key", None, "PEM private key of --tls-cert (reloaded when the file changes)")

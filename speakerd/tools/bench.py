@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from speakerd.engine.factory import gpu_kernel_options
 from speakerd.model.architecture import MAX_SPEAKERS, TRUNK_FLOPS_PER_CHUNK
 from speakerd.model.numerics import Math, compare, pad_speakers
 from speakerd.serving.config import CONV_KERNELS, env_default
@@ -53,7 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--convs", action="store_true", help="also print the per-convolution choice table")
     parser.add_argument(
         "--conv-kernels", default=env_default("conv-kernels", "auto"), choices=CONV_KERNELS,
-        help="auto: our conv kernel where faster; cudnn: cuDNN only [SPEAKERD_CONV_KERNELS]",
+        help="auto: our conv kernel where faster; cudnn: cuDNN only; blocks: auto and layer1's blocks as "
+        "one kernel each where faster [SPEAKERD_CONV_KERNELS]",
     )  # fmt: skip
     parser.add_argument(
         "--log-level", default="WARNING", help="logging level on stderr (INFO shows start-up)"
@@ -115,7 +117,7 @@ def bench_ours(math: Math, model, cases, args) -> dict[tuple[int, str], float]:
     cupy.get_default_memory_pool().free_all_blocks()
     free_before, total = cupy.cuda.runtime.memGetInfo()
     started = time.perf_counter()
-    engine = GpuEngine(model, math, tuple(sorted(cases)), own_kernels=args.conv_kernels == "auto")
+    engine = GpuEngine(model, math, tuple(sorted(cases)), **gpu_kernel_options(args.conv_kernels))
     free_after, _ = cupy.cuda.runtime.memGetInfo()
     say(
         kind="engine",
@@ -312,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         from speakerd.engine.gpu.engine import GpuEngine
 
         for math in maths:
-            engine = GpuEngine(model, math, (1, 32), own_kernels=args.conv_kernels == "auto")
+            engine = GpuEngine(model, math, (1, 32), **gpu_kernel_options(args.conv_kernels))
             try:
                 say(**_whole_path(engine, args))
             finally:

@@ -9,6 +9,11 @@ The candidates, in the order they are tried (a later one must be strictly faster
 - `OwnIgemm`: our implicit-GEMM kernels (igemm.py), every channel tile (and in FP16 every
   pixel tile) the shape allows.
 
+A whole BasicBlock has one more candidate once both its convolutions are chosen
+(`choose_block`, with --conv-kernels blocks): our kernel that runs conv1 and conv2 in one
+pass with the hidden activation kept on chip (block.py), checked against the two choices'
+output on the same buffers and kept only when faster than the two together.
+
 Each answers `can_implement(key) -> (ok, reason)` before anything is built, so a refusal is
 a record (`Refusal`) with its reason, kept for conv_report and build_report, never a silent
 skip. Our kernels are also checked on the same buffers against cuDNN's bare conv + our
@@ -26,14 +31,15 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from speakerd.engine.gpu import igemm, maths, stem
+from speakerd.engine.gpu import block, igemm, maths, stem
+from speakerd.engine.gpu.block import BlockKernel
 from speakerd.engine.gpu.context import DeviceContext
 from speakerd.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
 from speakerd.engine.gpu.epilogue import Epilogue
 from speakerd.engine.gpu.igemm import IgemmConv
 from speakerd.engine.gpu.stem import StemConv
 from speakerd.engine.gpu.timing import OwnKernel, fill_random, time_launches
-from speakerd.model.architecture import ConvSpec
+from speakerd.model.architecture import BlockSpec, ConvSpec
 from speakerd.model.numerics import Math
 from speakerd.model.weights import FoldedConv
 
@@ -152,6 +158,41 @@ class ConvChoice:
             self.epilogue.launch(ctx.kernels, ctx.stream)
 
 
+@dataclass
+class BlockChoice:
+    """Our one-kernel BasicBlock (block.py) for a block whose two convolutions were chosen:
+    `kernel` writes the block output only (what serves), `tap_kernel`, the same entry
+    point, writes the hidden activation too (taps). `pair_ms`: the two convolutions'
+    choices as timed, what the kernel had to beat."""
+
+    block: BlockSpec
+    kernel: BlockKernel
+    tap_kernel: BlockKernel
+    pair_ms: float
+
+    @property
+    def ms(self) -> float:
+        return self.kernel.ms
+
+    @property
+    def wins(self) -> bool:
+        return self.kernel.ms < self.pair_ms
+
+    @property
+    def runner(self) -> str:
+        return f"ours:{self.kernel.name}"
+
+    @property
+    def identity(self) -> tuple:
+        """What runs it, shared by every block running the same entry point on one shape."""
+        conv1 = self.block.conv1
+        return ("ours-block", conv1.h_in, conv1.w_in, self.kernel.batch, self.kernel.name)
+
+    def enqueue(self, ctx: DeviceContext, taps: bool = False) -> None:
+        """Enqueue on ctx.stream (allocation-free, graph-capturable)."""
+        (self.tap_kernel if taps else self.kernel).launch(ctx.stream)
+
+
 class Candidate(abc.ABC):
     """One way of running a convolution; `can_implement` decides before anything is built."""
 
@@ -254,9 +295,11 @@ class Autotuner:
     timed cuDNN graph per key (shared by plans), fusions cuDNN cannot build or that replayed
     wrongly, banned plans, shapes our kernels may not run, and every refusal."""
 
-    def __init__(self, ctx: DeviceContext, own_kernels: bool = True) -> None:
+    def __init__(self, ctx: DeviceContext, own_kernels: bool = True, fused_blocks: bool = False) -> None:
         self.ctx = ctx
         self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
+        self.fused_blocks = fused_blocks  # True: one-kernel blocks where faster (--conv-kernels blocks)
+        self.block_refused: dict[ConvKey, str] = {}  # conv1 keys (bare) our block kernel may not run
         self.graphs: dict[ConvKey, ConvGraph] = {}
         self.failed: dict[ConvKey, str] = {}  # fused keys cuDNN cannot serve, or turned off
         self.banned: dict[ConvKey, set[int]] = {}  # plans that replayed wrongly in a forward
@@ -400,6 +443,90 @@ class Autotuner:
                 fastest = kernel
         return fastest, None
 
+    # ----- whole blocks ------------------------------------------------------------------
+    def why_no_block(self, spec: BlockSpec, first: ConvRequest, second: ConvRequest) -> str:
+        """Why our one-kernel block may not run this block ("" when it may)."""
+        if not self.fused_blocks:
+            return "off (--conv-kernels blocks turns it on)"
+        if not self.own_kernels:
+            return "--conv-kernels cudnn"
+        why = block.why_not(spec, first.math)
+        if why:
+            return why
+        if second.residual is not first.x:
+            return "conv2's residual is not the block input"
+        return self.block_refused.get(first.key.bare(), "")
+
+    def choose_block(
+        self, spec: BlockSpec, first: ConvRequest, first_choice: ConvChoice, second: ConvRequest,
+        second_choice: ConvChoice,
+    ) -> BlockChoice | None:  # fmt: skip
+        """Our one-kernel block for `spec`, timed (every pixel tile, the fastest kept) after
+        its output was checked against what the two convolutions' choices write on the same
+        buffers; None when it may not run (a refusal is kept, with why) or disagrees beyond
+        the math's agreement bound (then it is turned off for the shape: a bug of ours).
+        The caller runs it only when it `wins`."""
+        key = first.key.bare()
+        if not self.fused_blocks:  # not asked for: no candidate, no refusal to report
+            return None
+        why = self.why_no_block(spec, first, second)
+        if why:
+            refusal = Refusal("ours:block", _label(first.key), why)
+            self._refusals.setdefault((refusal.candidate, refusal.key, refusal.reason), refusal)
+            return None
+        w1, b1 = self.ctx.weights.conv(first.folded, half=True)
+        w2, b2 = self.ctx.weights.conv(second.folded, half=True)
+        stream, y = self.ctx.stream, second.y[: second.elements]
+        with stream:
+            self._run_choice(first_choice)
+            self._run_choice(second_choice)
+            reference = y.copy()
+
+        def bind(pixels: tuple[int, int], hidden=None) -> BlockKernel:
+            return BlockKernel.bind(spec, first.batch, pixels, first.x, w1, b1, w2, b2, second.y, first.flag,
+                                    self.ctx.sm_count, hidden)  # fmt: skip
+
+        bound = maths.of(first.math).agreement
+        fastest: BlockKernel | None = None
+        for pixels in block.PIXEL_TILES:
+            kernel = bind(pixels)
+            with stream:
+                y.fill(float("nan"))
+                kernel.launch(stream)
+                difference = igemm.relative_difference(y, reference)
+            if not difference <= bound:
+                reason = (f"{kernel.name} differs from the two convolutions by {difference:.3g} of the "
+                          f"output scale (bound {bound:g})")  # fmt: skip
+                self.refuse_block(key, reason)
+                return None
+            kernel.time(stream)
+            if fastest is None or kernel.ms < fastest.ms:
+                fastest = kernel
+        assert fastest is not None, spec.prefix
+        choice = BlockChoice(spec, fastest, bind(fastest.pixels, first.y), first_choice.ms + second_choice.ms)
+        log.info("b%d %s %s: ours %s %.4f ms, its two convolutions %.4f ms", first.batch, first.math,
+                 spec.prefix, fastest.name, fastest.ms, choice.pair_ms)  # fmt: skip
+        return choice
+
+    def _run_choice(self, choice: ConvChoice) -> None:
+        """Enqueue what runs one convolution, with a cuDNN workspace of its own: set-up runs
+        this before the shared workspace has grown to the plans' needs."""
+        import cupy
+
+        if choice.own is not None:
+            choice.own.launch(self.ctx.stream)
+            return
+        assert choice.graph is not None, choice.key.label()
+        workspace = cupy.empty((max(1, choice.graph.workspace_bytes),), dtype=cupy.uint8)
+        choice.graph.execute(choice.pack, workspace.data.ptr, self.ctx.cudnn)
+        if choice.epilogue is not None:
+            choice.epilogue.launch(self.ctx.kernels, self.ctx.stream)
+
+    def refuse_block(self, key: ConvKey, reason: str) -> None:
+        """Never run our block kernel for blocks whose conv1 is `key` (bare) again."""
+        self.block_refused[key] = reason
+        log.warning("%s: our block kernel turned off: %s", key.label(), reason)
+
     def _time_epilogue(self, epilogue: Epilogue) -> float:
         """GPU ms of our epilogue kernel on its buffers, from graph replays as it serves
         (timed eagerly, a b1 epilogue of ~3 us measured its ~10 us launch)."""
@@ -486,6 +613,7 @@ class Autotuner:
             "instance_build_s": round(sum(g.build_s for g in self.instances), 2),
             "fusions_unsupported": sorted(key.label() for key in self.failed),  # or turned off
             "own_kernel_refused": {key.label(): why for key, why in self.own_refused.items()},
+            "block_kernel_refused": {key.label(): why for key, why in self.block_refused.items()},
             "refusals": summarize(self.refusals()),
         }
 

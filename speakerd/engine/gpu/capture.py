@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from speakerd.engine.gpu.bitwise import bits, replay_matches
-from speakerd.engine.gpu.plan import TAIL_STEPS, ConvStep, Plan
+from speakerd.engine.gpu.plan import TAIL_STEPS, BlockStep, ConvStep, Plan
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
 
 log = logging.getLogger(__name__)
@@ -57,10 +57,11 @@ class GraphCapture:
         eager. True when a re-choice grew the shared workspace (graphs of the other plans
         must then be captured again).
 
-        When the replay differs, the first convolution whose captured prefix replays
-        differently is found, and the nearest cuDNN-fused convolution at or before it is
-        chosen again without its runner (a fused key loses its fusion: bare conv + our
-        epilogue); with no fused one before it, that convolution itself. Up to
+        When the replay differs, the first convolution (or one-kernel block) whose captured
+        prefix replays differently is found, and the nearest cuDNN-fused convolution at or
+        before it is chosen again without its runner (a fused key loses its fusion: bare
+        conv + our epilogue); with no fused one before it, that step itself (a block goes
+        back to its two convolutions). Up to
         MAX_RECHOICES times; then every convolution goes bare, and failing that too the
         plan serves eagerly (module docstring)."""
         moved = False
@@ -179,7 +180,7 @@ class GraphCapture:
         (binary search: once a prefix diverges, longer ones do too); None when every conv
         matches, after logging whether a tail step differs."""
         self._random_inputs()
-        steps = [i for i, step in enumerate(self.plan.steps) if isinstance(step, ConvStep)]
+        steps = [i for i, step in enumerate(self.plan.steps) if isinstance(step, ConvStep | BlockStep)]
         if not self._prefix_differs(steps[-1]):
             tail = [i for i, step in enumerate(self.plan.steps) if isinstance(step, TAIL_STEPS)]
             first = next(
@@ -200,13 +201,19 @@ class GraphCapture:
 
     def _choose_again(self, indexes: list[int]) -> bool:
         """Reject what ran each conv step in `indexes` (autotune.Autotuner.reject) and have
-        the plan choose again every conv that ran one of those; True when the workspace grew."""
+        the plan choose again every conv that ran one of those; a one-kernel block there
+        goes back to its two convolutions, and its kernel is turned off for the shape. True
+        when the workspace grew."""
         rejected = set()
-        for index in indexes:
+        for index in sorted(indexes, reverse=True):  # unfusing a block shifts the steps after it
             bad = self.plan.steps[index]
-            assert isinstance(bad, ConvStep), (index, bad)
+            assert isinstance(bad, ConvStep | BlockStep), (index, bad)
             log.warning("b%d: %s (%s) replays differently inside the captured forward; choosing again",
                         self.plan.batch, bad.name, bad.runner)  # fmt: skip
+            if isinstance(bad, BlockStep):
+                self.plan.tuner.refuse_block(bad.first.request.key.bare(), "replayed wrongly")
+                self.plan.unfuse(index)
+                continue
             rejected.add(bad.choice.identity)
             self.plan.tuner.reject(bad.choice, "replayed wrongly")
         return self.plan.rechoose(lambda choice: choice.identity in rejected)

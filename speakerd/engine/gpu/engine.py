@@ -74,6 +74,7 @@ class GpuEngine(Engine):
         plan_sizes: tuple[int, ...] = (1, 32),
         graphs: bool = True,
         own_kernels: bool = True,
+        fused_blocks: bool = False,
     ) -> None:
         import cudnn
         import cupy
@@ -86,6 +87,7 @@ class GpuEngine(Engine):
         self.table = maths.of(math)
         self.plan_sizes = sizes
         self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
+        self.fused_blocks = fused_blocks  # True: one-kernel layer1 blocks if faster (--conv-kernels blocks)
         self._lock = threading.RLock()
         self._fallbacks_logged = False
         self._last_active: dict[int, np.ndarray] = {}  # plan batch -> the last run's active frames
@@ -108,7 +110,7 @@ class GpuEngine(Engine):
                 },
                 sm_count=int(cupy.cuda.Device().attributes["MultiProcessorCount"]),
             )
-            self.tuner = Autotuner(self.ctx, own_kernels)
+            self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks)
             self._randomize_arena(math)
             self.plans: dict[int, Plan] = {
                 size: Plan(self.ctx, self.tuner, model, size, math) for size in sizes
@@ -368,13 +370,17 @@ class GpuEngine(Engine):
 
     def conv_report(self, batch: int) -> list[dict]:
         """Per convolution of plan `batch`: the chosen cuDNN plan, fused or ours, ms, TFLOP/s,
-        and what refused to run it (candidate: reason)."""
+        and what refused to run it (candidate: reason). Where one kernel runs a whole block,
+        its time is on conv1's row (TFLOP/s of both convs) and conv2's row has 0; both keep
+        what would run them alone as `unfused_ms`."""
         rows = []
 
         def ms(value: float | None) -> float | None:
             return None if value is None else round(value, 4)
 
-        for step in self.plans[batch].convs:
+        plan = self.plans[batch]
+        blocks = {id(conv): block for block in plan.blocks for conv in (block.first, block.second)}
+        for step in plan.convs:
             choice = step.choice
             key, graph = ConvKey.of(step.request.spec, batch, step.request.math, None), choice.graph
             if choice.own is not None:
@@ -391,6 +397,15 @@ class GpuEngine(Engine):
                 "graph_build_s": None if graph is None else round(graph.build_s, 2),
                 "refused": [f"{refusal.candidate}: {refusal.reason}" for refusal in choice.refusals],
             })  # fmt: skip
+            block = blocks.get(id(step))
+            if block is not None:  # the block's kernel runs it: its time goes on conv1's row
+                first = step is block.first
+                rows[-1].update({
+                    "runs": block.runner if first else f"{block.runner} (in {block.name}.conv1's row)",
+                    "ms": round(block.choice.ms if first else 0.0, 4), "unfused_ms": rows[-1]["ms"],
+                    "block_pair_ms": round(block.choice.pair_ms, 4),
+                    "tflops": round(2 * key.flops / (block.choice.ms * 1e9), 1) if first else None,
+                })  # fmt: skip
         return rows
 
     def build_report(self) -> dict:

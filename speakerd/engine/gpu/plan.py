@@ -23,9 +23,10 @@ allocates nothing and can be captured once into a CUDA graph and replayed (captu
 The forward is a list of steps, each a dataclass bound to its buffers at build time that
 enqueues its work on the context's stream: ClearFlagStep, TransposeStep, ConvStep (what
 the autotuner chose), TapStep (a named activation handed to a hook: taps, profiling),
-PoolStep, LinearStep and EpilogueStep (the linear's bias). A Plan reads the device only
-through its DeviceContext (context.py) and asks the Autotuner (autotune.py) what runs each
-convolution; it never sees the engine.
+PoolStep, LinearStep and EpilogueStep (the linear's bias), and BlockStep where one kernel of
+ours runs a whole BasicBlock (--conv-kernels blocks, when faster than its two ConvSteps). A
+Plan reads the device only through its DeviceContext (context.py) and asks the Autotuner
+(autotune.py) what runs each convolution; it never sees the engine.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import ClassVar
 import numpy as np
 
 from speakerd.engine.gpu import maths
-from speakerd.engine.gpu.autotune import Autotuner, ConvChoice, ConvRequest
+from speakerd.engine.gpu.autotune import Autotuner, BlockChoice, ConvChoice, ConvRequest
 from speakerd.engine.gpu.context import DeviceContext
 from speakerd.engine.gpu.epilogue import Epilogue
 from speakerd.engine.gpu.staging import InputSlot, pinned
@@ -140,6 +141,36 @@ class ConvStep:
 
 
 @dataclass
+class BlockStep:
+    """A whole BasicBlock by one kernel of ours (autotune.BlockChoice) in place of its two
+    convolutions. Their ConvSteps stay as the record of what would run them: reports show
+    them, and a block that replays wrongly inside a captured forward goes back to them
+    (Plan.unfuse)."""
+
+    first: ConvStep
+    second: ConvStep
+    choice: BlockChoice
+    label: ClassVar[str] = "block"
+
+    @property
+    def name(self) -> str:
+        return self.choice.block.prefix
+
+    @property
+    def output(self):
+        """What this step writes that the next reads: the block output."""
+        return self.second.output
+
+    @property
+    def runner(self) -> str:
+        return self.choice.runner
+
+    def enqueue(self, ctx: DeviceContext, taps: bool = False) -> None:
+        """The kernel; with `taps`, the one that writes the hidden activation too."""
+        self.choice.enqueue(ctx, taps)
+
+
+@dataclass
 class TapStep:
     """A named activation, handed to the forward's hook; enqueues nothing."""
 
@@ -203,7 +234,7 @@ class EpilogueStep:
         self.epilogue.launch(ctx.kernels, ctx.stream)
 
 
-Step = ClearFlagStep | TransposeStep | ConvStep | TapStep | PoolStep | LinearStep | EpilogueStep
+Step = ClearFlagStep | TransposeStep | ConvStep | BlockStep | TapStep | PoolStep | LinearStep | EpilogueStep
 #: Steps after the trunk whose output a capture check may compare on its own.
 TAIL_STEPS = (PoolStep, LinearStep, EpilogueStep)
 
@@ -262,17 +293,20 @@ class Plan:
         x, out = a, c
         for spec_block, block in zip(BLOCKS, model.blocks, strict=True):
             prefix = spec_block.prefix
-            steps += [
-                self._conv(f"{prefix}.conv1", block.conv1, x, b, "bias_relu"),
-                tap(spec_block.hidden_tap, b),
-            ]
+            first = self._conv(f"{prefix}.conv1", block.conv1, x, b, "bias_relu")
+            middle: list[Step] = [tap(spec_block.hidden_tap, b)]
             residual = x
             if block.shortcut is not None:
                 shortcut = self._conv(f"{prefix}.shortcut", block.shortcut, x, d, "bias_only")
-                steps += [shortcut, tap(spec_block.shortcut_tap, d)]
+                middle += [shortcut, tap(spec_block.shortcut_tap, d)]
                 residual = d
-            steps += [self._conv(f"{prefix}.conv2", block.conv2, b, out, "bias_add_relu", residual),
-                      tap(spec_block.out_tap, out)]  # fmt: skip
+            second = self._conv(f"{prefix}.conv2", block.conv2, b, out, "bias_add_relu", residual)
+            fused = self.tuner.choose_block(spec_block, first.request, first.choice, second.request,
+                                            second.choice)  # fmt: skip
+            if fused is not None and fused.wins:
+                steps += [BlockStep(first, second, fused), *middle, tap(spec_block.out_tap, out)]
+            else:
+                steps += [first, *middle, second, tap(spec_block.out_tap, out)]
             x, out = out, x
         self.trunk_out = x
         assert len(self._requests) == CONVOLUTIONS, (len(self._requests), CONVOLUTIONS)
@@ -289,8 +323,29 @@ class Plan:
 
     @property
     def convs(self) -> list[ConvStep]:
-        """The convolution steps in forward order."""
-        return [step for step in self.steps if isinstance(step, ConvStep)]
+        """The convolution steps in forward order, those a BlockStep runs included."""
+        convs: list[ConvStep] = []
+        for step in self.steps:
+            if isinstance(step, ConvStep):
+                convs.append(step)
+            elif isinstance(step, BlockStep):
+                convs += [step.first, step.second]
+        return convs
+
+    @property
+    def blocks(self) -> list[BlockStep]:
+        """The blocks one kernel runs, in forward order."""
+        return [step for step in self.steps if isinstance(step, BlockStep)]
+
+    def unfuse(self, index: int) -> None:
+        """Run the block of step `index` as its two convolutions again: conv1 where the block
+        step was, conv2 right after the hidden activation's tap (no shortcut: the kernel
+        runs identity-shortcut blocks only)."""
+        step = self.steps[index]
+        assert isinstance(step, BlockStep), (index, step)
+        hidden = self.steps[index + 1]
+        assert isinstance(hidden, TapStep) and hidden.name.endswith(".hidden"), (index, hidden)
+        self.steps[index : index + 2] = [step.first, hidden, step.second]
 
     def rechoose(self, again: Callable[[ConvChoice], bool]) -> bool:
         """Ask the autotuner again for every convolution whose choice `again` selects (after
@@ -309,6 +364,8 @@ class Plan:
                 if isinstance(step, TapStep):
                     if hook is not None:
                         hook(step.name, step.view, step.shape)
+                elif isinstance(step, BlockStep):
+                    step.enqueue(self.ctx, taps=hook is not None)  # a hook reads the hidden tap
                 else:
                     step.enqueue(self.ctx)
 
