@@ -81,14 +81,8 @@ __device__ __forceinline__ void conv3x3_32(float (&acc)[MI][4][4], const unsigne
         for (int kk = 0; kk < F16B_C; kk += 16) {
             unsigned a[MI][4];
 #pragma unroll
-            for (int i = 0; i < MI; ++i) {
-                const uint2 t = *reinterpret_cast<const uint2*>(source + top[i] + shift + kk + 4 * quad);
-                const uint2 b = *reinterpret_cast<const uint2*>(source + bottom[i] + shift + kk + 4 * quad);
-                a[i][0] = t.x;
-                a[i][1] = b.x;
-                a[i][2] = t.y;
-                a[i][3] = b.y;
-            }
+            for (int i = 0; i < MI; ++i)
+                load_a_f16(a[i], source + top[i] + shift + kk + 4 * quad, source + bottom[i] + shift + kk + 4 * quad);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const uint2 column = *reinterpret_cast<const uint2*>(b_tap + (j * 8 + group) * F16B_LD + kk + 4 * quad);

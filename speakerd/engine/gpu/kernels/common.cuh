@@ -30,6 +30,18 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 MMA_SYNC(mma_tf32, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 MMA_SYNC(mma_f16, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
 
+// The FP16 convolutions' m16k16 A fragment (kernels/conv_f16.cu, block_f16.cu): pixel rows g
+// and g + 8 of a 16-wide k slice, 8 bytes each from `top` and `bottom` (the slice's shared
+// columns 4 * quad .. 4 * quad + 3: conv_f16.cu's "Fragments" says why that order works).
+__device__ __forceinline__ void load_a_f16(unsigned (&a)[4], const unsigned short* top, const unsigned short* bottom) {
+    const uint2 t = *reinterpret_cast<const uint2*>(top);
+    const uint2 b = *reinterpret_cast<const uint2*>(bottom);
+    a[0] = t.x;
+    a[1] = b.x;
+    a[2] = t.y;
+    a[3] = b.y;
+}
+
 // An MMA accumulator tile [M16][N8 tiles][4] set to zero (compile-time indices only).
 template <int M16, int N8>
 __device__ __forceinline__ void zero_fragments(float (&acc)[M16][N8][4]) {

@@ -143,12 +143,7 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
 #pragma unroll
                 for (int i = 0; i < MI; ++i) {
                     const unsigned short* rows = a_tap + (i * 16 + group) * T::STEP * T::LDA + kk + 4 * quad;
-                    const uint2 top = *reinterpret_cast<const uint2*>(rows);                               // pixel g
-                    const uint2 bottom = *reinterpret_cast<const uint2*>(rows + 8 * T::STEP * T::LDA);  // g + 8
-                    a[i][0] = top.x;
-                    a[i][1] = bottom.x;
-                    a[i][2] = top.y;
-                    a[i][3] = bottom.y;
+                    load_a_f16(a[i], rows, rows + 8 * T::STEP * T::LDA);  // pixels g and g + 8
                 }
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
