@@ -182,12 +182,6 @@ class BlockChoice:
     def runner(self) -> str:
         return f"ours:{self.kernel.name}"
 
-    @property
-    def identity(self) -> tuple:
-        """What runs it, shared by every block running the same entry point on one shape."""
-        conv1 = self.block.conv1
-        return ("ours-block", conv1.h_in, conv1.w_in, self.kernel.batch, self.kernel.name)
-
     def enqueue(self, ctx: DeviceContext, taps: bool = False) -> None:
         """Enqueue on ctx.stream (allocation-free, graph-capturable)."""
         (self.tap_kernel if taps else self.kernel).launch(ctx.stream)
@@ -446,8 +440,6 @@ class Autotuner:
     # ----- whole blocks ------------------------------------------------------------------
     def why_no_block(self, spec: BlockSpec, first: ConvRequest, second: ConvRequest) -> str:
         """Why our one-kernel block may not run this block ("" when it may)."""
-        if not self.fused_blocks:
-            return "off (--conv-kernels blocks turns it on)"
         if not self.own_kernels:
             return "--conv-kernels cudnn"
         why = block.why_not(spec, first.math)
