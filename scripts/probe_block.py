@@ -58,9 +58,9 @@ def main() -> int:
             runner = f"conv_f16 x2 {pixels[0]}x{pixels[1]}"
             print(json.dumps({"batch": batch, "runner": runner, "ms": round(ms, 4),
                               "tflops": round(flops / ms / 1e9, 1)}), flush=True)  # fmt: skip
-        for pixels in fused.PIXEL_TILES:
+        for variant in fused.VARIANTS:
             for taps in (False, True):
-                kernel = fused.BlockKernel.bind(spec, batch, pixels, x, w1, b1, w2, b2, y, flag, sm_count,
+                kernel = fused.BlockKernel.bind(spec, batch, variant, x, w1, b1, w2, b2, y, flag, sm_count,
                                                 hidden if taps else None)  # fmt: skip
                 with stream:
                     ms = kernel.time(stream)

@@ -3,7 +3,8 @@
 - It equals, bit for bit, our FP16 convolution kernel run twice (conv1 + bias + ReLU into
   the hidden activation, then conv2 + bias + the block input + ReLU): the same fragments in
   the same order, so fusing changes where the hidden tile lives, never a bit of the result.
-  Every pixel tile, layer1's shape at b1 and b3, and a small shape whose edges cut tiles.
+  Every entry point (pixel tile and warps), layer1's shape at b1 and b3, and a small shape
+  whose edges cut tiles.
 - Against float64 (the math's agreement bound, as our convolutions are held to).
 - The hidden activation it writes for taps is the first kernel's output, bit for bit, and
   writing it does not change y.
@@ -13,7 +14,7 @@
   whether or not it wins: the embeddings and every tap meet the FP16 bounds, the captured
   graph replays eager's bits, and the report puts each block's time on its conv1 row.
 
-The table printed is (shape, batch, tile, max |error| / max |float64|).
+The table printed is (shape, batch, entry point, max |error| / max |float64|).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _pair(block: BlockSpec, batch: int, x, w1, b1, w2, b2, flag):
     return hidden, y
 
 
-def _fused(block: BlockSpec, batch: int, pixels, x, w1, b1, w2, b2, flag, hidden=None):
+def _fused(block: BlockSpec, batch: int, variant, x, w1, b1, w2, b2, flag, hidden=None):
     import cupy
 
     from speakerd.engine.gpu import block as fused
@@ -76,7 +77,7 @@ def _fused(block: BlockSpec, batch: int, pixels, x, w1, b1, w2, b2, flag, hidden
     y = cupy.full_like(x, np.nan)
     stream = cupy.cuda.Stream(non_blocking=True)
     sm_count = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-    kernel = fused.BlockKernel.bind(block, batch, pixels, x, w1, b1, w2, b2, y, flag, sm_count, hidden)
+    kernel = fused.BlockKernel.bind(block, batch, variant, x, w1, b1, w2, b2, y, flag, sm_count, hidden)
     with stream:
         kernel.launch(stream)
     stream.synchronize()
@@ -123,21 +124,22 @@ def test_fused_block_equals_two_convs_bit_for_bit(shape, capsys) -> None:
     hidden_pair, y_pair = _pair(block, batch, x, w1, b1, w2, b2, flag)
     reference = _reference(x, w1, b1, w2, b2)
     bound = maths.of(Math.FP16).agreement
-    for pixels in fused.PIXEL_TILES:
-        y = _fused(block, batch, pixels, x, w1, b1, w2, b2, flag)
+    for variant in fused.VARIANTS:
+        name = "{}x{} w{}".format(*variant)
+        y = _fused(block, batch, variant, x, w1, b1, w2, b2, flag)
         hidden = cupy.full_like(x, np.nan)
-        y_taps = _fused(block, batch, pixels, x, w1, b1, w2, b2, flag, hidden)
+        y_taps = _fused(block, batch, variant, x, w1, b1, w2, b2, flag, hidden)
         error = igemm.relative_difference(y.astype(cupy.float64), reference)
         with capsys.disabled():
-            print(f"\nblock {h}x{w} b{batch} {pixels[0]}x{pixels[1]}: vs float64 {error:.3e}", end="")
+            print(f"\nblock {h}x{w} b{batch} {name}: vs float64 {error:.3e}", end="")
         assert _same_bits(y, y_pair) == 0, (
-            f"{pixels}: {_same_bits(y, y_pair)} of {y.size} outputs differ from conv_f16 run twice"
+            f"{name}: {_same_bits(y, y_pair)} of {y.size} outputs differ from conv_f16 run twice"
         )
-        assert _same_bits(y_taps, y) == 0, f"{pixels}: writing the hidden activation changed y"
+        assert _same_bits(y_taps, y) == 0, f"{name}: writing the hidden activation changed y"
         assert _same_bits(hidden, hidden_pair) == 0, (
-            f"{pixels}: {_same_bits(hidden, hidden_pair)} hidden values differ from conv_f16's conv1"
+            f"{name}: {_same_bits(hidden, hidden_pair)} hidden values differ from conv_f16's conv1"
         )
-        assert error <= bound, f"{pixels}: {error:.3e} of the output scale from float64 (bound {bound:g})"
+        assert error <= bound, f"{name}: {error:.3e} of the output scale from float64 (bound {bound:g})"
     assert int(flag.get()[0]) == 0, "the range flag was raised on data within FP16's range"
 
 
@@ -161,10 +163,10 @@ def test_range_flag_is_raised_where_a_value_overflows(where: str) -> None:
         b1[...] = 0
         b2[...] = 60000.0
         x[...] = 10000.0
-    for pixels in fused.PIXEL_TILES:
+    for variant in fused.VARIANTS:
         flag = cupy.zeros((1,), dtype=cupy.int32)
-        _fused(block, batch, pixels, x, w1, b1, w2, b2, flag)
-        assert int(flag.get()[0]) == 1, f"{pixels}: {where} overflowed and the range flag stayed down"
+        _fused(block, batch, variant, x, w1, b1, w2, b2, flag)
+        assert int(flag.get()[0]) == 1, f"{variant}: {where} overflowed and the range flag stayed down"
 
 
 @pytest.mark.gpu
@@ -226,15 +228,16 @@ def test_entry_points_and_tiling_match_the_source() -> None:
     from speakerd.engine.gpu import kernels
 
     source = kernels.kernel_sources()[fused.SOURCE]
-    entries = [(int(r), int(c)) for r, c in re.findall(r"^F16B_ENTRY\((\d+), (\d+)\)$", source, re.M)]
-    assert tuple(entries) == fused.PIXEL_TILES, entries
+    entries = re.findall(r"^F16B_ENTRY\((\d+), (\d+), (\d+)\)$", source, re.M)
+    assert tuple((int(r), int(c), int(w)) for r, c, w in entries) == fused.VARIANTS, entries
     defines = {name: int(value) for name, value in re.findall(r"#define F16B_(\w+) (\d+)", source)}
-    expected = {"THREADS": fused.THREADS, "C": fused.CHANNELS, "LD": fused.SHARED_ROW,
+    expected = {"PIXEL_WARPS": fused.PIXEL_WARPS, "C": fused.CHANNELS, "LD": fused.SHARED_ROW,
                 "STAGE_LD": fused.STAGE_ROW, "TAPS": fused.TAPS}  # fmt: skip
     assert {k: defines[k] for k in expected} == expected, defines
-    for rows, cols in fused.PIXEL_TILES:
+    for rows, cols, warps in fused.VARIANTS:
         assert fused.shared_bytes(rows, cols) <= fused.BLOCK_SHARED_MAX, (rows, cols)
-        assert rows * cols % (16 * fused.THREADS // 32) == 0, "conv2's fragments split over 8 warps"
+        assert rows * cols % (16 * fused.PIXEL_WARPS) == 0, "conv2's fragments split over the pixel warps"
+        assert warps in (fused.PIXEL_WARPS, 2 * fused.PIXEL_WARPS), "the channels split over one or two warps"
     # 8 x 32: weights 2 x 9 x 32 x 48, halos 2 x 12 x 36 x 48, hidden 10 x 34 x 48, staged 256 x 40
     assert fused.shared_bytes(8, 32) == (2 * 9 * 32 * 48 + 2 * 12 * 36 * 48 + 10 * 34 * 48 + 256 * 40) * 2
     assert fused.tiles(32, 80, 998, 8, 32) == 32 * 10 * 32

@@ -219,7 +219,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("max-message-mb", DEFAULT_MAX_MESSAGE_MB, "largest gRPC message in MiB", type=_positive_int)
     add("log-level", "INFO", "log level", choices=LOG_LEVELS, type=str.upper)
-    kernels = "GPU convolutions: auto (ours where faster), cudnn, blocks (auto + one-kernel layer1 blocks; trial)"
+    kernels = (
+        "GPU convolutions: auto (ours where faster), cudnn, blocks (auto + one-kernel layer1 blocks, trial)"
+    )
     add("conv-kernels", "auto", kernels, choices=CONV_KERNELS)
     # optional transport security; the metrics port stays plain HTTP (scraped inside the cluster)
     add("tls-cert", None, "PEM certificate chain: serve gRPC over TLS (reloaded when the file changes)")

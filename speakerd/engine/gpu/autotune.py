@@ -453,7 +453,7 @@ class Autotuner:
         self, spec: BlockSpec, first: ConvRequest, first_choice: ConvChoice, second: ConvRequest,
         second_choice: ConvChoice,
     ) -> BlockChoice | None:  # fmt: skip
-        """Our one-kernel block for `spec`, timed (every pixel tile, the fastest kept) after
+        """Our one-kernel block for `spec`, timed (every entry point, the fastest kept) after
         its output was checked against what the two convolutions' choices write on the same
         buffers; None when it may not run (a refusal is kept, with why) or disagrees beyond
         the math's agreement bound (then it is turned off for the shape: a bug of ours).
@@ -474,14 +474,14 @@ class Autotuner:
             self._run_choice(second_choice)
             reference = y.copy()
 
-        def bind(pixels: tuple[int, int], hidden=None) -> BlockKernel:
-            return BlockKernel.bind(spec, first.batch, pixels, first.x, w1, b1, w2, b2, second.y, first.flag,
+        def bind(variant: tuple[int, int, int], hidden=None) -> BlockKernel:
+            return BlockKernel.bind(spec, first.batch, variant, first.x, w1, b1, w2, b2, second.y, first.flag,
                                     self.ctx.sm_count, hidden)  # fmt: skip
 
         bound = maths.of(first.math).agreement
         fastest: BlockKernel | None = None
-        for pixels in block.PIXEL_TILES:
-            kernel = bind(pixels)
+        for variant in block.VARIANTS:
+            kernel = bind(variant)
             with stream:
                 y.fill(float("nan"))
                 kernel.launch(stream)
@@ -495,7 +495,8 @@ class Autotuner:
             if fastest is None or kernel.ms < fastest.ms:
                 fastest = kernel
         assert fastest is not None, spec.prefix
-        choice = BlockChoice(spec, fastest, bind(fastest.pixels, first.y), first_choice.ms + second_choice.ms)
+        pair_ms = first_choice.ms + second_choice.ms
+        choice = BlockChoice(spec, fastest, bind(fastest.variant, first.y), pair_ms)
         log.info("b%d %s %s: ours %s %.4f ms, its two convolutions %.4f ms", first.batch, first.math,
                  spec.prefix, fastest.name, fastest.ms, choice.pair_ms)  # fmt: skip
         return choice

@@ -27,23 +27,25 @@ from speakerd.model.architecture import BlockSpec
 from speakerd.model.numerics import Math
 
 SOURCE = "block_f16.cu"
-#: kernels/block_f16.cu's F16B_* defines (tests check): threads, channels in and out,
-#: halves per padded shared row, halves per staged output pixel.
-THREADS = 256
+#: kernels/block_f16.cu's F16B_* defines (tests check): warps along the pixels, channels
+#: in and out, halves per padded shared row, halves per staged output pixel.
+PIXEL_WARPS = 8
 CHANNELS = 32
 SHARED_ROW = 48
 STAGE_ROW = 40
 TAPS = 9
-#: Output tiles (rows, columns) there are entry points for (F16B_ENTRY lines; tests check),
-#: each timed by the autotuner:
-#: - (8, 32): hidden ring 10 x 34 = 1.33x the outputs; 22 conv1 fragments on 8 warps (3
-#:   each, 2 of them idle on the last).
-#: - (16, 16): ring 18 x 18 = 1.27x, 21 fragments; fewer columns, so fewer partial tiles
-#:   at the 998-frame edge (63 tiles of 16 against 32 of 32).
-#: - (4, 32): half the tile, twice the tiles, for b1 (320 tiles of 8 x 32 fill 132 SMs in
+#: Entry points (output rows, output columns, warps) there are (F16B_ENTRY lines; tests
+#: check), each timed by the autotuner:
+#: - 8 x 32: hidden ring 10 x 34 = 1.33x the outputs; 22 conv1 fragments on 8 pixel warps
+#:   (3 each, 2 of them idle on the last).
+#: - 16 x 16: ring 18 x 18 = 1.27x, 21 fragments; fewer columns, so fewer partial tiles at
+#:   the 998-frame edge (63 tiles of 16 against 32 of 32).
+#: - 4 x 32: half the tile, twice the tiles, for b1 (320 tiles of 8 x 32 fill 132 SMs in
 #:   2.4 rounds), at a ring of 6 x 34 = 1.59x.
-PIXEL_TILES: tuple[tuple[int, int], ...] = ((8, 32), (16, 16), (4, 32))
-KERNEL_NAMES = tuple(f"block_f16_{rows}x{cols}" for rows, cols in PIXEL_TILES)
+#: - 8 warps: each covers all 32 channels (the fewest shared-memory bytes per MMA); 16: two
+#:   warps split the channels, twice the warps to hide latency (one block per SM either way).
+VARIANTS: tuple[tuple[int, int, int], ...] = ((8, 32, 8), (16, 16, 8), (4, 32, 8), (8, 32, 16), (16, 16, 16))
+KERNEL_NAMES = tuple(f"block_f16_{rows}x{cols}_w{warps}" for rows, cols, warps in VARIANTS)
 #: Shared memory one block may have on Hopper.
 BLOCK_SHARED_MAX = 227 * 1024
 
@@ -85,7 +87,7 @@ class BlockKernel(OwnKernel):
 
     block: BlockSpec
     batch: int
-    pixels: tuple[int, int]
+    variant: tuple[int, int, int]  # output rows, output columns, warps
     args: tuple
     grid: tuple[int]
     shared: int
@@ -94,25 +96,26 @@ class BlockKernel(OwnKernel):
     tile: int = CHANNELS  # channels per block, for reports (the interface of IgemmConv)
 
     @classmethod
-    def bind(cls, block: BlockSpec, batch: int, pixels: tuple[int, int], x, w1, b1, w2, b2, y, flag,
+    def bind(cls, block: BlockSpec, batch: int, variant: tuple[int, int, int], x, w1, b1, w2, b2, y, flag,
              sm_count: int, hidden=None) -> BlockKernel:  # fmt: skip
-        assert pixels in PIXEL_TILES, f"pixel tile {pixels} not in {PIXEL_TILES}"
+        assert variant in VARIANTS, f"{variant} not in {VARIANTS}"
+        rows, cols, _ = variant
         assert not why_not(block, Math.FP16), why_not(block, Math.FP16)
         h, w = block.conv1.h_in, block.conv1.w_in
-        count = tiles(batch, h, w, *pixels)
+        count = tiles(batch, h, w, rows, cols)
         hidden_ptr = np.uint64(0) if hidden is None else hidden
         args = (x, w1, b1, w2, b2, y, hidden_ptr, flag, *(np.int32(v) for v in (batch, h, w)))
         grid = (min(count, sm_count),)
-        return cls(block, batch, pixels, args, grid, shared_bytes(*pixels), hidden is not None)
+        return cls(block, batch, variant, args, grid, shared_bytes(rows, cols), hidden is not None)
 
     @property
     def name(self) -> str:
-        rows, cols = self.pixels
-        return f"block_f16_{rows}x{cols}"
+        rows, cols, warps = self.variant
+        return f"block_f16_{rows}x{cols}_w{warps}"
 
     def launch(self, stream) -> None:
         function = _function(self.name, self.shared)
-        function(self.grid, (THREADS,), self.args, stream=stream, shared_mem=self.shared)
+        function(self.grid, (32 * self.variant[2],), self.args, stream=stream, shared_mem=self.shared)
 
 
 @functools.cache
