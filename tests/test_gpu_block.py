@@ -25,6 +25,7 @@ import pytest
 from speakerd.model.architecture import BLOCKS, EMBEDDING_DIM, MAX_SPEAKERS, TAP_NAMES, BlockSpec, ConvSpec
 from speakerd.model.numerics import BOUNDS, Math, compare
 from tests.test_gpu_engine import needs_gpu
+from tests.test_gpu_igemm import _reference as conv_reference
 
 #: (h, w, batch): layer1's 80 x 998 at b1 and b3, and 19 x 45, where every tile of every
 #: shape is cut by an edge (19 rows: 8 x 32 leaves 3, 16 x 16 leaves 3, 4 x 32 leaves 3).
@@ -86,26 +87,19 @@ def _fused(block: BlockSpec, batch: int, variant, x, w1, b1, w2, b2, flag, hidde
 
 def _reference(x, w1, b1, w2, b2):
     """float64 block: relu(conv2(half(relu(conv1(x) + b1))) + b2 + x), the hidden activation
-    rounded to half as the kernels store it."""
+    rounded to half as the kernels store it (test_gpu_igemm's float64 convolution)."""
     import cupy
 
-    def conv(values, weight, bias):
-        n, h, w, c = values.shape
-        padded = cupy.pad(values.astype(cupy.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
-        taps = [padded[:, dh : dh + h, dw : dw + w, :] for dh in range(3) for dw in range(3)]
-        patches = cupy.concatenate(taps, axis=3).reshape(n * h * w, 9 * c)
-        out = patches @ weight.reshape(weight.shape[0], -1).astype(cupy.float64).T + bias.astype(cupy.float64)
-        return out.reshape(n, h, w, -1)
-
-    hidden = cupy.maximum(conv(x, w1, b1), 0.0).astype(cupy.float16)
-    return cupy.maximum(conv(hidden, w2, b2) + x.astype(cupy.float64), 0.0)
+    hidden = conv_reference(x, w1, b1, None, 3, 1, True).reshape(x.shape).astype(cupy.float16)
+    residual = x.astype(cupy.float64).reshape(-1, x.shape[-1])
+    return conv_reference(hidden, w2, b2, residual, 3, 1, True).reshape(x.shape)
 
 
 def _same_bits(a, b) -> int:
     """Elements whose bits differ."""
-    import cupy
+    from speakerd.engine.gpu.bitwise import bits
 
-    return int(cupy.count_nonzero(a.view(cupy.uint16) != b.view(cupy.uint16)).get())
+    return int((bits(a) != bits(b)).sum().get())
 
 
 @pytest.mark.gpu

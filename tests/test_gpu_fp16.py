@@ -73,7 +73,7 @@ def _run(conv, y, flag, stream) -> int:
 def test_f16_kernel_matches_float64(shape, capsys) -> None:
     import cupy
 
-    from speakerd.engine.gpu import igemm
+    from speakerd.engine.gpu import igemm, kernels
 
     spec, batch = spec_of(shape), shape[-1]
     cin, cout, h, w, kernel, stride = spec.cin, spec.cout, spec.h_in, spec.w_in, spec.kernel, spec.stride
@@ -98,7 +98,7 @@ def test_f16_kernel_matches_float64(shape, capsys) -> None:
             )
             raised = _run(conv, y, flag, stream)
             error = igemm.relative_difference(y.astype(cupy.float64), reference)
-            function = igemm._function(
+            function = kernels.entry(
                 igemm.F16_SOURCE, conv.name, igemm.f16_shared_bytes(kernel, stride, tile, *pixels)
             )
             with capsys.disabled():

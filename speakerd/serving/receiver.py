@@ -48,8 +48,10 @@ from speakerd.serving.receiver_link import (
     STOP,
     ReceiverSpec,
     forwardable,
+    read_link,
+    send,
 )
-from speakerd.serving.security import TlsFiles, server_credentials
+from speakerd.serving.security import TlsFiles, add_port, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -92,23 +94,19 @@ class Receiver:
         server.add_generic_rpc_handlers((_Handlers(self),))
         self._channel = grpc.aio.insecure_channel(s.internal_target, options=sizes)
         address = f"{s.host}:{s.port}"
+        credentials = None
+        if s.tls_cert is not None and s.tls_key is not None:
+            credentials = server_credentials(TlsFiles(s.tls_cert, s.tls_key, s.tls_client_ca))
         try:
-            if s.tls_cert is None or s.tls_key is None:
-                bound = server.add_insecure_port(address)
-            else:
-                files = TlsFiles(s.tls_cert, s.tls_key, s.tls_client_ca)
-                bound = server.add_secure_port(address, server_credentials(files))
+            add_port(server, address, credentials)
         except RuntimeError as error:
-            bound, reason = 0, str(error)
-        else:
-            reason = "the port was not bound"
-        if bound == 0:
-            self.conn.send((FAILED, f"cannot listen on {address} ({reason})"))
+            self.conn.send((FAILED, f"cannot listen on {address} ({error})"))
             await self._close()
             return
         await server.start()
         self.conn.send((LISTENING, os.getpid()))
-        threading.Thread(target=self._read, name="link", daemon=True).start()
+        threading.Thread(target=read_link, args=(self.conn, self._loop, self._on_message, self._server_gone),
+                         name="link", daemon=True).start()  # fmt: skip
         grace = await self._stop
         await server.stop(grace)
         await self._close()
@@ -121,21 +119,6 @@ class Receiver:
                 memory.close()
 
     # --- the link ------------------------------------------------------------------------
-
-    def _read(self) -> None:
-        """Link thread: messages from the server, handled on the event loop."""
-        assert self._loop is not None
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                with contextlib.suppress(RuntimeError):  # a closed loop: this receiver has stopped
-                    self._loop.call_soon_threadsafe(self._server_gone)
-                return
-            try:
-                self._loop.call_soon_threadsafe(self._on_message, message)
-            except RuntimeError:
-                return
 
     def _on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -169,13 +152,6 @@ class Receiver:
         if self._stop is not None and not self._stop.done():
             self._stop.set_result(grace_s)
 
-    def _send(self, message: tuple[Any, ...]) -> bool:
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, OSError):
-            return False
-        return True
-
     # --- calls ---------------------------------------------------------------------------
 
     async def embed_chunks(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -191,14 +167,14 @@ class Receiver:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         metadata = forwardable(context.invocation_metadata())
-        if not self._send((CALL, job, slot, len(raw), metadata, deadline)):
+        if not send(self.conn, (CALL, job, slot, len(raw), metadata, deadline)):
             self._pending.pop(job)
             self._free.put_nowait(slot)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server process stopped; retry")
         try:
             reply = await asyncio.shield(future)
         except asyncio.CancelledError:
-            self._send((CANCEL, job))  # the slot comes back with the server's answer
+            send(self.conn, (CANCEL, job))  # the slot comes back with the server's answer
             raise
         if reply[0] == RESPONSE:
             return reply[2]

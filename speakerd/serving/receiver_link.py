@@ -31,8 +31,13 @@ receiver write into that slot again: the server may still be reading it until th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 CALL, CANCEL, LISTENING, FAILED = "call", "cancel", "listening", "failed"
 RESPONSE, ABORT, STOP = "response", "abort", "stop"
@@ -78,3 +83,36 @@ class ReceiverSpec:
 def forwardable(metadata: tuple[tuple[str, str | bytes], ...] | None) -> tuple[tuple[str, str | bytes], ...]:
     """A call's metadata minus what gRPC sets itself (a forwarded call sets its own)."""
     return tuple((key, value) for key, value in metadata or () if not key.startswith(RESERVED_METADATA))
+
+
+def send(conn: Connection | None, message: tuple[Any, ...]) -> bool:
+    """Send one message; False when the other process is gone (its reader sees that too)."""
+    if conn is None:
+        return False
+    try:
+        conn.send(message)
+    except (BrokenPipeError, OSError):
+        return False
+    return True
+
+
+def read_link(
+    conn: Connection,
+    loop: asyncio.AbstractEventLoop,
+    on_message: Callable[[tuple[Any, ...]], None],
+    on_closed: Callable[[], None],
+) -> None:
+    """A link thread's body: each message from `conn` handled by `on_message` on `loop`,
+    then `on_closed` there once the other process is gone. Once `loop` has closed (this
+    process is exiting) the thread ends and later messages are dropped."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
+                loop.call_soon_threadsafe(on_closed)
+            return
+        try:
+            loop.call_soon_threadsafe(on_message, message)
+        except RuntimeError:
+            return

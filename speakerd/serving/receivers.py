@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import multiprocessing
@@ -40,6 +41,8 @@ from speakerd.serving.receiver_link import (
     SLOTS_PER_RECEIVER,
     STOP,
     ReceiverSpec,
+    read_link,
+    send,
 )
 
 log = logging.getLogger(__name__)
@@ -146,22 +149,13 @@ class ReceiverGroup:
             why = "it did not start" if reply is None else reply[1]
             raise ReceiverFailed(f"receiver {receiver.spec.index}: {why}")
         receiver.pid = int(reply[1])
-        threading.Thread(target=self._read, args=(receiver, ours), daemon=True,
+        assert self._loop is not None
+        on_message = functools.partial(self._on_message, receiver)
+        on_closed = functools.partial(self._lost, receiver, ours)
+        threading.Thread(target=read_link, args=(ours, self._loop, on_message, on_closed), daemon=True,
                          name=f"receiver-{receiver.spec.index}-link").start()  # fmt: skip
 
     # --- the link (a thread per receiver reads; everything else runs on the event loop) --
-
-    def _read(self, receiver: _Receiver, conn: Connection) -> None:
-        assert self._loop is not None
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                with contextlib.suppress(RuntimeError):  # a closed loop: the server is exiting
-                    self._loop.call_soon_threadsafe(self._lost, receiver, conn)
-                return
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._on_message, receiver, message)
 
     def _on_message(self, receiver: _Receiver, message: tuple[Any, ...]) -> None:
         if message[0] == CALL:
@@ -189,7 +183,7 @@ class ReceiverGroup:
             reply = (ABORT, job, "INTERNAL", f"internal error ({name}); see the server log", ())
         finally:
             receiver.calls.pop(job, None)
-        _send(receiver.conn, reply)
+        send(receiver.conn, reply)  # a receiver gone is handled by _lost
 
     def _lost(self, receiver: _Receiver, conn: Connection) -> None:
         """A receiver's pipe closed: it exited. Unless stopping, cancel its calls here and
@@ -231,7 +225,7 @@ class ReceiverGroup:
         for task in list(self._restarts):
             task.cancel()
         for receiver in self._receivers:
-            _send(receiver.conn, (STOP, grace_s))
+            send(receiver.conn, (STOP, grace_s))
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(None, _end, receiver, grace_s + EXIT_WAIT_S)
                                for receiver in self._receivers))  # fmt: skip
@@ -241,13 +235,6 @@ class ReceiverGroup:
                 _close(memory)
                 with contextlib.suppress(FileNotFoundError):
                     memory.unlink()
-
-
-def _send(conn: Connection | None, message: tuple[Any, ...]) -> None:
-    if conn is None:
-        return
-    with contextlib.suppress(BrokenPipeError, OSError):  # the receiver is gone: _lost handles it
-        conn.send(message)
 
 
 def _close(memory: shared_memory.SharedMemory) -> None:

@@ -111,3 +111,15 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     return grpc.dynamic_ssl_server_credentials(
         fetcher.initial, fetcher, require_client_authentication=files.client_ca is not None
     )
+
+
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on `address` (over TLS with `credentials`); the port bound. RuntimeError saying
+    why when it cannot (gRPC's "Failed to bind to address ...", or none bound)."""
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
+    if port == 0:
+        raise RuntimeError("the port was not bound")
+    return port

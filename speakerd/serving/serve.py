@@ -59,7 +59,7 @@ from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, P
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
 from speakerd.serving.receivers import ReceiverFailed, ReceiverGroup
-from speakerd.serving.security import TlsFileError, TlsFiles, server_credentials
+from speakerd.serving.security import TlsFileError, TlsFiles, add_port, server_credentials
 from speakerd.serving.service import (
     MAX_CONCURRENT_STREAMS,
     SERVICE_NAME,
@@ -423,16 +423,10 @@ class SpeakerServer:
         address = f"{s.host}:{s.port}"
         assert self._server is not None
         try:
-            if self.prepared.credentials is None:
-                port = self._server.add_insecure_port(address)
-            else:
-                port = self._server.add_secure_port(address, self.prepared.credentials)
-        except RuntimeError as error:  # gRPC: "Failed to bind to address ..."
+            return add_port(self._server, address, self.prepared.credentials)
+        except RuntimeError as error:
             message = f"--host {s.host} --port {s.port}: cannot listen there ({error})"
             raise config.UsageError(message) from error
-        if port == 0:
-            raise config.UsageError(f"--host {s.host} --port {s.port}: cannot listen there")
-        return port
 
     async def _start_receivers(self, internal: str) -> int:
         """Start --receivers processes on --host:--port (a free port first when it is 0:

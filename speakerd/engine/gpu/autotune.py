@@ -30,6 +30,7 @@ import abc
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TypeVar
 
 from speakerd.engine.gpu import block, igemm, maths, stem
 from speakerd.engine.gpu.block import BlockKernel
@@ -44,6 +45,8 @@ from speakerd.model.numerics import Math
 from speakerd.model.weights import FoldedConv
 
 log = logging.getLogger(__name__)
+#: One of our kernels (a convolution or a whole block), as the candidate loop sees it.
+K = TypeVar("K", bound=OwnKernel)
 
 #: Set-up only: a half conv's candidates are timed and checked on input values within this
 #: magnitude; beyond it (a model whose activations leave FP16's range, whose every batch
@@ -147,13 +150,15 @@ class ConvChoice:
         assert self.graph is not None, self.key.label()
         return ("cudnn", self.graph.key, self.graph.plan_index)
 
-    def enqueue(self, ctx: DeviceContext) -> None:
-        """Enqueue on ctx.stream (allocation-free, graph-capturable)."""
+    def enqueue(self, ctx: DeviceContext, workspace_ptr: int | None = None) -> None:
+        """Enqueue on ctx.stream (allocation-free, graph-capturable); a cuDNN plan uses the
+        shared workspace unless given one (`workspace_ptr`, set-up only)."""
         if self.own is not None:
             self.own.launch(ctx.stream)
             return
         assert self.graph is not None, self.key.label()
-        self.graph.execute(self.pack, ctx.workspace.ptr, ctx.cudnn)
+        workspace = ctx.workspace.ptr if workspace_ptr is None else workspace_ptr
+        self.graph.execute(self.pack, workspace, ctx.cudnn)
         if self.epilogue is not None:
             self.epilogue.launch(ctx.kernels, ctx.stream)
 
@@ -361,11 +366,11 @@ class Autotuner:
             for family in own:
                 weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io and family.io_weights)
                 kernels += family.bind(request, weight, bias)
-            ours, refusal = self._fastest_own(request, kernels, best, buffers)
+            ours, refusal = self._fastest_own(request, kernels, best)
             if refusal is not None:
                 refusals.append(refusal)
         for refusal in refusals:
-            self._refusals.setdefault((refusal.candidate, refusal.key, refusal.reason), refusal)
+            self._remember(refusal)
         return self._pick(request, best, buffers, fused, fused_buffers, ours, tuple(refusals))
 
     def _pick(
@@ -397,28 +402,35 @@ class Autotuner:
         return dataclasses.replace(best, graph=instance, pack=instance.pack(buffers))
 
     def _fastest_own(
-        self, request: ConvRequest, kernels: list[OwnKernel], bare: ConvChoice | None, buffers: dict[str, int]
+        self, request: ConvRequest, kernels: list[OwnKernel], bare: ConvChoice | None
     ) -> tuple[OwnKernel | None, Refusal | None]:
         """(our fastest kernel, None), or (None, the refusal) when one disagrees with cuDNN's
         bare conv + our epilogue on the same buffers by more than the math's agreement bound
         (then ours is turned off for the shape, with a warning: that is a bug of ours). With
         no cuDNN to compare with (the half stem) ours are timed unchecked here; the GPU
         tests check them against float64, and the start-up self-check the whole network."""
-        import cupy
-
         if not kernels:
             return None, None
-        stream, y = self.ctx.stream, request.y[: request.elements]
+        y = request.y[: request.elements]
         reference = None
         if bare is not None:
             assert bare.graph is not None and bare.epilogue is not None, request.name
-            workspace = cupy.empty((max(1, bare.graph.workspace_bytes),), dtype=cupy.uint8)
-            with stream:
-                bare.graph.execute(bare.graph.pack(buffers), workspace.data.ptr, self.ctx.cudnn)
-                bare.epilogue.launch(self.ctx.kernels, stream)
-                reference = y.copy()
+            reference = self._output_of([bare], y)
         bound = maths.of(request.math).agreement
-        fastest = None
+        fastest, failed = self._checked_fastest(kernels, y, reference, bound, "cuDNN")
+        if failed is not None:
+            kernel, reason = failed
+            self.refuse_own(request.key.bare(), reason)
+            return None, Refusal(f"ours:{kernel.name}", _label(request.key), reason)
+        return fastest, None
+
+    def _checked_fastest(
+        self, kernels: list[K], y, reference, bound: float, against: str
+    ) -> tuple[K | None, tuple[K, str] | None]:
+        """(the fastest of `kernels`, None) after each wrote `y` within `bound` of
+        `reference` (relative to its scale; None: unchecked) and was timed; or (None,
+        (the first that did not, why)). Set-up only."""
+        stream, fastest = self.ctx.stream, None
         for kernel in kernels:
             if reference is not None:
                 with stream:
@@ -426,16 +438,24 @@ class Autotuner:
                     kernel.launch(stream)
                     difference = igemm.relative_difference(y, reference)
                 if not difference <= bound:
-                    reason = (
-                        f"{kernel.name} differs from cuDNN by {difference:.3g} of the output scale "
-                        f"(bound {bound:g})"
-                    )
-                    self.refuse_own(request.key.bare(), reason)
-                    return None, Refusal(f"ours:{kernel.name}", _label(request.key), reason)
+                    reason = (f"{kernel.name} differs from {against} by {difference:.3g} of the output scale "
+                              f"(bound {bound:g})")  # fmt: skip
+                    return None, (kernel, reason)
             kernel.time(stream)
             if fastest is None or kernel.ms < fastest.ms:
                 fastest = kernel
         return fastest, None
+
+    def _output_of(self, choices: list[ConvChoice], y):
+        """A copy of `y` after `choices` ran in order, each cuDNN plan with a workspace of its
+        own (set-up runs this before the shared workspace has grown to the plans' needs)."""
+        import cupy
+
+        with self.ctx.stream:
+            for choice in choices:
+                workspace = cupy.empty((max(1, choice.workspace_bytes),), dtype=cupy.uint8)
+                choice.enqueue(self.ctx, workspace.data.ptr)
+            return y.copy()
 
     # ----- whole blocks ------------------------------------------------------------------
     def why_no_block(self, spec: BlockSpec, first: ConvRequest, second: ConvRequest) -> str:
@@ -463,37 +483,23 @@ class Autotuner:
             return None
         why = self.why_no_block(spec, first, second)
         if why:
-            refusal = Refusal("ours:block", _label(first.key), why)
-            self._refusals.setdefault((refusal.candidate, refusal.key, refusal.reason), refusal)
+            self._remember(Refusal("ours:block", _label(first.key), why))
             return None
         w1, b1 = self.ctx.weights.conv(first.folded, half=True)
         w2, b2 = self.ctx.weights.conv(second.folded, half=True)
-        stream, y = self.ctx.stream, second.y[: second.elements]
-        with stream:
-            self._run_choice(first_choice)
-            self._run_choice(second_choice)
-            reference = y.copy()
+        y = second.y[: second.elements]
+        reference = self._output_of([first_choice, second_choice], y)
 
         def bind(variant: tuple[int, int, int], hidden=None) -> BlockKernel:
             return BlockKernel.bind(spec, first.batch, variant, first.x, w1, b1, w2, b2, second.y, first.flag,
                                     self.ctx.sm_count, hidden)  # fmt: skip
 
         bound = maths.of(first.math).agreement
-        fastest: BlockKernel | None = None
-        for variant in block.VARIANTS:
-            kernel = bind(variant)
-            with stream:
-                y.fill(float("nan"))
-                kernel.launch(stream)
-                difference = igemm.relative_difference(y, reference)
-            if not difference <= bound:
-                reason = (f"{kernel.name} differs from the two convolutions by {difference:.3g} of the "
-                          f"output scale (bound {bound:g})")  # fmt: skip
-                self.refuse_block(key, reason)
-                return None
-            kernel.time(stream)
-            if fastest is None or kernel.ms < fastest.ms:
-                fastest = kernel
+        kernels = [bind(variant) for variant in block.VARIANTS]
+        fastest, failed = self._checked_fastest(kernels, y, reference, bound, "the two convolutions")
+        if failed is not None:
+            self.refuse_block(key, failed[1])
+            return None
         assert fastest is not None, spec.prefix
         pair_ms = first_choice.ms + second_choice.ms
         choice = BlockChoice(spec, fastest, bind(fastest.variant, first.y), pair_ms)
@@ -501,24 +507,14 @@ class Autotuner:
                  spec.prefix, fastest.name, fastest.ms, choice.pair_ms)  # fmt: skip
         return choice
 
-    def _run_choice(self, choice: ConvChoice) -> None:
-        """Enqueue what runs one convolution, with a cuDNN workspace of its own: set-up runs
-        this before the shared workspace has grown to the plans' needs."""
-        import cupy
-
-        if choice.own is not None:
-            choice.own.launch(self.ctx.stream)
-            return
-        assert choice.graph is not None, choice.key.label()
-        workspace = cupy.empty((max(1, choice.graph.workspace_bytes),), dtype=cupy.uint8)
-        choice.graph.execute(choice.pack, workspace.data.ptr, self.ctx.cudnn)
-        if choice.epilogue is not None:
-            choice.epilogue.launch(self.ctx.kernels, self.ctx.stream)
-
     def refuse_block(self, key: ConvKey, reason: str) -> None:
         """Never run our block kernel for blocks whose conv1 is `key` (bare) again."""
         self.block_refused[key] = reason
         log.warning("%s: our block kernel turned off: %s", key.label(), reason)
+
+    def _remember(self, refusal: Refusal) -> None:
+        """Keep `refusal` for the reports, once per (candidate, key, reason)."""
+        self._refusals.setdefault((refusal.candidate, refusal.key, refusal.reason), refusal)
 
     def _time_epilogue(self, epilogue: Epilogue) -> float:
         """GPU ms of our epilogue kernel on its buffers, from graph replays as it serves

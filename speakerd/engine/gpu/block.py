@@ -16,7 +16,6 @@ against what it chose for the two convolutions and keeps whichever is faster.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +44,15 @@ TAPS = 9
 #: - 8 warps: each covers all 32 channels (the fewest shared-memory bytes per MMA); 16: two
 #:   warps split the channels, twice the warps to hide latency (one block per SM either way).
 VARIANTS: tuple[tuple[int, int, int], ...] = ((8, 32, 8), (16, 16, 8), (4, 32, 8), (8, 32, 16), (16, 16, 16))
-KERNEL_NAMES = tuple(f"block_f16_{rows}x{cols}_w{warps}" for rows, cols, warps in VARIANTS)
+
+
+def kernel_name(variant: tuple[int, int, int]) -> str:
+    """The entry point of a variant (output rows, output columns, warps)."""
+    rows, cols, warps = variant
+    return f"block_f16_{rows}x{cols}_w{warps}"
+
+
+KERNEL_NAMES = tuple(kernel_name(variant) for variant in VARIANTS)
 #: Shared memory one block may have on Hopper.
 BLOCK_SHARED_MAX = 227 * 1024
 
@@ -82,8 +89,8 @@ def why_not(block: BlockSpec, math: Math) -> str:
 
 @dataclass
 class BlockKernel(OwnKernel):
-    """One block of a plan bound to its buffers: `launch` enqueues the fused kernel.
-    `hidden` set: the hidden activation is written too (a tap); None: only the output."""
+    """One block of a plan bound to its buffers: `launch` enqueues the fused kernel. Bound
+    with `hidden`, it writes the hidden activation too (a tap); without, only the output."""
 
     block: BlockSpec
     batch: int
@@ -91,7 +98,6 @@ class BlockKernel(OwnKernel):
     args: tuple
     grid: tuple[int]
     shared: int
-    writes_hidden: bool
     ms: float = 0.0
     tile: int = CHANNELS  # channels per block, for reports (the interface of IgemmConv)
 
@@ -106,21 +112,12 @@ class BlockKernel(OwnKernel):
         hidden_ptr = np.uint64(0) if hidden is None else hidden
         args = (x, w1, b1, w2, b2, y, hidden_ptr, flag, *(np.int32(v) for v in (batch, h, w)))
         grid = (min(count, sm_count),)
-        return cls(block, batch, variant, args, grid, shared_bytes(rows, cols), hidden is not None)
+        return cls(block, batch, variant, args, grid, shared_bytes(rows, cols))
 
     @property
     def name(self) -> str:
-        rows, cols, warps = self.variant
-        return f"block_f16_{rows}x{cols}_w{warps}"
+        return kernel_name(self.variant)
 
     def launch(self, stream) -> None:
-        function = _function(self.name, self.shared)
+        function = kernels.entry(SOURCE, self.name, self.shared)
         function(self.grid, (32 * self.variant[2],), self.args, stream=stream, shared_mem=self.shared)
-
-
-@functools.cache
-def _function(name: str, shared: int):  # -> cupy.RawKernel
-    """The entry point, fetched once per process, its dynamic shared memory limit raised."""
-    function = kernels.module(SOURCE).get_function(name)
-    function.max_dynamic_shared_size_bytes = shared
-    return function

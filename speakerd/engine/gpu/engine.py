@@ -87,7 +87,6 @@ class GpuEngine(Engine):
         self.table = maths.of(math)
         self.plan_sizes = sizes
         self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
-        self.fused_blocks = fused_blocks  # True: one-kernel layer1 blocks if faster (--conv-kernels blocks)
         self._lock = threading.RLock()
         self._fallbacks_logged = False
         self._last_active: dict[int, np.ndarray] = {}  # plan batch -> the last run's active frames

@@ -15,7 +15,6 @@ bound, maths.py). Which family and entry points a math uses is the maths table's
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,17 +214,8 @@ class IgemmConv(OwnKernel):
         return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride, self.pixels)
 
     def launch(self, stream) -> None:
-        function = _function(self.source, self.name, self.shared)
+        function = kernels.entry(self.source, self.name, self.shared)
         function(self.grid, (self.threads,), self.args, stream=stream, shared_mem=self.shared)
-
-
-@functools.cache
-def _function(source: str, name: str, shared: int):  # -> cupy.RawKernel
-    """The entry point, fetched once per process (launches sit on the eager forward path)
-    with its dynamic shared memory limit raised (above 48 KB needs it)."""
-    function = kernels.module(source).get_function(name)
-    function.max_dynamic_shared_size_bytes = shared
-    return function
 
 
 def relative_difference(ours, reference) -> float:

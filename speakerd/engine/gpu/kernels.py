@@ -90,3 +90,13 @@ def function(name: str):  # -> cupy.RawKernel
     """Entry point `name` of kernels/speakerd.cu, fetched once per process."""
     assert name in KERNEL_NAMES, f"unknown kernel {name!r}; kernels are {KERNEL_NAMES}"
     return module().get_function(name)
+
+
+@functools.cache
+def entry(source: str, name: str, shared: int):  # -> cupy.RawKernel
+    """Entry point `name` of kernels/`source`, fetched once per process (launches sit on the
+    eager forward path), its dynamic shared memory limit raised to `shared` bytes (above 48
+    KB needs it)."""
+    function = module(source).get_function(name)
+    function.max_dynamic_shared_size_bytes = shared
+    return function
