@@ -16,6 +16,7 @@ failure); the layout helpers at the bottom need no GPU and run everywhere.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -317,6 +318,23 @@ def test_batches_queued_back_to_back_on_one_plan_keep_their_rows(engines, refere
     _row(capsys, f"b32 fp16, 3 threads x {runs} batches on one plan: runs differing from a lone run {differ}")
     assert all(len(results[i]) == runs for i in results), {i: len(r) for i, r in results.items()}
     assert not any(differ.values()), differ
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gap_is_the_device_time_between_batches(engines, reference_cases, capsys) -> None:
+    """BatchRun.gap_s (speakerd_device_gap_seconds) is the GPU time from the end of the batch
+    enqueued before to this batch's forward: a host that pauses 50 ms between two batches
+    shows as a gap of at least that, and never as compute time."""
+    engine = engines[Math.FP16]
+    case = _by_name(reference_cases)["mixed_b32"]
+    engine.run_batch(case.fbank, case.masks)
+    pause_s = 0.05
+    time.sleep(pause_s)
+    run = engine.run_batch(case.fbank, case.masks)
+    _row(capsys, f"b32 fp16 after a {pause_s} s pause: gap {run.gap_s} s, compute {run.compute_s:.5f} s")
+    assert run.gap_s is not None and run.gap_s >= 0.9 * pause_s, f"gap {run.gap_s} s after {pause_s} s"
+    assert run.compute_s < pause_s, f"compute {run.compute_s} s includes the host's pause"
 
 
 @pytest.mark.gpu

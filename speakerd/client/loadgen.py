@@ -213,6 +213,7 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         report["batch_size_mean_chunks"] = _mean_delta(before, after, "speakerd_batch_size_chunks")
         report["batch_compute_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_batch_compute_seconds"))
         report["host_to_device_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_host_to_device_seconds"))
+        report["device_gap_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_device_gap_seconds"))
         report["queue_wait_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_queue_wait_seconds"))
         report["device_batches"] = device_batches(before, after)
     return report

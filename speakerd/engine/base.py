@@ -138,6 +138,10 @@ class BatchRun:
     graph_replays: int = 0
     eager_runs: int = 0
     fp16_fallbacks: int = 0  # batches recomputed without FP16 after a range overflow
+    #: GPU: device time between the previous plan run's end and this run's forward, which is
+    #: the device waiting for the host (plus this run's ~10 us input move) while batches
+    #: queue; None where unknown (the first run; the CPU engine)
+    gap_s: float | None = None
 
 
 @dataclass

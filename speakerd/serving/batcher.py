@@ -372,6 +372,8 @@ class Batcher:
             m.batch_compute.labels(plan=f"b{size}").observe(run.compute_s)
             m.host_to_device.observe(run.h2d_s)
             m.device_to_host.observe(run.d2h_s)
+            if run.gap_s is not None:
+                m.device_gap.observe(run.gap_s)
             if run.graph_replays:
                 m.plan_runs.labels(plan=f"b{size}", mode="graph").inc(run.graph_replays)
             if run.eager_runs or not run.graph_replays:

@@ -38,6 +38,7 @@ METRIC_NAMES = (
     "speakerd_batch_compute_seconds",
     "speakerd_host_to_device_seconds",
     "speakerd_device_to_host_seconds",
+    "speakerd_device_gap_seconds",
     "speakerd_queue_depth_chunks",
     "speakerd_inflight_requests",
     "speakerd_chunks_embedded_total",
@@ -116,6 +117,13 @@ class Metrics:
         self.device_to_host = Histogram(
             "speakerd_device_to_host_seconds",
             "Device-to-host copy time of one plan run",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.device_gap = Histogram(
+            "speakerd_device_gap_seconds",
+            "GPU time between a plan run and the one before it: the device waiting for the host "
+            "(high under load: the host path, not the GPU, limits throughput)",
             buckets=SECONDS_BUCKETS,
             registry=r,
         )

@@ -58,6 +58,7 @@ async def _load(engine: Engine, fbank: np.ndarray, masks: np.ndarray, streams: i
         "queue_wait_ms_mean": round(1e3 * statistics.fmean(waits), 3),
         "batch_compute_ms_mean": _mean_ms(metrics, "speakerd_batch_compute_seconds", plan),
         "host_to_device_ms_mean": _mean_ms(metrics, "speakerd_host_to_device_seconds", {}),
+        "device_gap_ms_mean": _mean_ms(metrics, "speakerd_device_gap_seconds", {}),
     }
 
 

@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -90,6 +91,7 @@ class GpuEngine(Engine):
         self._lock = threading.RLock()
         self._fallbacks_logged = False
         self._last_active: dict[int, np.ndarray] = {}  # plan batch -> the last run's active frames
+        self._last_end: Any = None  # the event where the last batch enqueued ends (BatchRun.gap_s)
         stream = cupy.cuda.Stream(non_blocking=True)
         handle = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=stream.ptr)
@@ -195,7 +197,9 @@ class GpuEngine(Engine):
                 slot.computed.record(self.stream)
                 plan.enqueue_download(chunks, slot.host_output, slot.host_active, slot.host_flag)
                 slot.finished.record(self.stream)
+                previous, self._last_end = self._last_end, _recorded_event(self.stream)
             slot.finished.synchronize()
+            gap_s = None if previous is None else cupy.cuda.get_elapsed_time(previous, slot.started) / 1e3
             output, active, flagged = read_results(
                 chunks, slot.host_output, slot.host_active, slot.host_flag, self.table.range_flag
             )
@@ -218,6 +222,7 @@ class GpuEngine(Engine):
             graph_replays=int(mode == "graph"),
             eager_runs=int(mode == "eager") + int(flagged),
             fp16_fallbacks=int(flagged),
+            gap_s=gap_s,
         )
 
     def _recompute(self, plan: Plan, slot: InputSlot, chunks: int) -> tuple[np.ndarray, float]:
@@ -437,3 +442,15 @@ class GpuEngine(Engine):
             self.tuner.close()
             self.ctx.cublas.close()
             cudnn.destroy_handle(self.ctx.cudnn)
+
+
+def _recorded_event(stream: Any) -> Any:
+    """A new timing event recorded on `stream`: where the batch just enqueued ends, for the
+    next batch's gap (BatchRun.gap_s). One per batch, never recorded again, so reading it
+    later cannot race with a newer batch (a slot's own events are reused by the batch
+    staged into it next, possibly before this batch's results are read)."""
+    import cupy
+
+    event = cupy.cuda.Event()
+    event.record(stream)
+    return event
