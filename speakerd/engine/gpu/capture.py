@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 
+from speakerd.engine.gpu import held
 from speakerd.engine.gpu.bitwise import bits, replay_matches
 from speakerd.engine.gpu.plan import TAIL_STEPS, BlockStep, ConvStep, Plan
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
@@ -47,7 +48,7 @@ class GraphCapture:
         """Replay the graph when there is one (and `use_graph`), else enqueue the eager
         forward; returns "graph" or "eager"."""
         if use_graph and self.graph is not None:
-            self.graph.launch(self.stream)
+            held.launch(self.graph, self.stream)  # the interpreter lock kept (held.py)
             return "graph"
         self.plan.forward()
         return "eager"

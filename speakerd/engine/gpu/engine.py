@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
-from speakerd.engine.gpu import kernels, maths, recording
+from speakerd.engine.gpu import held, kernels, maths, recording
 from speakerd.engine.gpu.autotune import Autotuner
 from speakerd.engine.gpu.capture import GraphCapture
 from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, Workspace
@@ -91,7 +91,11 @@ class GpuEngine(Engine):
         self._lock = threading.RLock()
         self._fallbacks_logged = False
         self._last_active: dict[int, np.ndarray] = {}  # plan batch -> the last run's active frames
-        self._last_end: Any = None  # the event where the last batch enqueued ends (BatchRun.gap_s)
+        #: the event where the last batch enqueued ends (BatchRun.gap_s): one per batch, never
+        #: recorded again, so reading it later cannot race with a newer batch (a slot's own
+        #: events are reused by the batch staged into it next, maybe before this one is read)
+        self._last_end: Any = None
+        self.device = int(cupy.cuda.Device().id)  # the current device: bound on each engine thread
         stream = cupy.cuda.Stream(non_blocking=True)
         handle = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=stream.ptr)
@@ -186,18 +190,21 @@ class GpuEngine(Engine):
         chunks = inputs.chunks
         plan = self.plan_for(chunks)
         start = time.perf_counter()
+        held.bind(self.device)
+        end = cupy.cuda.Event()  # where this batch ends, for the next one's gap (BatchRun.gap_s)
         with self._staged(inputs) as slot:
             slot.ready.synchronize()  # only this thread waits; the compute stream waits on the event
             copied = time.perf_counter()
-            with self._lock:
+            with self._lock:  # every call in here keeps the interpreter lock (held.py)
                 self._check_open()
                 plan.load(slot)
-                slot.started.record(self.stream)
+                held.record(slot.started, self.stream)
                 mode = self.captures[plan.batch].run(use_graph)
-                slot.computed.record(self.stream)
+                held.record(slot.computed, self.stream)
                 plan.enqueue_download(chunks, slot.host_output, slot.host_active, slot.host_flag)
-                slot.finished.record(self.stream)
-                previous, self._last_end = self._last_end, _recorded_event(self.stream)
+                held.record(slot.finished, self.stream)
+                held.record(end, self.stream)
+                previous, self._last_end = self._last_end, end
             slot.finished.synchronize()
             gap_s = None if previous is None else cupy.cuda.get_elapsed_time(previous, slot.started) / 1e3
             output, active, flagged = read_results(
@@ -442,15 +449,3 @@ class GpuEngine(Engine):
             self.tuner.close()
             self.ctx.cublas.close()
             cudnn.destroy_handle(self.ctx.cudnn)
-
-
-def _recorded_event(stream: Any) -> Any:
-    """A new timing event recorded on `stream`: where the batch just enqueued ends, for the
-    next batch's gap (BatchRun.gap_s). One per batch, never recorded again, so reading it
-    later cannot race with a newer batch (a slot's own events are reused by the batch
-    staged into it next, possibly before this batch's results are read)."""
-    import cupy
-
-    event = cupy.cuda.Event()
-    event.record(stream)
-    return event

@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from speakerd.engine.gpu import maths
+from speakerd.engine.gpu import held, maths
 from speakerd.engine.gpu.autotune import Autotuner, BlockChoice, ConvChoice, ConvRequest
 from speakerd.engine.gpu.context import DeviceContext
 from speakerd.engine.gpu.epilogue import Epilogue
@@ -387,15 +387,11 @@ class Plan:
     def enqueue_download(self, chunks: int, output: np.ndarray, active: np.ndarray, flag: np.ndarray) -> None:
         """Enqueue on the compute stream the copies of the batch's results (and its range
         flag) into pinned host arrays; read them with `read_results` once the stream is past."""
-        import cupy
-
         rows, stream = chunks * MAX_SPEAKERS, self.ctx.stream
-        copy = cupy.cuda.runtime.memcpyAsync
-        d2h = cupy.cuda.runtime.memcpyDeviceToHost
-        copy(output.ctypes.data, self.output.data.ptr, rows * EMBEDDING_DIM * 4, d2h, stream.ptr)
-        copy(active.ctypes.data, self.active.data.ptr, rows * 4, d2h, stream.ptr)
+        held.copy(output.ctypes.data, self.output.data.ptr, rows * EMBEDDING_DIM * 4, stream)
+        held.copy(active.ctypes.data, self.active.data.ptr, rows * 4, stream)
         if self.table.range_flag:
-            copy(flag.ctypes.data, self.flag.data.ptr, 4, d2h, stream.ptr)
+            held.copy(flag.ctypes.data, self.flag.data.ptr, 4, stream)
 
     # ----- reports ----------------------------------------------------------------------
     def own_bytes(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, DeviceFbank
+from speakerd.engine.gpu import held
 from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES
 
@@ -55,8 +56,6 @@ class InputSlot:
         """Copy a checked batch into pinned memory, piece by piece at its offset (no joined
         copy of the batch on the host), enqueue its upload on `stream` (the copy stream) and
         record `ready` after it."""
-        import cupy
-
         self.fbank_elements = inputs.chunks * FRAMES * MEL_BINS
         self.mask_elements = inputs.chunks * MAX_SPEAKERS * inputs.frames
         assert self.fbank_elements <= self.host_fbank.size and self.mask_elements <= self.host_masks.size, (
@@ -67,29 +66,25 @@ class InputSlot:
         host_runs = _fill(self.host_fbank, inputs.fbank)
         _fill(self.host_masks, inputs.masks)
         self.host_frames[0] = inputs.frames
-        copy, h2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyHostToDevice
         for start, stop in host_runs:  # host pieces' values (usually the whole batch: one run)
-            copy(self.fbank.data.ptr + 4 * start, self.host_fbank.ctypes.data + 4 * start,
-                 4 * (stop - start), h2d, stream.ptr)  # fmt: skip
+            held.copy(self.fbank.data.ptr + 4 * start, self.host_fbank.ctypes.data + 4 * start,
+                      4 * (stop - start), stream)  # fmt: skip
         offset = 0
         for piece in inputs.fbank:  # device pieces write themselves in place, on this stream
             if isinstance(piece, DeviceFbank):
                 piece.write_device(self.fbank.data.ptr + 4 * offset, stream)
             offset += piece.size
-        copy(self.masks.data.ptr, self.host_masks.ctypes.data, self.mask_elements * 4, h2d, stream.ptr)
-        copy(self.frames.data.ptr, self.host_frames.ctypes.data, 4, h2d, stream.ptr)
-        self.ready.record(stream)
+        held.copy(self.masks.data.ptr, self.host_masks.ctypes.data, self.mask_elements * 4, stream)
+        held.copy(self.frames.data.ptr, self.host_frames.ctypes.data, 4, stream)
+        held.record(self.ready, stream)
 
     def move_to(self, fbank, masks, frames, stream) -> None:
         """Enqueue on `stream` (the compute stream): wait for the upload, then copy the
         staged values into a plan's input buffers."""
-        import cupy
-
-        stream.wait_event(self.ready)
-        copy, d2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
-        copy(fbank.data.ptr, self.fbank.data.ptr, self.fbank_elements * 4, d2d, stream.ptr)
-        copy(masks.data.ptr, self.masks.data.ptr, self.mask_elements * 4, d2d, stream.ptr)
-        copy(frames.data.ptr, self.frames.data.ptr, 4, d2d, stream.ptr)
+        held.wait(stream, self.ready)
+        held.copy(fbank.data.ptr, self.fbank.data.ptr, self.fbank_elements * 4, stream)
+        held.copy(masks.data.ptr, self.masks.data.ptr, self.mask_elements * 4, stream)
+        held.copy(frames.data.ptr, self.frames.data.ptr, 4, stream)
 
     def device_bytes(self) -> int:
         return int(self.fbank.nbytes + self.masks.nbytes + self.frames.nbytes)
