@@ -87,7 +87,8 @@ def test_load_generator_reports_json(server: ServerProcess, capsys) -> None:
     assert report["chunks_per_s"] == pytest.approx(rate, rel=1e-4), (report["chunks_per_s"], rate)
     assert report["latency_p50_ms"] <= report["latency_p90_ms"] <= report["latency_p99_ms"]
     assert 0 < report["batch_fill_mean"] <= 1 and report["batch_size_mean_chunks"] >= 1
-    assert report["device_batches"] == {}, report  # one engine in process: no per-device series
+    # one engine in process, no receivers: no per-device or per-receiver series
+    assert report["device_batches"] == {} and report["receiver_calls"] == {}, report
 
 
 def test_retry_backoff_is_full_jitter_capped() -> None:

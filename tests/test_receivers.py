@@ -83,10 +83,16 @@ def test_handed_over_calls_equal_the_engine_output(server: ServerProcess, mixed,
         assert result.request_id == f"handed-{index}"
         return result.embeddings
 
+    before = scrape(server)
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(call, range(6)))
     for result in results:
         assert np.array_equal(result, direct), f"max abs {np.abs(result - direct).max()}"
+    after = scrape(server)
+    counted = [key for key in after if key.startswith("speakerd_receiver_calls_total{")]
+    calls = {key: after[key] - before.get(key, 0) for key in counted}
+    handed = {f"speakerd_receiver_calls_total{{receiver={index}}}" for index in range(RECEIVERS)}
+    assert set(calls) <= handed and sum(calls.values()) == 6, f"calls per receiver {calls}, expected 6 in all"
 
 
 def test_every_other_call_is_forwarded(server: ServerProcess, mixed, direct) -> None:

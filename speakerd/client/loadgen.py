@@ -68,27 +68,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_connection_flags(parser, timeout_s=30.0)
 
 
-#: The per-device counter of `serve --devices` whose deltas the report gives per device.
-DEVICE_BATCHES = "speakerd_device_batches_total"
+#: Counters whose deltas the report gives per label value: plan runs per device of `serve
+#: --devices`, calls per receiver of `serve --receivers` (report key, label).
+PER_LABEL = {
+    "speakerd_device_batches_total": ("device_batches", "device"),
+    "speakerd_receiver_calls_total": ("receiver_calls", "receiver"),
+}
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sum of each sample name over its labels, e.g. speakerd_batch_fill_ratio_sum; and
-    DEVICE_BATCHES per device as `speakerd_device_batches_total{device=0}`."""
+    """Sum of each sample name over its labels, e.g. speakerd_batch_fill_ratio_sum; and the
+    PER_LABEL counters per label value too, e.g. `speakerd_device_batches_total{device=0}`."""
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
     totals: dict[str, float] = collections.defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             totals[sample.name] += sample.value
-            if sample.name == DEVICE_BATCHES:
-                totals[f"{DEVICE_BATCHES}{{device={sample.labels['device']}}}"] += sample.value
+            if sample.name in PER_LABEL:
+                label = PER_LABEL[sample.name][1]
+                totals[f"{sample.name}{{{label}={sample.labels[label]}}}"] += sample.value
     return dict(totals)
 
 
-def device_batches(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
-    """Plan runs each device of `serve --devices` answered during the run ({} without it)."""
-    prefix = f"{DEVICE_BATCHES}{{device="
+def per_label(before: dict[str, float], after: dict[str, float], name: str) -> dict[str, int]:
+    """PER_LABEL counter `name`'s increase during the run per label value ({} where the
+    server has no such series: no --devices, no --receivers)."""
+    prefix = f"{name}{{{PER_LABEL[name][1]}="
     return {
         key[len(prefix) : -1]: int(value - before.get(key, 0.0))
         for key, value in sorted(after.items())
@@ -215,7 +221,8 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         report["host_to_device_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_host_to_device_seconds"))
         report["device_gap_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_device_gap_seconds"))
         report["queue_wait_ms_mean"] = _ms(_mean_delta(before, after, "speakerd_queue_wait_seconds"))
-        report["device_batches"] = device_batches(before, after)
+        for name, (key, _) in PER_LABEL.items():
+            report[key] = per_label(before, after, name)
     return report
 
 

@@ -54,6 +54,7 @@ METRIC_NAMES = (
     "speakerd_device_batch_seconds",
     "speakerd_device_failures_total",
     "speakerd_receiver_restarts_total",
+    "speakerd_receiver_calls_total",
 )
 
 #: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
@@ -186,6 +187,13 @@ class Metrics:
         self.receiver_restarts = Counter(
             "speakerd_receiver_restarts_total",
             "Receiver processes (serve --receivers) that exited while serving and were replaced",
+            registry=r,
+        )
+        self.receiver_calls = Counter(
+            "speakerd_receiver_calls_total",
+            "EmbedChunks calls each receiver (serve --receivers) handed over; the kernel spreads "
+            "connections, not calls, so an uneven split means one receiver carries more clients",
+            ["receiver"],
             registry=r,
         )
         for reason in REJECT_REASONS:  # export zeros, so a rate() alert has a series from the start

@@ -101,12 +101,21 @@ class _Receiver:
 
 class ReceiverGroup:
     """`count` receiver processes on `port`, serving handed-over calls with `serve`;
-    `on_lost` is told of each that exits while serving (before it is replaced)."""
+    `on_lost` is told of each that exits while serving (before it is replaced), `on_call`
+    of each call handed over (with the receiver's index)."""
 
-    def __init__(self, count: int, template: ReceiverSpec, serve: Serve, on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        count: int,
+        template: ReceiverSpec,
+        serve: Serve,
+        on_lost: Callable[[], None],
+        on_call: Callable[[int], None],
+    ) -> None:
         self._template = template
         self._serve = serve
         self._on_lost = on_lost
+        self._on_call = on_call
         self._count = count
         self._receivers: list[_Receiver] = []
         self._context = multiprocessing.get_context("spawn")  # fork would copy gRPC and CUDA state
@@ -163,6 +172,7 @@ class ReceiverGroup:
             raw = receiver.slots[slot].buf[:size]
             task = asyncio.ensure_future(self._call(receiver, job, raw, RelayedContext(metadata, deadline)))
             receiver.calls[job] = task
+            self._on_call(receiver.spec.index)
         elif message[0] == CANCEL:
             task = receiver.calls.get(message[1])
             if task is not None:

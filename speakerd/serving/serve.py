@@ -440,7 +440,11 @@ class SpeakerServer:
             auth_tokens=s.auth_tokens, log_level=s.log_level, drain_seconds=s.drain_seconds,
         )  # fmt: skip
         self.receivers = ReceiverGroup(
-            s.receivers, template, self.service.EmbedChunks, self.metrics.receiver_restarts.inc
+            s.receivers,
+            template,
+            self.service.EmbedChunks,
+            self.metrics.receiver_restarts.inc,
+            lambda index: self.metrics.receiver_calls.labels(receiver=str(index)).inc(),
         )
         try:
             await self.receivers.start()
