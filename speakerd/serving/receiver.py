@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from speakerd.serving import heap
 from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.config import LOG_FORMAT
 from speakerd.serving.receiver_link import (
@@ -60,6 +61,7 @@ def receiver_main(spec: ReceiverSpec, conn: Connection) -> None:
     """Process entry point (spawned by receivers.ReceiverGroup)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format=LOG_FORMAT)
+    heap.keep_freed_memory()  # every request's ~10 MB buffers reused, not faulted in again (heap.py)
     asyncio.run(Receiver(spec, conn).run())
 
 

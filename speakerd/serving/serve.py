@@ -52,7 +52,7 @@ from speakerd.engine.base import Engine
 from speakerd.model.numerics import Math
 from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
-from speakerd.serving import config
+from speakerd.serving import config, heap
 from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.batcher import Batcher
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     except config.UsageError as error:
         log.error("%s", error)
         return USAGE_EXIT
+    heap.keep_freed_memory()  # requests' buffers reused, not faulted in again (heap.py)
     outcome = asyncio.run(serve(settings, prepared))
     if outcome.abandoned_work:
         # a batch or the warm-up is still running in native code; joining it (what the

@@ -1,0 +1,50 @@
+"""Keep freed heap memory in the process instead of handing it back to the kernel (glibc).
+
+Why: a process that receives 32-chunk requests through gRPC allocates and frees buffers of
+~10 MB for every message. glibc's malloc serves such sizes with fresh mmap()s or trims them
+off the top of the heap when they are freed, so the next message faults every page in
+again, and the kernel zeroes each one. Measured on a 2-core CI machine with gRPC 1.85
+(a server answering 10.4 MB unary calls from 4 streams of one connection): 1,676 minor page
+faults and 12.2 ms of CPU per call by default, 133 faults and 10.4 ms with the settings
+below; 103 and 112 calls/s (three more pairs of runs: 93-108 against 116-118). The
+receivers of `serve --receivers` and the server process pay that on every request.
+
+What it costs: memory freed after a burst stays with the process (its resident size stays
+at its peak, a few message sizes) rather than going back to the system.
+
+Elsewhere than glibc (no `mallopt`), nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+#: mallopt parameters (glibc's malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+#: Allocations below this come from the heap, not a fresh mmap() each time: the largest
+#: value glibc accepts on 64-bit (HEAP_MAX / 2), above a 32-chunk request (~10.4 MB).
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+#: Free memory at the heap's top is given back to the kernel only above this: several
+#: requests' worth, so a burst's buffers are reused rather than faulted in again.
+TRIM_THRESHOLD_BYTES = 512 * 1024 * 1024
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings above to this process's malloc; False where it is not glibc's."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        log.debug("no glibc mallopt here; malloc keeps its defaults")
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # mallopt returns 1 on success, 0 on error
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
