@@ -1,5 +1,6 @@
-# Sourced by the device scripts: installs the carried wheels (.whl/: the cuDNN frontend,
-# grpcio >= 1.85 with its health/reflection/status packages, kaldi-native-fbank, soundfile)
+# Sourced by the device scripts: installs the carried wheels (.whl/, made by
+# scripts/device_wheels.sh: the cuDNN frontend, grpcio >= 1.85 with its health, reflection
+# and status packages and googleapis-common-protos, kaldi-native-fbank, soundfile, py-spy)
 # into /tmp/site and sets the paths the project needs there.
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
