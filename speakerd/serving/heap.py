@@ -6,7 +6,9 @@ off the top of the heap when they are freed, so the next message faults every pa
 again, and the kernel zeroes each one. Measured on a 2-core CI machine with gRPC 1.85
 (a server answering 10.4 MB unary calls from 4 streams of one connection): 1,676 minor page
 faults and 12.2 ms of CPU per call by default, 133 faults and 10.4 ms with the settings
-below; 103 and 112 calls/s (three more pairs of runs: 93-108 against 116-118). The
+below; 103 and 112 calls/s (three more pairs of runs: 93-108 against 116-118). Later, on
+the same machine under other load, three more pairs: 2,216-2,562 faults, 18.9-20.0 ms and
+63-67 calls/s by default against 154-176 faults, 13.0-13.8 ms and 85-91 calls/s. The
 receivers of `serve --receivers` and the server process pay that on every request.
 
 What it costs: memory freed after a burst stays with the process (its resident size stays
