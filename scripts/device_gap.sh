@@ -14,23 +14,18 @@ if [ "${BATCHER:-1}" = 1 ]; then
     --no-torch 2> $OUT/bench-batcher.err | tee $OUT/bench-batcher.jsonl | cut -c1-600
   echo "batcher bench at $SECONDS s"
 fi
-load() {  # load NAME: 16 streams x 32 chunks, one JSON line in $OUT/load-NAME.json
-  timeout $((LOAD_S + 40)) python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 \
-    --seconds $LOAD_S --metrics-url http://127.0.0.1:9100/metrics > $OUT/load-$1.json 2> $OUT/load-$1.err
-  cut -c1-700 $OUT/load-$1.json
-}
 serve() {  # serve NAME FLAGS...: an FP16 server on 50051/9100 under load, twice (+ a profiled run)
   local name=$1; shift
   python3 -m speakerd serve --engine gpu --math fp16 --port 50051 --metrics-port 9100 "$@" \
     > $OUT/serve-$name.log 2>&1 &
   SPID=$!
   timeout 150 python3 -m speakerd.client health --wait 140 > /dev/null 2>&1; echo "$name health rc $? at $SECONDS s"
-  load $name-1; load $name-2
+  chunk_load $name-1 4; chunk_load $name-2 4
   if [ "${PROFILE:-1}" = 1 ] && [ "$name" = r4 ]; then
     py-spy record --pid $SPID --rate 250 --format raw --idle --native --threads --duration 8 \
       --output $OUT/profile-$name.txt > $OUT/py-spy-$name.log 2>&1 &
     SPY=$!
-    load $name-profiled > /dev/null
+    chunk_load $name-profiled 4 > /dev/null
     wait $SPY; tail -1 $OUT/py-spy-$name.log
   fi
   kill $SPID; wait $SPID

@@ -12,10 +12,7 @@ python3 -m speakerd serve --engine gpu --math fp16 --port 50051 --metrics-port 9
   > $OUT/serve.log 2>&1 &
 SPID=$!
 timeout 150 python3 -m speakerd.client health --wait 140 > /dev/null 2>&1; echo "health rc $? at $SECONDS s"
-for run in 1 2; do
-  timeout 50 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 10 \
-    --metrics-url http://127.0.0.1:9100/metrics 2> $OUT/load-$run.err | tee $OUT/load-$run.json | cut -c1-700
-done
+for run in 1 2; do chunk_load $run 4; done
 kill $SPID; wait $SPID
 grep -E "SERVING after|ERROR|Traceback|stopped after" $OUT/serve.log | cut -c1-220 | head -4
 REQUIRE_GPU=1 timeout $((BUDGET_S - 100 - SECONDS)) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_engine.py \

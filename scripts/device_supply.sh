@@ -9,31 +9,25 @@
 # land in $OUT.
 set -o pipefail
 source scripts/device_env.sh
-LOAD_S=${LOAD_S:-10}
 if [ "${BENCH:-1}" = 1 ]; then
   timeout 200 python3 -m speakerd bench --math fp16 --batches 1,32 --no-profile 2> $OUT/bench.err \
     | tee $OUT/bench.jsonl | grep -E '"kind": "ratio"' | cut -c1-300
   echo "bench at $SECONDS s"
 fi
-load() {  # load NAME PROCESSES
-  timeout $((LOAD_S + 40)) python3 -m speakerd.client load --streams 16 --chunks 32 --processes $2 \
-    --seconds $LOAD_S --metrics-url http://127.0.0.1:9100/metrics > $OUT/load-$1.json 2> $OUT/load-$1.err
-  echo "$1: $(cut -c1-800 $OUT/load-$1.json)"
-}
 python3 -m speakerd serve --engine gpu --math fp16 --port 50051 --metrics-port 9100 --receivers 4 \
   > $OUT/serve.log 2>&1 &
 SPID=$!
 # a fresh machine once took 119 s to build the cuDNN graphs: wait long enough
 timeout 320 python3 -m speakerd.client health --wait 300 > /dev/null 2>&1; echo "health rc $? at $SECONDS s"
-for run in 1 2 3; do load p4-$run 4; done
-load p16 16
+for run in 1 2 3; do chunk_load p4-$run 4; done
+chunk_load p16 16
 timeout 90 python3 -m speakerd.client load --recording 3600 --streams 1 --seconds 15 --timeout 60 \
   > $OUT/load-recording.json 2> $OUT/load-recording.err; echo "recording: $(cut -c1-600 $OUT/load-recording.json)"
 if [ "${PROFILE:-0}" = 1 ]; then
   py-spy record --pid $SPID --rate 200 --format raw --idle --native --threads --duration 8 \
     --output $OUT/profile-server.txt > $OUT/py-spy-server.log 2>&1 &
   SPY=$!
-  load profiled 4 > /dev/null
+  chunk_load profiled 4 > /dev/null
   wait $SPY
 fi
 kill $SPID; wait $SPID

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -440,12 +441,14 @@ class SpeakerServer:
             slot_bytes=SLOT_BYTES, tls_cert=s.tls_cert, tls_key=s.tls_key, tls_client_ca=s.tls_client_ca,
             auth_tokens=s.auth_tokens, log_level=s.log_level, drain_seconds=s.drain_seconds,
         )  # fmt: skip
+        # each receiver's counter looked up once (on its first call), not on every call
+        calls = functools.cache(lambda index: self.metrics.receiver_calls.labels(receiver=str(index)))
         self.receivers = ReceiverGroup(
             s.receivers,
             template,
             self.service.EmbedChunks,
             self.metrics.receiver_restarts.inc,
-            lambda index: self.metrics.receiver_calls.labels(receiver=str(index)).inc(),
+            lambda index: calls(index).inc(),
         )
         try:
             await self.receivers.start()
