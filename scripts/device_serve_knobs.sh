@@ -1,7 +1,8 @@
 # One H200 run of servers (MATH, fp16 by default) under 32-chunk load (16 streams), one per CONFIGS entry
 # DEPTH:SWITCH_MS:RECEIVERS (scripts/serve_depth.py applies the first two; "-" keeps the
 # server's own), two 10 s loads each; PROFILE=1 samples the first server with py-spy
-# (--gil --native) during a third load; BENCH=1 first times MATH's plans with the PyTorch
+# (SPY_FLAGS, --gil by default; --idle shows where threads wait, --native --threads always)
+# during a third load; BENCH=1 first times MATH's plans with the PyTorch
 # anchor. Logs and JSON land in $OUT.
 set -o pipefail
 source scripts/device_env.sh
@@ -22,13 +23,13 @@ for config in ${CONFIGS:-3:-:4 5:-:4 3:1:4}; do
   env $env python3 scripts/serve_depth.py serve --engine gpu --math $math --port 50051 --metrics-port 9100 \
     --receivers $receivers > $OUT/serve-$tag.log 2>&1 &
   SPID=$!
-  timeout 120 python3 -m speakerd.client health --wait 110 > /dev/null 2>&1; echo "$tag health rc $? at $SECONDS s"
+  timeout 320 python3 -m speakerd.client health --wait 300 > /dev/null 2>&1; echo "$tag health rc $? at $SECONDS s"
   for run in 1 2; do
     timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 10 \
       --metrics-url http://127.0.0.1:9100/metrics 2>&1 | tee $OUT/load-$tag-$run.json | cut -c1-420
   done
   if [ -n "$PROFILE" ] && [ $first = 1 ]; then
-    py-spy record --pid $SPID --rate 200 --format raw --gil --native --threads --duration 8 \
+    py-spy record --pid $SPID --rate 200 --format raw ${SPY_FLAGS:---gil} --native --threads --duration 8 \
       --output $OUT/gil-$tag.txt > $OUT/py-spy.log 2>&1 &
     SPY=$!
     timeout 40 python3 -m speakerd.client load --streams 16 --chunks 32 --processes 4 --seconds 9 \
