@@ -7,7 +7,8 @@ export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
 export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(nvidia.cudnn.__path__[0],'lib'))"):$LD_LIBRARY_PATH
 export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
 
-# chunk_load NAME PROCESSES: `client load` of 16 streams x 32 chunks for LOAD_S seconds (10)
+# chunk_load NAME PROCESSES: `client load` of 16 streams x 32 chunks for LOAD_S seconds (10,
+# after the client's 1 s warm-up)
 # against the server on 50051 (its /metrics on 9100), the JSON in $OUT/load-NAME.json and
 # its first 800 characters printed after NAME.
 chunk_load() {

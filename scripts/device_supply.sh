@@ -4,7 +4,8 @@
 # bench with the PyTorch anchor, then 16 streams x 32 chunks from 4 client processes three
 # times and from 16 once (each process is one connection, which SO_REUSEPORT pins to one
 # receiver: each load's JSON has `receiver_calls`, the split, and `queue_wait_ms_mean`,
-# near 0 when the requests and not the server are the limit), and an hour-long recording.
+# near 0 when the requests and not the server are the limit), and an hour-long recording
+# (RECORDING_STREAMS callers, 1 by default). P16=0 leaves the 16-process load out.
 # PROFILE=1 adds py-spy --idle --native of the server during one more load. Logs and JSON
 # land in $OUT.
 set -o pipefail
@@ -20,9 +21,11 @@ SPID=$!
 # a fresh machine once took 119 s to build the cuDNN graphs: wait long enough
 timeout 320 python3 -m speakerd.client health --wait 300 > /dev/null 2>&1; echo "health rc $? at $SECONDS s"
 for run in 1 2 3; do chunk_load p4-$run 4; done
-chunk_load p16 16
-timeout 90 python3 -m speakerd.client load --recording 3600 --streams 1 --seconds 15 --timeout 60 \
-  > $OUT/load-recording.json 2> $OUT/load-recording.err; echo "recording: $(cut -c1-600 $OUT/load-recording.json)"
+[ "${P16:-1}" = 1 ] && chunk_load p16 16
+streams=${RECORDING_STREAMS:-1}
+timeout 120 python3 -m speakerd.client load --recording 3600 --streams $streams --seconds ${RECORDING_S:-15} \
+  --warmup ${RECORDING_WARMUP_S:-1} --timeout 60 > $OUT/load-recording.json 2> $OUT/load-recording.err
+echo "recording: $(cut -c1-600 $OUT/load-recording.json)"
 if [ "${PROFILE:-0}" = 1 ]; then
   py-spy record --pid $SPID --rate 200 --format raw --idle --native --threads --duration 8 \
     --output $OUT/profile-server.txt > $OUT/py-spy-server.log 2>&1 &

@@ -75,7 +75,7 @@ def test_embed_npz_round_trip(
 
 
 def test_load_generator_reports_json(server: ServerProcess, capsys) -> None:
-    flags = ["--target", server.target, "--streams", "3", "--seconds", "3", "--chunks", "2",
+    flags = ["--target", server.target, "--streams", "3", "--seconds", "3", "--warmup", "0", "--chunks", "2",
              "--metrics-url", server.metrics_url]  # fmt: skip
     assert main(["load", *flags]) == 0
     report = json.loads(capsys.readouterr().out)

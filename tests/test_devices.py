@@ -110,7 +110,7 @@ def test_a_request_over_both_devices_keeps_its_order(server: ServerProcess, expe
 def test_load_reports_batches_per_device(server: ServerProcess, capsys) -> None:
     """8 one-chunk streams fill two b4 batches at once, so both devices get work (4 streams
     would fit one batch at a time, which the least-loaded rule always gives device 0)."""
-    flags = ["--target", server.target, "--streams", "8", "--seconds", "2", "--chunks", "1",
+    flags = ["--target", server.target, "--streams", "8", "--seconds", "2", "--warmup", "0", "--chunks", "1",
              "--metrics-url", server.metrics_url]  # fmt: skip
     assert client_main(["load", *flags]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -361,8 +361,8 @@ def test_async_client_and_cli_give_the_same_rows(server, client: SpeakerClient, 
 )
 def test_load_generator_recording_mode(server, capsys, order: list[str]) -> None:
     """`client load --recording 12`: 12 s make 3 windows; the JSON counts them per second."""
-    argv = ["load", "--target", server.target, "--recording", "12", "--seconds", "0.5", "--streams", "1",
-            "--timeout", "300", *order]  # fmt: skip
+    argv = ["load", "--target", server.target, "--recording", "12", "--seconds", "0.5", "--warmup", "0",
+            "--streams", "1", "--timeout", "300", *order]  # fmt: skip
     assert cli_main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["ok"] and report["failed_calls"] == 0, report
@@ -379,7 +379,8 @@ def test_load_generator_recording_mode_at_another_rate(server, capsys) -> None:
     """`client load --recording 12.3 --sample-rate 44100 --channels 2`: the masks match the
     server's window count of the resampled audio (4 windows, the last padded)."""
     argv = ["load", "--target", server.target, "--recording", "12.3", "--sample-rate", "44100",
-            "--channels", "2", "--seconds", "0.5", "--streams", "1", "--timeout", "300"]  # fmt: skip
+            "--channels", "2", "--seconds", "0.5", "--warmup", "0", "--streams", "1",
+            "--timeout", "300"]  # fmt: skip
     assert cli_main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["ok"] and report["failed_calls"] == 0, report

@@ -181,7 +181,8 @@ def test_client_without_server_is_one_line_exit_1(command: str, tmp_path: Path) 
 
 
 def test_load_fails_when_calls_fail(capsys) -> None:
-    flags = ["--target", f"127.0.0.1:{_closed_port()}", "--streams", "1", "--seconds", "0.5", "--chunks", "1"]
+    flags = ["--target", f"127.0.0.1:{_closed_port()}", "--streams", "1", "--seconds", "0.5", "--warmup", "0",
+             "--chunks", "1"]  # fmt: skip
     assert client_main(["load", *flags]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["failed_calls"] >= 1, report

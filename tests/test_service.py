@@ -164,7 +164,7 @@ def test_load_generator_reports_throughput_latency_and_batch_fill(server: Server
     """`client load` over two processes: every call succeeds, and the JSON's numbers agree
     with each other and with the server's /metrics."""
     command = [sys.executable, "-m", "speakerd.client", "load", "--target", server.target, "--streams", "4",
-               "--processes", "2", "--seconds", "3", "--chunks", "2",
+               "--processes", "2", "--seconds", "3", "--warmup", "0", "--chunks", "2",
                "--metrics-url", server.metrics_url]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -167,7 +167,8 @@ def test_client_command_line_speaks_tls_and_tokens(
     assert json.loads(capsys.readouterr().out)["precision"] == "fp32"
     os.environ["SPEAKERD_TOKEN"] = TOKEN
     try:
-        assert client_main(["load", *tls, "--streams", "1", "--seconds", "1", "--chunks", "1"]) == 0
+        flags = ["--streams", "1", "--seconds", "1", "--warmup", "0", "--chunks", "1"]
+        assert client_main(["load", *tls, *flags]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["ok"] and report["requests_ok"] >= 1 and report["errors"] == {}, report
     finally:

@@ -6,10 +6,17 @@ What is measured is the server, not this generator, so:
   core), and only the response is parsed;
 - the streams are spread over `--processes` worker processes (each its own channel and
   event loop), because one Python process tops out below what a GPU server answers.
-Each stream keeps one call in flight. Batch fill and batch size come from the server's
-/metrics (deltas over the run) when --metrics-url is given. The exit code is 0 only when
-every call succeeded: a run where calls failed says so in its JSON (`failed_calls`, `ok`)
-and exits 1, so a script cannot mistake a broken server for a measured one.
+Each stream keeps one call in flight. What is counted is a steady state: every process
+first builds its request and waits for the others (spawning a process that imports gRPC
+and NumPy takes ~1 s, which a count from the parent's start put into the run: on the H200
+8% of a 10 s run had no call in flight), then all run `--warmup` seconds uncounted
+(connections, the server's first batches, and the GPU's idle time since the last run,
+which the device-gap mean would otherwise take in), then `--seconds` during which each call
+begun is counted (loadgen_window.py). Batch fill, batch size and the server's timings come
+from its /metrics (deltas from the window's start until the last call ended) when
+--metrics-url is given. The exit code is 0 only when every call succeeded: a run where
+calls failed says so in its JSON (`failed_calls`, `ok`) and exits 1, so a script cannot
+mistake a broken server for a measured one.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import asyncio
 import collections
 import json
 import multiprocessing
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,6 +45,7 @@ from speakerd.client.client import (
     channel_options,
     make_channel,
 )
+from speakerd.client.loadgen_window import Window
 from speakerd.client.options import add_connection_flags, security
 from speakerd.client.recording import PIECE_BYTES
 from speakerd.model.architecture import FRAMES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS
@@ -46,12 +56,19 @@ ERROR_PAUSE_S = 0.01
 #: Percentiles reported, as the SLOs are written.
 PERCENTILES = (50, 90, 99)
 EMBED_METHOD = "/speakerd.v1.SpeakerEmbedding/EmbedChunks"
+#: How long the worker processes get to start and build their requests before the run
+#: begins without the late ones (a loaded CI machine spawns a Python process in seconds).
+START_TIMEOUT_S = 120.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=8, help="concurrent callers, over all processes")
     parser.add_argument("--processes", type=int, default=1, help="processes the streams share")
-    parser.add_argument("--seconds", type=float, default=10.0, help="run time")
+    parser.add_argument("--seconds", type=float, default=10.0, help="counted run time, after the warm-up")
+    parser.add_argument(
+        "--warmup", type=float, default=1.0,
+        help="seconds of calls before the counted run (connections, first batches); failures count",
+    )  # fmt: skip
     parser.add_argument("--chunks", type=int, default=4, help="chunks per request")
     parser.add_argument("--recording", type=float, default=0.0, help="seconds: EmbedRecording calls instead")
     parser.add_argument("--sample-rate", type=int, default=16_000, help="with --recording: its PCM16 rate")
@@ -126,20 +143,21 @@ class WorkerResult:
 
 
 async def _stream(
-    call, payload: bytes, until: float, timeout: float, metadata: tuple, result: WorkerResult
+    call, payload: bytes, window: Window, timeout: float, metadata: tuple, result: WorkerResult
 ) -> None:
-    while time.monotonic() < until:
+    while (begun := time.monotonic()) < window.end:
         started = time.perf_counter()
         try:
             response = await call(payload, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            result.errors[error.code().name] += 1
+            result.errors[error.code().name] += 1  # in the warm-up too: a failure is a failure
             # a refused call comes back in microseconds: without a pause one stream would spin
             # on RESOURCE_EXHAUSTED, counting thousands of errors and starving the server's CPU
             await asyncio.sleep(ERROR_PAUSE_S)
             continue
-        result.latencies.append(time.perf_counter() - started)
-        result.chunks += response.embeddings.shape[0]
+        if window.counts(begun):
+            result.latencies.append(time.perf_counter() - started)
+            result.chunks += response.embeddings.shape[0]
 
 
 @dataclass(frozen=True)
@@ -148,13 +166,13 @@ class Work:
 
     target: str
     chunks: int
-    until_wall: float  # time.time(): monotonic clocks are per process
+    warmup_s: float
+    seconds: float
     timeout: float
     security: Security
 
 
-async def _worker_async(work: Work, streams: int, until: float) -> WorkerResult:
-    payload = request_bytes(work.chunks)
+async def _worker_async(work: Work, streams: int, payload: bytes, window: Window) -> WorkerResult:
     result = WorkerResult()
     options = channel_options(DEFAULT_MAX_MESSAGE_MB)
     metadata = work.security.metadata()
@@ -162,15 +180,31 @@ async def _worker_async(work: Work, streams: int, until: float) -> WorkerResult:
         # bytes in (pre-serialized once), EmbedResponse out
         parse = pb.EmbedResponse.FromString
         call = channel.unary_unary(EMBED_METHOD, request_serializer=None, response_deserializer=parse)
-        streaming = (_stream(call, payload, until, work.timeout, metadata, result) for _ in range(streams))
+        streaming = (_stream(call, payload, window, work.timeout, metadata, result) for _ in range(streams))
         await asyncio.gather(*streaming)
     return result
 
 
-def _worker(work: Work, streams: int) -> WorkerResult:
-    """One process's share of the streams."""
-    until = time.monotonic() + (work.until_wall - time.time())
-    return asyncio.run(_worker_async(work, streams, until))
+#: The start line of this worker process (set by _join, in each spawned process).
+_start_line: threading.Barrier | None = None
+
+
+def _join(start_line) -> None:
+    """ProcessPoolExecutor initializer: a barrier reaches a spawned process only this way."""
+    global _start_line
+    _start_line = start_line
+
+
+def _worker(work: Work, streams: int, started: Callable[[Window], None] | None = None) -> WorkerResult:
+    """One process's share of the streams: its request built, then (with other processes)
+    the start line, then the warm-up and the counted window (given to `started` first)."""
+    payload = request_bytes(work.chunks)
+    if _start_line is not None:
+        _start_line.wait(START_TIMEOUT_S)
+    window = Window.after(time.monotonic(), work.warmup_s, work.seconds)
+    if started is not None:
+        started(window)
+    return asyncio.run(_worker_async(work, streams, payload, window))
 
 
 def _shares(streams: int, processes: int) -> list[int]:
@@ -180,33 +214,54 @@ def _shares(streams: int, processes: int) -> list[int]:
 
 
 def generate(args: argparse.Namespace) -> dict[str, object]:
+    if args.seconds <= 0 or args.warmup < 0:
+        raise SystemExit(
+            f"--seconds {args.seconds} --warmup {args.warmup}: expected seconds > 0, warmup >= 0"
+        )
     if args.recording:
         return recording_load.generate(args)
     if args.streams < 1 or args.chunks < 1 or args.processes < 1:
         raise SystemExit("--streams, --chunks and --processes must be >= 1")
-    before = scrape(args.metrics_url) if args.metrics_url else {}
     shares = _shares(args.streams, args.processes)
-    started_wall, started = time.time(), time.monotonic()
-    work = Work(args.target, args.chunks, started_wall + args.seconds, args.timeout, security(args))
+    work = Work(args.target, args.chunks, args.warmup, args.seconds, args.timeout, security(args))
+    metrics: dict[str, dict[str, float]] = {}
+    watches: list[threading.Thread] = []
+
+    def scrape_during(window: Window) -> None:
+        watches.append(_scrape_at(args.metrics_url, window.start, metrics))
+
     if len(shares) == 1:
-        results = [_worker(work, shares[0])]
+        results = [_worker(work, shares[0], started=scrape_during)]
     else:
         # spawn, not fork: gRPC's C core does not survive a fork of a process using it
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
+        start_line = context.Barrier(len(shares) + 1)  # the workers and this process
+        pool = ProcessPoolExecutor(len(shares), mp_context=context, initializer=_join, initargs=(start_line,))
+        with pool:
             futures = [pool.submit(_worker, work, share) for share in shares]
+            try:
+                start_line.wait(START_TIMEOUT_S)
+            except threading.BrokenBarrierError:
+                raise SystemExit(
+                    f"client load: {len(shares)} worker processes did not all start within "
+                    f"{START_TIMEOUT_S:g} s; try fewer --processes"
+                ) from None
+            scrape_during(Window.after(time.monotonic(), args.warmup, args.seconds))
             results = [future.result() for future in futures]
-    elapsed = time.monotonic() - started
-    after = scrape(args.metrics_url) if args.metrics_url else {}
+    for watch in watches:
+        watch.join()
+    # after every counted call ended: the means below are the window's batches, and those of
+    # the calls begun in it that ended after it
+    before, after = metrics.get("before", {}), scrape(args.metrics_url) if args.metrics_url else {}
     latencies = np.array([latency for result in results for latency in result.latencies]) * 1e3
     errors: collections.Counter[str] = collections.Counter()
     for result in results:
         errors.update(result.errors)
     failed = sum(errors.values())
-    seconds = max(round(elapsed, 3), 1e-3)  # a run of --seconds 0 still divides
+    seconds = args.seconds
     report: dict[str, object] = {
         "streams": args.streams, "processes": len(shares), "chunks_per_request": args.chunks,
-        "seconds": seconds, "requests_ok": int(latencies.size),
+        "warmup_s": args.warmup, "seconds": seconds, "requests_ok": int(latencies.size),
         # from the reported seconds and to 6 significant digits: requests_ok * chunks / seconds
         # recomputed from this JSON agrees to 1e-5 (rounding to 2 decimals did not at low rates)
         "chunks_per_s": _significant(sum(result.chunks for result in results) / seconds),
@@ -224,6 +279,19 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         for name, (key, _) in PER_LABEL.items():
             report[key] = per_label(before, after, name)
     return report
+
+
+def _scrape_at(url: str, at: float, into: dict[str, dict[str, float]]) -> threading.Thread:
+    """A thread scraping the server's /metrics (`url`, none when empty) at time.monotonic()
+    `at` (the window's start) into `into["before"]`, while the workers call."""
+
+    def watch() -> None:
+        time.sleep(max(0.0, at - time.monotonic()))
+        into["before"] = scrape(url)
+
+    thread = threading.Thread(target=watch if url else lambda: None, name="metrics-before", daemon=True)
+    thread.start()
+    return thread
 
 
 def _significant(value: float, digits: int = 6) -> float:

@@ -2,9 +2,10 @@
 
 The diarization use case end to end (upload, decode, fbank, embedding, answers): each of
 `--streams` callers sends the same SECONDS-long 16 kHz s16 recording with all-active masks
-for 3 speakers, again and again for `--seconds`; the report gives windows/s, recordings/s
-and per-recording latency. One process: the recording's 4 MiB pieces cost the client far
-less than the server's work on them.
+for 3 speakers, again and again for `--warmup` and then `--seconds`; the report counts the
+recordings begun within those `--seconds` (as `client load` counts its calls:
+loadgen_window.py) and gives windows/s and per-recording latency. One process: the
+recording's 4 MiB pieces cost the client far less than the server's work on them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 import numpy as np
 
 from speakerd.client.client import AsyncSpeakerClient, RetryPolicy
+from speakerd.client.loadgen_window import Window
 from speakerd.client.options import client_kwargs
 from speakerd.client.recording import recording_requests
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
@@ -51,23 +53,24 @@ async def _caller(
     pcm: np.ndarray,
     rate: int,
     masks: np.ndarray,
-    until: float,
+    window: Window,
     out: dict,
     args: argparse.Namespace,
 ):
     """Calls as AsyncSpeakerClient.embed_recording makes them, with the message order and
     piece size the options give (masks after the audio: the first protocol's order, where
     no window is embedded before the audio's end)."""
-    while time.monotonic() < until:
+    while (begun := time.monotonic()) < window.end:
         started = time.perf_counter()
         try:
             await client.embed_recording(
                 pcm, rate, masks, piece_bytes=args.piece_kib << 10, masks_first=not args.masks_after_audio
             )
         except grpc.aio.AioRpcError as error:
-            out["errors"][error.code().name] += 1
+            out["errors"][error.code().name] += 1  # in the warm-up too
             continue
-        out["latencies"].append(time.perf_counter() - started)
+        if window.counts(begun):
+            out["latencies"].append(time.perf_counter() - started)
 
 
 async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> dict:
@@ -76,9 +79,9 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
     async with AsyncSpeakerClient(
         args.target, timeout_s=args.timeout, retry=RetryPolicy(1), **kwargs
     ) as client:
-        until = time.monotonic() + args.seconds
+        window = Window.after(time.monotonic(), args.warmup, args.seconds)
         callers = (
-            _caller(client, pcm, args.sample_rate, masks, until, out, args) for _ in range(args.streams)
+            _caller(client, pcm, args.sample_rate, masks, window, out, args) for _ in range(args.streams)
         )
         await asyncio.gather(*callers)
     return out
@@ -89,15 +92,15 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
     pcm, masks = synthetic(args.recording, args.sample_rate, args.channels)
     messages = recording_requests(pcm, args.sample_rate, masks, piece_bytes=args.piece_kib << 10)
     sent = sum(message.ByteSize() for message in messages)
-    started = time.monotonic()
     out = asyncio.run(_run(args, pcm, masks))
-    elapsed = max(time.monotonic() - started, 1e-3)
+    elapsed = args.seconds
     latencies = np.array(out["latencies"]) * 1e3
     failed = sum(out["errors"].values())
     report: dict[str, object] = {
         "mode": "recording", "recording_s": args.recording, "sample_rate": args.sample_rate,
         "channels": args.channels, "windows_per_recording": int(masks.shape[0]),
-        "streams": args.streams, "seconds": round(elapsed, 3), "recordings_ok": int(latencies.size),
+        "streams": args.streams, "warmup_s": args.warmup, "seconds": elapsed,
+        "recordings_ok": int(latencies.size),
         "windows_per_s": round(latencies.size * masks.shape[0] / elapsed, 3),
         "errors": dict(out["errors"]), "failed_calls": failed, "ok": failed == 0 and latencies.size > 0,
         "masks": "after the audio" if args.masks_after_audio else "first", "piece_kib": args.piece_kib,

@@ -1,4 +1,8 @@
-"""Keep freed heap memory in the process instead of handing it back to the kernel (glibc).
+"""The server's memory between requests: freed buffers kept (glibc), and the objects that
+live as long as the process kept out of the garbage collector's full passes.
+
+keep_freed_memory: keep freed heap memory in the process instead of handing it back to
+the kernel.
 
 Why: a process that receives 32-chunk requests through gRPC allocates and frees buffers of
 ~10 MB for every message. glibc's malloc serves such sizes with fresh mmap()s or trims them
@@ -15,12 +19,22 @@ What it costs: memory freed after a burst stays with the process (its resident s
 at its peak, a few message sizes) rather than going back to the system.
 
 Elsewhere than glibc (no `mallopt`), nothing changes.
+
+freeze_long_lived: after the start-up, move every object alive then (the model, the
+engine and its plans, gRPC, NumPy, CuPy: the bulk of the heap) into the collector's
+permanent generation (`gc.freeze`). Why: a full collection walks every tracked object with
+the interpreter lock held, so every thread stops, the GPU engine's threads too. Measured on
+the H200 (`serve --receivers 4`, FP16, 20 s of 16 x 32-chunk load, every batch's timeline
+recorded): three full collections of 25, 40 and 58 ms, and the 58 ms one left the GPU idle
+for 54 ms. Frozen objects are never collected (they live as long as the process anyway),
+and a full pass walks only what requests made since.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 
 log = logging.getLogger(__name__)
@@ -50,3 +64,11 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
+
+
+def freeze_long_lived() -> int:
+    """Collect once, then freeze every object left (see the module docstring); returns the
+    number of objects frozen so far in this process."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

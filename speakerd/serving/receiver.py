@@ -106,6 +106,7 @@ class Receiver:
             await self._close()
             return
         await server.start()
+        heap.freeze_long_lived()  # full collections walk requests' objects only (heap.py)
         self.conn.send((LISTENING, os.getpid()))
         threading.Thread(target=read_link, args=(self.conn, self._loop, self._on_message, self._server_gone),
                          name="link", daemon=True).start()  # fmt: skip

@@ -512,6 +512,8 @@ class SpeakerServer:
             model_id=engine.model_id, engine=engine.name, math=str(engine.math)
         ).set(1)
         self._report_memory(engine)
+        frozen = heap.freeze_long_lived()  # full collections walk requests' objects only (heap.py)
+        log.debug("%d start-up objects frozen out of the garbage collector's passes", frozen)
         if self._stopping is None:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
