@@ -11,7 +11,7 @@
 set -o pipefail
 source scripts/device_env.sh
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 200 python3 -m speakerd bench --math fp16 --batches 1,32 --no-profile 2> $OUT/bench.err \
+  timeout 280 python3 -m speakerd bench --math fp16 --batches 1,32 --no-profile 2> $OUT/bench.err \
     | tee $OUT/bench.jsonl | grep -E '"kind": "ratio"' | cut -c1-300
   echo "bench at $SECONDS s"
 fi

@@ -9,14 +9,14 @@ What is measured is the server, not this generator, so:
 Each stream keeps one call in flight. What is counted is a steady state: every process
 first builds its request and waits for the others (spawning a process that imports gRPC
 and NumPy takes ~1 s, which a count from the parent's start put into the run: on the H200
-8% of a 10 s run had no call in flight), then all run `--warmup` seconds uncounted
-(connections, the server's first batches, and the GPU's idle time since the last run,
-which the device-gap mean would otherwise take in), then `--seconds` during which each call
-begun is counted (loadgen_window.py). Batch fill, batch size and the server's timings come
-from its /metrics (deltas from the window's start until the last call ended) when
---metrics-url is given. The exit code is 0 only when every call succeeded: a run where
-calls failed says so in its JSON (`failed_calls`, `ok`) and exits 1, so a script cannot
-mistake a broken server for a measured one.
+the server's batches of a 10.13 s run spanned 9.33 s), then all run `--warmup` seconds
+uncounted (connections, the server's first batches, and the GPU's idle time since the
+last run, which the device-gap mean would otherwise take in), then `--seconds` during
+which each call begun is counted (loadgen_window.py). Batch fill, batch size and the
+server's timings come from its /metrics (deltas from the window's start until the last
+call ended) when --metrics-url is given. The exit code is 0 only when every call
+succeeded: a run where calls failed says so in its JSON (`failed_calls`, `ok`) and exits
+1, so a script cannot mistake a broken server for a measured one.
 """
 
 from __future__ import annotations
