@@ -18,6 +18,7 @@ import pytest
 
 from speakerd.client.cli import main
 from speakerd.client.client import RetryPolicy
+from speakerd.client.loadgen_window import Window
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.architecture import EMBEDDING_DIM
 from speakerd.model.numerics import Math
@@ -89,6 +90,15 @@ def test_load_generator_reports_json(server: ServerProcess, capsys) -> None:
     assert 0 < report["batch_fill_mean"] <= 1 and report["batch_size_mean_chunks"] >= 1
     # one engine in process, no receivers: no per-device or per-receiver series
     assert report["device_batches"] == {} and report["receiver_calls"] == {}, report
+
+
+def test_load_counts_the_calls_begun_in_its_window() -> None:
+    """`client load --warmup 1 --seconds 10` started at t=100: calls begun in [101, 111)
+    count; those begun in the warm-up or at the window's end do not."""
+    window = Window.after(100.0, 1.0, 10.0)
+    assert (window.start, window.end) == (101.0, 111.0)
+    begun = (100.0, 100.99, 101.0, 110.99, 111.0)
+    assert [window.counts(t) for t in begun] == [False, False, True, True, False]
 
 
 def test_retry_backoff_is_full_jitter_capped() -> None:

@@ -180,6 +180,18 @@ def test_client_without_server_is_one_line_exit_1(command: str, tmp_path: Path) 
     assert target in lines[0] and "UNAVAILABLE" in lines[0], lines[0]
 
 
+def test_load_says_in_one_line_when_the_metrics_cannot_be_read(capsys) -> None:
+    """A --metrics-url nobody answers ends the load with one line naming it, not a traceback."""
+    port = _closed_port()
+    flags = ["--target", f"127.0.0.1:{port}", "--streams", "1", "--seconds", "0.3", "--warmup", "0",
+             "--chunks", "1", "--metrics-url", f"http://127.0.0.1:{port}/metrics"]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        client_main(["load", *flags])
+    message = str(stopped.value.code)
+    assert message.startswith(f"client load: --metrics-url http://127.0.0.1:{port}/metrics: "), message
+    assert "\n" not in message, message
+
+
 def test_load_fails_when_calls_fail(capsys) -> None:
     flags = ["--target", f"127.0.0.1:{_closed_port()}", "--streams", "1", "--seconds", "0.5", "--warmup", "0",
              "--chunks", "1"]  # fmt: skip

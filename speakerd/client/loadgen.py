@@ -226,9 +226,10 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
     work = Work(args.target, args.chunks, args.warmup, args.seconds, args.timeout, security(args))
     metrics: dict[str, dict[str, float]] = {}
     watches: list[threading.Thread] = []
+    failures: list[str] = []
 
     def scrape_during(window: Window) -> None:
-        watches.append(_scrape_at(args.metrics_url, window.start, metrics))
+        watches.append(_scrape_at(args.metrics_url, window.start, metrics, failures))
 
     if len(shares) == 1:
         results = [_worker(work, shares[0], started=scrape_during)]
@@ -250,9 +251,15 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
             results = [future.result() for future in futures]
     for watch in watches:
         watch.join()
+    if failures:
+        raise SystemExit(failures[0])
     # after every counted call ended: the means below are the window's batches, and those of
     # the calls begun in it that ended after it
-    before, after = metrics.get("before", {}), scrape(args.metrics_url) if args.metrics_url else {}
+    try:
+        after = scrape(args.metrics_url) if args.metrics_url else {}
+    except (OSError, ValueError) as error:  # urllib's URLError is an OSError
+        raise SystemExit(f"client load: --metrics-url {args.metrics_url}: {error}") from None
+    before = metrics.get("before", {})
     latencies = np.array([latency for result in results for latency in result.latencies]) * 1e3
     errors: collections.Counter[str] = collections.Counter()
     for result in results:
@@ -281,13 +288,19 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
     return report
 
 
-def _scrape_at(url: str, at: float, into: dict[str, dict[str, float]]) -> threading.Thread:
+def _scrape_at(
+    url: str, at: float, into: dict[str, dict[str, float]], failures: list[str]
+) -> threading.Thread:
     """A thread scraping the server's /metrics (`url`, none when empty) at time.monotonic()
-    `at` (the window's start) into `into["before"]`, while the workers call."""
+    `at` (the window's start) into `into["before"]` while the workers call; what kept it
+    from reading them goes to `failures`."""
 
     def watch() -> None:
         time.sleep(max(0.0, at - time.monotonic()))
-        into["before"] = scrape(url)
+        try:
+            into["before"] = scrape(url)
+        except (OSError, ValueError) as error:  # urllib's URLError is an OSError
+            failures.append(f"client load: --metrics-url {url}: {error}")
 
     thread = threading.Thread(target=watch if url else lambda: None, name="metrics-before", daemon=True)
     thread.start()
