@@ -56,8 +56,8 @@ ERROR_PAUSE_S = 0.01
 #: Percentiles reported, as the SLOs are written.
 PERCENTILES = (50, 90, 99)
 EMBED_METHOD = "/speakerd.v1.SpeakerEmbedding/EmbedChunks"
-#: How long the worker processes get to start and build their requests before the run
-#: begins without the late ones (a loaded CI machine spawns a Python process in seconds).
+#: How long the worker processes get to start and build their requests; past it the load
+#: ends with one line saying so (a loaded CI machine spawns a Python process in seconds).
 START_TIMEOUT_S = 120.0
 
 
