@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchRun, Engine
+from speakerd.serving import heap
 from speakerd.serving.shared_slots import SharedSlot, SlotLayout
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     info = WorkerInfo(
         engine.name, engine.model_id, str(engine.math), engine.plan_sizes, times, memory, os.getpid()
     )
+    heap.freeze_long_lived()  # a full collection would stop this engine's threads too (heap.py)
     conn.send(("ready", info))
     _serve(spec, engine, slots, conn)
     os._exit(0)  # batches still running are native code: do not join their threads
