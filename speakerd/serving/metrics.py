@@ -123,8 +123,9 @@ class Metrics:
         )
         self.device_gap = Histogram(
             "speakerd_device_gap_seconds",
-            "GPU time between a plan run and the one before it: the device waiting for the host "
-            "(high under load: the host path, not the GPU, limits throughput)",
+            "GPU time between a plan run and the one before it: the device waiting for the host, "
+            "or idle for want of requests (the first run after an idle spell carries it; under "
+            "load read the median: high there, the host path, not the GPU, limits throughput)",
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
