@@ -8,9 +8,8 @@ export LD_LIBRARY_PATH=$(python3 -c "import nvidia.cudnn,os;print(os.path.join(n
 export PYTHONUNBUFFERED=1 SPEAKERD_CACHE=/tmp/spk
 
 # chunk_load NAME PROCESSES: `client load` of 16 streams x 32 chunks for LOAD_S seconds (10,
-# after the client's 1 s warm-up)
-# against the server on 50051 (its /metrics on 9100), the JSON in $OUT/load-NAME.json and
-# its first 800 characters printed after NAME.
+# after the client's 1 s warm-up) against the server on 50051 (its /metrics on 9100), the
+# JSON in $OUT/load-NAME.json and its first 800 characters printed after NAME.
 chunk_load() {
   local seconds=${LOAD_S:-10}
   timeout $((seconds + 40)) python3 -m speakerd.client load --streams 16 --chunks 32 --processes $2 \

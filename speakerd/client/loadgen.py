@@ -224,15 +224,9 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         raise SystemExit("--streams, --chunks and --processes must be >= 1")
     shares = _shares(args.streams, args.processes)
     work = Work(args.target, args.chunks, args.warmup, args.seconds, args.timeout, security(args))
-    metrics: dict[str, dict[str, float]] = {}
-    watches: list[threading.Thread] = []
-    failures: list[str] = []
-
-    def scrape_during(window: Window) -> None:
-        watches.append(_scrape_at(args.metrics_url, window.start, metrics, failures))
-
+    at_start = _MetricsAt(args.metrics_url)
     if len(shares) == 1:
-        results = [_worker(work, shares[0], started=scrape_during)]
+        results = [_worker(work, shares[0], started=lambda window: at_start.read_at(window.start))]
     else:
         # spawn, not fork: gRPC's C core does not survive a fork of a process using it
         context = multiprocessing.get_context("spawn")
@@ -247,19 +241,12 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
                     f"client load: {len(shares)} worker processes did not all start within "
                     f"{START_TIMEOUT_S:g} s; try fewer --processes"
                 ) from None
-            scrape_during(Window.after(time.monotonic(), args.warmup, args.seconds))
+            at_start.read_at(Window.after(time.monotonic(), args.warmup, args.seconds).start)
             results = [future.result() for future in futures]
-    for watch in watches:
-        watch.join()
-    if failures:
-        raise SystemExit(failures[0])
+    before = at_start.values()
     # after every counted call ended: the means below are the window's batches, and those of
     # the calls begun in it that ended after it
-    try:
-        after = scrape(args.metrics_url) if args.metrics_url else {}
-    except (OSError, ValueError) as error:  # urllib's URLError is an OSError
-        raise SystemExit(f"client load: --metrics-url {args.metrics_url}: {error}") from None
-    before = metrics.get("before", {})
+    after = _read_metrics(args.metrics_url)
     latencies = np.array([latency for result in results for latency in result.latencies]) * 1e3
     errors: collections.Counter[str] = collections.Counter()
     for result in results:
@@ -288,23 +275,47 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
     return report
 
 
-def _scrape_at(
-    url: str, at: float, into: dict[str, dict[str, float]], failures: list[str]
-) -> threading.Thread:
-    """A thread scraping the server's /metrics (`url`, none when empty) at time.monotonic()
-    `at` (the window's start) into `into["before"]` while the workers call; what kept it
-    from reading them goes to `failures`."""
+def _read_metrics(url: str) -> dict[str, float]:
+    """scrape(url); {} without a URL; one line naming the URL when it cannot be read."""
+    if not url:
+        return {}
+    try:
+        return scrape(url)
+    except (OSError, ValueError) as error:  # urllib's URLError is an OSError
+        raise SystemExit(f"client load: --metrics-url {url}: {error}") from None
 
-    def watch() -> None:
-        time.sleep(max(0.0, at - time.monotonic()))
-        try:
-            into["before"] = scrape(url)
-        except (OSError, ValueError) as error:  # urllib's URLError is an OSError
-            failures.append(f"client load: --metrics-url {url}: {error}")
 
-    thread = threading.Thread(target=watch if url else lambda: None, name="metrics-before", daemon=True)
-    thread.start()
-    return thread
+class _MetricsAt:
+    """The server's /metrics read by a thread at one time.monotonic() moment of the run
+    (the window's start) while the workers call."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._thread: threading.Thread | None = None
+        self._values: dict[str, float] = {}
+        self._failure: SystemExit | None = None
+
+    def read_at(self, at: float) -> None:
+        if not self._url:
+            return
+
+        def read() -> None:
+            time.sleep(max(0.0, at - time.monotonic()))
+            try:
+                self._values = _read_metrics(self._url)
+            except SystemExit as failure:
+                self._failure = failure
+
+        self._thread = threading.Thread(target=read, name="metrics-before", daemon=True)
+        self._thread.start()
+
+    def values(self) -> dict[str, float]:
+        """What was read (after the read ended); the one-line SystemExit if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+        return self._values
 
 
 def _significant(value: float, digits: int = 6) -> float:
