@@ -1,7 +1,9 @@
 #!/bin/bash
 # The FP16 check on the H200: our FP16 kernels and the range fallback (tests with
 # REQUIRE_GPU=1), then the FP16 benchmark with its per-conv table and PyTorch FP16 in the
-# same run. Set TESTS=0 to skip the tests, MATHS to bench other maths too.
+# same run. Set TESTS=0 to skip the tests, MATHS to bench other maths too, TABLE_BATCHES to
+# print other plans' per-conv rows (default 32; "1 32" for both: b1's show the split-K
+# kernels where they won).
 set -o pipefail
 source scripts/device_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
@@ -10,11 +12,12 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 timeout ${BENCH_S:-240} python3 -m speakerd bench --math ${MATHS:-fp16} --convs --log-level INFO 2> $OUT/bench.err | tee $OUT/bench.jsonl | grep -v '"kind": "conv"' | cut -c1-700
 echo "bench rc $? at $SECONDS s"; grep -v " INFO " $OUT/bench.err | tail -6
-python3 - $OUT/bench.jsonl <<'PY'
+python3 - $OUT/bench.jsonl ${TABLE_BATCHES:-32} <<'PY'
 import json, sys
+batches = {int(b) for b in sys.argv[2:]}
 for line in open(sys.argv[1]):
     row = json.loads(line)
-    if row.get("kind") == "conv" and row["batch"] == 32:
-        print(f'{row["math"]} {row["conv"]:<18} {row["runs"][:34]:<34} {row["ms"]:>7} ms {row["tflops"]:>6} TF  '
+    if row.get("kind") == "conv" and row["batch"] in batches:
+        print(f'b{row["batch"]} {row["math"]} {row["conv"]:<18} {row["runs"][:34]:<34} {row["ms"]:>7} ms {row["tflops"]:>6} TF  '
               f'bare+ep {row["bare_plus_ours_ms"]} fused {row["fused_ms"]} own {row["own_kernel_ms"]}')
 PY

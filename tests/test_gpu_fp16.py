@@ -5,6 +5,8 @@
   conv of the same half inputs: the only FP16 error left is the output's rounding to half
   (2^-11 relative), so F16_BOUND is a few of those, far below anything a wrong tap, channel
   or pixel would give.
+- Its split-K entry points (b1's layer3 and layer4 shapes): the same bound, the same bits on
+  every launch and in a graph replay, and the range flag.
 - The stem kernels (FP32 arithmetic; FP32 or FP16 out) against float64.
 - The range flag: raised by an FP16 kernel whose output leaves FP16's range (weights scaled
   up) or meets a NaN, never on normal data.
@@ -91,7 +93,7 @@ def test_f16_kernel_matches_float64(shape, capsys) -> None:
             x.astype(cupy.float32), weight.astype(cupy.float32), bias,
             None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
         )  # fmt: skip
-        for tile, pixels in candidates:
+        for tile, pixels, _ in candidates:  # unsplit (no SM count): the split test is below
             assert pixels is not None, "every FP16 entry point has a pixel tile"
             conv = igemm.IgemmConv.bind(
                 spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels
@@ -111,6 +113,83 @@ def test_f16_kernel_matches_float64(shape, capsys) -> None:
                 )
             if function.local_size_bytes:
                 failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
+    assert not failures, failures
+
+
+#: The b1 convolutions split-K serves (igemm.F16_SPLITS): layer3's and layer4's 3x3 stride-1
+#: convolutions and layer4.0.conv1 (3x3 stride 2), as (cin, cout, h, w, kernel, stride).
+SPLIT_SHAPES = [(128, 128, 20, 250, 3, 1), (256, 256, 10, 125, 3, 1), (128, 256, 20, 250, 3, 2)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_k{s[4]}s{s[5]}")
+def test_f16_split_kernels_match_float64_and_repeat_bit_for_bit(shape, capsys) -> None:
+    """Every split-K entry point the b1 plan may time for the shape (igemm.candidates_for
+    with this device's SMs), every epilogue: within F16_BOUND of float64 with no flag and
+    no spills; then three eager launches over a NaN-poisoned output and a CUDA-graph replay
+    all give the same bits (the last block of each tile adds the splits in a fixed order
+    and sets the tile's ticket back to zero: a ticket left over would leave the tile
+    unwritten, NaN); and weights pushing the sums beyond 65504 raise the flag."""
+    import cupy
+
+    from speakerd.engine.gpu import igemm, kernels
+    from speakerd.engine.gpu.context import SplitScratch
+
+    cin, cout, h, w, kernel, stride = shape
+    spec, batch = ConvSpec("test", "test", cin, cout, kernel, stride, h, w), 1
+    x, weight, bias, residual = _f16_inputs(spec, batch)
+    y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
+    flag = cupy.zeros((1,), dtype=cupy.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    scratch = SplitScratch(stream)
+    sm_count = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    variants = [v for v in igemm.candidates_for(spec, Math.FP16, batch, sm_count) if v.split > 1]
+    assert variants, f"{spec}: no split-K variant at b1 on {sm_count} SMs"
+    epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if spec.stride == 1 else [])
+    failures = []
+    for epilogue in epilogues:
+        add = residual if epilogue == "bias_add_relu" else None
+        reference = _reference(
+            x.astype(cupy.float32), weight.astype(cupy.float32), bias,
+            None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
+        )  # fmt: skip
+        for tile, pixels, split in variants:
+            conv = igemm.IgemmConv.bind(
+                spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels, split, scratch
+            )
+            raised = _run(conv, y, flag, stream)
+            first = y.copy()
+            error = igemm.relative_difference(first.astype(cupy.float64), reference)
+            repeats = [_run(conv, y, flag, stream) == 0 and bool((y == first).all()) for _ in range(2)]
+            with stream:
+                y.fill(float("nan"))
+                stream.begin_capture()
+                conv.launch(stream)
+                graph = stream.end_capture()
+                graph.launch(stream)
+            stream.synchronize()
+            replayed = bool((y == first).all())
+            function = kernels.entry(igemm.F16_SOURCE, conv.name, conv.shared)
+            with capsys.disabled():
+                print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  "
+                      f"{conv.name:<28} grid {conv.grid} {epilogue:<14} {error:.3e}  flag {raised}  "
+                      f"repeats {repeats} replay {replayed}  regs {function.num_regs} "
+                      f"local {function.local_size_bytes}", end="")  # fmt: skip
+            if not error <= F16_BOUND or raised:
+                failures.append(f"{conv.name} {epilogue}: error {error:.3e} (bound {F16_BOUND:g}), "
+                                f"flag {raised}")  # fmt: skip
+            if not all(repeats) or not replayed:
+                failures.append(f"{conv.name} {epilogue}: repeats {repeats}, graph replay equal {replayed}")
+            if function.local_size_bytes:
+                failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
+    huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
+    for tile, pixels, split in variants:
+        loud = igemm.IgemmConv.bind(
+            spec, batch, Math.FP16, tile, "bias_only", x, huge, bias, None, y, flag, pixels, split, scratch
+        )
+        if _run(loud, y, flag, stream) != 1:
+            failures.append(f"{loud.name}: no flag for outputs beyond 65504")
     assert not failures, failures
 
 

@@ -169,8 +169,20 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     f16 = kernels.kernel_sources()[igemm.F16_SOURCE]
     entries = re.findall(r"^F16_ENTRY\((\d), (\d), (\d+), (\d+), (\d+), (\w+)\)$", f16, re.M)
     f16_defined = {f"conv_f16_r{r}s{s}_n{tile}_{rows}x{cols}" for r, s, tile, rows, cols, _ in entries}
+    split_entries = re.findall(
+        r"^F16_SPLIT_ENTRY\((\d), (\d), (\d+), (\d+), (\d+), (\w+), (\d+)\)$", f16, re.M
+    )
+    f16_defined |= {
+        f"conv_f16_r{r}s{s}_n{t}_{rows}x{cols}_sk{k}" for r, s, t, rows, cols, _, k in split_entries
+    }
     assert set(igemm.F16_KERNEL_NAMES) == f16_defined, (igemm.F16_KERNEL_NAMES, f16_defined)
-    assert len(igemm.F16_KERNEL_NAMES) == len(entries), "an entry point listed twice"
+    assert len(igemm.F16_KERNEL_NAMES) == len(entries) + len(split_entries), "an entry point listed twice"
+    splits: dict[tuple[int, int, int, tuple[int, int]], list[int]] = {}
+    bounds = {(r, s, t, rows, cols): blocks for r, s, t, rows, cols, blocks in entries}
+    for r, s, t, rows, cols, blocks, k in split_entries:
+        splits.setdefault((int(r), int(s), int(t), (int(rows), int(cols))), []).append(int(k))
+        assert blocks == bounds[(r, s, t, rows, cols)], f"{r}x{r} s{s} n{t} split {k}: launch bounds"
+    assert splits == {key: list(ks) for key, ks in igemm.F16_SPLITS.items()}, splits
     pixel_tiles: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for r, s, tile, rows, cols, _ in entries:
         pixel_tiles.setdefault((int(r), int(s), int(tile)), []).append((int(rows), int(cols)))
@@ -204,9 +216,29 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     assert igemm.f16_grid(layer1, 32, 32, 8, 32) == (1, 32, 32 * 10)
     assert igemm.f16_grid(layer1, 32, 32, 4, 64) == (1, 16, 32 * 20)
     assert igemm.candidates_for(layer1, Math.FP16) == tuple(
-        (32, p) for p in igemm.F16_PIXEL_TILES[(3, 1, 32)]
+        (32, p, 1) for p in igemm.F16_PIXEL_TILES[(3, 1, 32)]
     )
-    assert igemm.candidates_for(layer1, Math.TF32) == ((32, None),)
+    assert igemm.candidates_for(layer1, Math.TF32) == ((32, None, 1),)
+    # split K at b1 on the H200's 132 SMs: layer3 (80 blocks of 1 x 128 x 64 channels, four
+    # 32-channel chunks: 2 or 4 ways), layer4 (40 blocks, eight chunks: 2, 4 or 8 ways); never
+    # at b32, where the grids fill the GPU; never without the SM count
+    layer3 = ConvSpec("l3", "bn", 128, 128, 3, 1, 20, 250)
+    layer4 = ConvSpec("l4", "bn", 256, 256, 3, 1, 10, 125)
+    assert igemm.f16_grid(layer3, 1, 64, 1, 128) == (2, 2, 20)
+    assert igemm.f16_grid(layer3, 1, 64, 1, 128, split=4) == (2, 2, 80)
+    assert igemm.splits_for(layer3, 1, 64, (1, 128), 132) == (1, 2, 4)
+    assert igemm.splits_for(layer4, 1, 64, (1, 128), 132) == (1, 2, 4, 8)
+    assert igemm.splits_for(layer4, 1, 32, (1, 128), 132) == (1, 2, 4)
+    assert igemm.splits_for(layer4, 1, 64, (2, 128), 132) == (1,), "only 1 x 128 tiles split"
+    assert igemm.splits_for(layer4, 7, 64, (1, 128), 132) == (1,), "7 x 40 blocks fill 132 SMs twice"
+    assert igemm.splits_for(layer4, 1, 64, (1, 128), None) == (1,)
+    assert all(v.split == 1 for v in igemm.candidates_for(layer3, Math.FP16, 32, 132))
+    assert igemm.candidates_for(layer4, Math.FP16, 1, 132).count((64, (1, 128), 8)) == 1
+    assert igemm.kernel_name(Math.FP16, 64, 3, 1, (1, 128), 4) == "conv_f16_r3s1_n64_1x128_sk4"
+    assert igemm.split_partial_bytes(40, 64, (1, 128), 8) == 8 * 40 * 128 * 64 * 4  # 10.5 MB
+    assert "not 8 whole 32-channel chunks" in igemm.why_no_split(layer3, 1, 64, (1, 128), 8)
+    assert "more than the scratch" in igemm.why_no_split(layer4, 4, 64, (1, 128), 8)
+    assert igemm.why_no_split(layer4, 1, 64, (1, 128), 8) == ""
     assert igemm.kernel_name(Math.FP16, 32, 3, 1, (4, 64)) == "conv_f16_r3s1_n32_4x64"
     assert igemm.kernel_name(Math.TF32, 64) == "conv_igemm_tf32_n64", "conv_igemm.cu's names are unchanged"
     stem = ConvSpec("stem", "bn", 1, 32, 3, 1, 80, 998)

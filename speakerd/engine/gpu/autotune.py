@@ -7,7 +7,7 @@ The candidates, in the order they are tried (a later one must be strictly faster
   allows one (maths.py: TF32, and FP16 with its range check, an AMAX reduction, in the graph);
 - `OwnStem`: our direct stem kernel (stem.py), the stem only;
 - `OwnIgemm`: our implicit-GEMM kernels (igemm.py), every channel tile (and in FP16 every
-  pixel tile) the shape allows.
+  pixel tile, and split-K factor for grids too small to fill the GPU) the shape allows.
 
 A whole BasicBlock has one more candidate once both its convolutions are chosen
 (`choose_block`, with --conv-kernels blocks): our kernel that runs conv1 and conv2 in one
@@ -278,15 +278,17 @@ class OwnIgemm(OwnFamily):
         return (not why, why)
 
     def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
-        """One kernel per channel tile and (FP16) pixel tile: which is fastest depends on the
-        shape and batch (grid size against the 132 SMs, halo loads), so each is timed."""
-        r = request
+        """One kernel per channel tile, (FP16) pixel tile and split-K factor: which is fastest
+        depends on the shape and batch (grid size against the SMs, halo loads), so each is
+        timed."""
+        r, ctx = request, self.tuner.ctx
         return [
             IgemmConv.bind(
-                r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag, pixels
+                r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag, pixels,
+                split, ctx.split_scratch,
             )
-            for tile, pixels in igemm.candidates_for(r.spec, r.math)
-        ]
+            for tile, pixels, split in igemm.candidates_for(r.spec, r.math, r.batch, ctx.sm_count)
+        ]  # fmt: skip
 
 
 class Autotuner:

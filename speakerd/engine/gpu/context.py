@@ -2,7 +2,7 @@
 
 A Plan (and the autotuner choosing its convolutions) reads the device through a frozen
 `DeviceContext` rather than through the engine: the streams, the cuDNN and cuBLAS handles,
-the shared cuDNN workspace, the device weights, our compiled kernels and the activation
+the shared cuDNN workspace and split-K scratch, the device weights, our compiled kernels and the activation
 arena. Frozen, because a plan must not re-point any of them; the two things that do change
 after set-up are objects of their own: the workspace grows (`Workspace.grow`, which tells
 the caller that captured graphs hold its old address) and weights are uploaded on first
@@ -55,6 +55,43 @@ class Workspace:
         return True
 
 
+class SplitScratch:
+    """What our split-K convolutions (kernels/conv_f16.cu, `_sk` entry points) share: the
+    FP32 partial sums of every split of one output tile, and one ticket counter per tile,
+    which the kernel leaves at zero for the next launch. One buffer for every plan, like
+    the workspace (plans never run at once), allocated on the first split kernel bound.
+
+    Sizes: the largest split of the trunk at b1 (layer3's 4-way or layer4's 8-way, 80 or 40
+    tiles of 1 x 128 pixels x 64 channels) writes 2.6 M floats = 10.5 MB, so PARTIAL_BYTES
+    leaves room; a split that needs more, or more tiles than TICKETS, is not offered
+    (igemm.splits_for)."""
+
+    PARTIAL_BYTES = 16 * 1024 * 1024
+    TICKETS = 1024
+    #: the tickets come first; the partial sums start at this byte offset (16-byte aligned
+    #: for the kernel's float4 accesses)
+    PARTIALS_AT = TICKETS * 4
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.buffer = None
+
+    def pointers(self) -> tuple[int, int]:
+        """(partials, tickets) device pointers, the buffer allocated zeroed on first use."""
+        import cupy
+
+        if self.buffer is None:
+            with self.stream:
+                self.buffer = cupy.zeros((self.PARTIALS_AT + self.PARTIAL_BYTES,), dtype=cupy.uint8)
+            self.stream.synchronize()
+        base = int(self.buffer.data.ptr)
+        return base + self.PARTIALS_AT, base
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else int(self.buffer.nbytes)
+
+
 class DeviceWeights:
     """The model's weights on the device in the layouts the kernels read: convolutions KRSC
     [cout, k, k, cin] (uploaded on first use, once per dtype), the final linear row-major."""
@@ -102,6 +139,7 @@ class DeviceContext:
     cudnn: object  # cuDNN handle bound to `stream`
     cublas: Cublas  # strict-FP32 linear, bound to `stream`
     workspace: Workspace
+    split_scratch: SplitScratch  # our split-K convolutions' partial sums and tickets
     weights: DeviceWeights
     kernels: Mapping[str, object]  # entry point name -> cupy.RawKernel (kernels/speakerd.cu)
     arena: Mapping[str, object]  # activation buffer name -> float32 device array, see plan.py

@@ -39,7 +39,7 @@ from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_in
 from speakerd.engine.gpu import held, kernels, maths, recording
 from speakerd.engine.gpu.autotune import Autotuner
 from speakerd.engine.gpu.capture import GraphCapture
-from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, Workspace
+from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, SplitScratch, Workspace
 from speakerd.engine.gpu.convs import ConvKey
 from speakerd.engine.gpu.cublas import Cublas
 from speakerd.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw, read_results
@@ -106,6 +106,7 @@ class GpuEngine(Engine):
                 cudnn=handle,
                 cublas=Cublas(stream.ptr),  # strict FP32 linear; see gpu/cublas.py
                 workspace=Workspace(stream),
+                split_scratch=SplitScratch(stream),
                 weights=DeviceWeights(model),
                 # compiled and loaded now, not on the first batch
                 kernels={name: kernels.function(name) for name in kernels.KERNEL_NAMES},
@@ -363,13 +364,15 @@ class GpuEngine(Engine):
 
     def memory_report(self) -> dict[str, int]:
         """Device bytes by kind: buffers (plans' own + the shared activation arena),
-        weights, cuDNN workspace, and their total; plus pinned host staging bytes."""
+        weights, workspace (cuDNN's, cuBLAS's and our split-K scratch), and their total;
+        plus pinned host staging bytes."""
         every = [*self.plans.values(), *self.fallback_plans.values()]
         own = sum(plan.own_bytes() for plan in every)
         own += sum(slot.device_bytes() for slot in self.slots)
         arena = sum(int(a.nbytes) for a in self.ctx.arena.values())
         weights = self.ctx.weights.nbytes()
-        workspace = self.ctx.workspace.nbytes + int(self.ctx.cublas.workspace.nbytes)  # cuDNN + cuBLAS
+        ctx = self.ctx
+        workspace = ctx.workspace.nbytes + int(ctx.cublas.workspace.nbytes) + ctx.split_scratch.nbytes
         return {
             "buffers": own + arena,
             "weights": weights,

@@ -15,11 +15,14 @@ bound, maths.py). Which family and entry points a math uses is the maths table's
 
 from __future__ import annotations
 
+import math as arithmetic
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from speakerd.engine.gpu import kernels, maths
+from speakerd.engine.gpu.context import SplitScratch
 from speakerd.engine.gpu.convs import ConvKey
 from speakerd.engine.gpu.timing import OwnKernel
 from speakerd.model.architecture import ConvSpec
@@ -66,18 +69,49 @@ F16_PIXEL_TILES: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
     (1, 2, 32): ((2, 128), (1, 128)),
     (1, 2, 64): ((2, 128), (1, 128)),
 }
+#: (kernel, stride, channel tile, pixel tile) -> the split-K factors conv_f16.cu has entry
+#: points for (its F16_SPLIT_ENTRY lines; tests check). Split K is for grids that leave SMs
+#: idle: at b1, layer3's 3x3 convolutions (128 channels, 20 x 250) have 80 blocks of 1 x 128
+#: pixels x 64 channels and layer4's (256 channels, 10 x 125) 40, for the H200's 132 SMs
+#: with room for two blocks each; cuDNN runs them in 12-14 us, ~120 TFLOP/s. Split 2, 4 or
+#: 8 ways over the input channels, they have 2-8x the blocks, each summing 1/split of the
+#: channels, and the last block of a tile adds the splits (conv_f16.cu: "Split K"). Only
+#: 1 x 128 tiles: the most blocks of each channel tile before splitting.
+F16_SPLITS: dict[tuple[int, int, int, tuple[int, int]], tuple[int, ...]] = {
+    (3, 1, 64, (1, 128)): (2, 4, 8),
+    (3, 1, 32, (1, 128)): (2, 4),
+    (3, 2, 64, (1, 128)): (2, 4),
+}
+#: A split is offered only for a grid of fewer unsplit blocks than this many per SM (the
+#: 3x3 stride-1 entry points fit two blocks on an SM): a grid that fills the GPU already
+#: gains nothing from splitting, and b32 never splits.
+SPLIT_BELOW_BLOCKS_PER_SM = 2
+
+
+class Variant(NamedTuple):
+    """One kernel of our family for a convolution: channel tile, pixel tile (rows, cols;
+    None for conv_igemm.cu) and split-K factor (1: unsplit)."""
+
+    tile: int
+    pixels: tuple[int, int] | None
+    split: int = 1
+
+
 #: (kernel, stride) shapes each family has entry points for (None: any 1x1 or 3x3).
 FAMILY_SHAPES: dict[str, tuple[tuple[int, int], ...] | None] = {SOURCE: None, F16_SOURCE: F16_SHAPES}
 
 
 def kernel_name(
-    math: Math, tile: int, kernel: int = 3, stride: int = 1, pixels: tuple[int, int] | None = None
-) -> str:
-    """The entry point of our family of `math` for the channel tile, shape and pixel tile
-    (rows, cols): conv_f16.cu's names carry the pixel tile, conv_igemm.cu's have none."""
+    math: Math, tile: int, kernel: int = 3, stride: int = 1, pixels: tuple[int, int] | None = None,
+    split: int = 1,
+) -> str:  # fmt: skip
+    """The entry point of our family of `math` for the channel tile, shape, pixel tile
+    (rows, cols) and split: conv_f16.cu's names carry the pixel tile and a split-K factor
+    above 1 (`_sk4`), conv_igemm.cu's neither."""
     row = maths.of(math)
     assert (pixels is not None) == (row.own_source == F16_SOURCE), (math, pixels)
-    return row.own_kernel(tile, kernel, stride, pixels)
+    assert split == 1 or split in F16_SPLITS.get((kernel, stride, tile, pixels), ()), (tile, pixels, split)
+    return row.own_kernel(tile, kernel, stride, pixels) + (f"_sk{split}" if split > 1 else "")
 
 
 #: Every entry point of kernels/conv_igemm.cu this module launches, then of kernels/conv_f16.cu.
@@ -90,6 +124,10 @@ F16_KERNEL_NAMES = tuple(
     if row.own_source == F16_SOURCE
     for (kernel, stride, tile), tiles in F16_PIXEL_TILES.items()
     for pixels in tiles
+) + tuple(
+    kernel_name(Math.FP16, tile, kernel, stride, pixels, split)
+    for (kernel, stride, tile, pixels), splits in F16_SPLITS.items()
+    for split in splits
 )
 
 
@@ -107,12 +145,56 @@ def pixel_tiles_for(spec: ConvSpec | ConvKey, math: Math, tile: int) -> tuple[tu
     return F16_PIXEL_TILES[(spec.kernel, spec.stride, tile)]
 
 
-def candidates_for(spec: ConvSpec | ConvKey, math: Math) -> tuple[tuple[int, tuple[int, int] | None], ...]:
-    """Every (channel tile, pixel tile) our family of `math` can run `spec` with: the kernels
-    the autotuner times (none: not a candidate)."""
+def candidates_for(
+    spec: ConvSpec | ConvKey, math: Math, batch: int = 1, sm_count: int | None = None
+) -> tuple[Variant, ...]:
+    """Every variant our family of `math` can run `spec` at `batch` with: the kernels the
+    autotuner times (none: not a candidate). Split-K variants only with `sm_count`, the
+    SMs the grid has to fill (splits_for)."""
     return tuple(
-        (tile, pixels) for tile in tiles_for(spec, math) for pixels in pixel_tiles_for(spec, math, tile)
+        Variant(tile, pixels, split)
+        for tile in tiles_for(spec, math)
+        for pixels in pixel_tiles_for(spec, math, tile)
+        for split in (splits_for(spec, batch, tile, pixels, sm_count) if pixels is not None else (1,))
     )
+
+
+def splits_for(
+    spec: ConvSpec | ConvKey, batch: int, tile: int, pixels: tuple[int, int], sm_count: int | None
+) -> tuple[int, ...]:
+    """1 (unsplit) and the split-K factors of F16_SPLITS worth timing for this channel and
+    pixel tile: only for a grid of fewer than SPLIT_BELOW_BLOCKS_PER_SM blocks per SM,
+    splits that divide the input channels into whole 32-channel chunks, and whose partial
+    sums and tickets fit SplitScratch."""
+    offered = F16_SPLITS.get((spec.kernel, spec.stride, tile, pixels), ())
+    if not offered or sm_count is None:
+        return (1,)
+    tiles = arithmetic.prod(f16_grid(spec, batch, tile, *pixels))
+    if tiles >= SPLIT_BELOW_BLOCKS_PER_SM * sm_count:
+        return (1,)
+    return (1, *(split for split in offered if not why_no_split(spec, batch, tile, pixels, split)))
+
+
+def why_no_split(spec: ConvSpec | ConvKey, batch: int, tile: int, pixels: tuple[int, int], split: int) -> str:
+    """Why conv_f16.cu cannot run `spec` split `split` ways with this tile ("" when it can)."""
+    if split not in F16_SPLITS.get((spec.kernel, spec.stride, tile, pixels), ()):
+        return f"no split-{split} entry point for k{spec.kernel} s{spec.stride} n{tile} {pixels}"
+    if spec.cin % (F16_CHUNK * split):
+        return f"{spec.cin} input channels are not {split} whole {F16_CHUNK}-channel chunks"
+    tiles = arithmetic.prod(f16_grid(spec, batch, tile, *pixels))
+    if tiles > SplitScratch.TICKETS:
+        return f"{tiles} tiles, more than the scratch's {SplitScratch.TICKETS} tickets"
+    need = split_partial_bytes(tiles, tile, pixels, split)
+    if need > SplitScratch.PARTIAL_BYTES:
+        return f"{need} bytes of partial sums, more than the scratch's {SplitScratch.PARTIAL_BYTES}"
+    return ""
+
+
+def split_partial_bytes(tiles: int, tile: int, pixels: tuple[int, int], split: int) -> int:
+    """Bytes of FP32 partial sums a split-K kernel writes: every split of every output tile
+    (rows x cols pixels x `tile` channels), as conv_f16.cu lays them out."""
+    rows, cols = pixels
+    return split * tiles * rows * cols * tile * 4
 
 
 def why_not(spec: ConvSpec | ConvKey, math: Math) -> str:
@@ -143,10 +225,13 @@ def f16_shared_bytes(kernel: int, stride: int, tile: int, rows: int, cols: int) 
     return max(loads, rows * cols * (tile + F16_OUT_PAD) * 4)
 
 
-def f16_grid(spec: ConvSpec, batch: int, tile: int, rows: int, cols: int) -> tuple[int, int, int]:
+def f16_grid(
+    spec: ConvSpec | ConvKey, batch: int, tile: int, rows: int, cols: int, split: int = 1
+) -> tuple[int, int, int]:
     """conv_f16.cu's grid: channel tiles fastest (they read the same halo, so it is in L2),
-    then `cols`-column tiles, then `rows`-row tiles of every image."""
-    return (spec.cout // tile, -(-spec.w_out // cols), batch * -(-spec.h_out // rows))
+    then `cols`-column tiles, then `rows`-row tiles of every image, each `split` times (the
+    splits of one tile are neighbours in z)."""
+    return (spec.cout // tile, -(-spec.w_out // cols), batch * -(-spec.h_out // rows) * split)
 
 
 def shared_bytes(tile: int) -> int:
@@ -172,10 +257,14 @@ class IgemmConv(OwnKernel):
     shared: int  # dynamic shared memory bytes
     source: str  # the kernels/ file of the entry point
     ms: float = 0.0
+    split: int = 1  # split-K factor (conv_f16.cu's _sk entry points)
 
     @classmethod
     def bind(cls, spec: ConvSpec, batch: int, math: Math, tile: int, epilogue: str, x, w, bias, residual, y,
-             flag=None, pixels: tuple[int, int] | None = None):  # fmt: skip
+             flag=None, pixels: tuple[int, int] | None = None, split: int = 1,
+             scratch: SplitScratch | None = None):  # fmt: skip
+        """`split` above 1 needs `scratch`, where the kernel keeps its partial sums and
+        tickets (one per engine: DeviceContext.split_scratch)."""
         assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
         assert pixels in pixel_tiles_for(spec, math, tile), (
             f"{spec.name}: pixel tile {pixels} not in {pixel_tiles_for(spec, math, tile)}"
@@ -190,9 +279,16 @@ class IgemmConv(OwnKernel):
             sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
             assert pixels is not None  # (pixel_tiles_for gives no None in FP16)
+            if split > 1:
+                why = why_no_split(spec, batch, tile, pixels, split)
+                assert not why, f"{spec.name}: {why}"
+                assert scratch is not None, f"{spec.name}: a split-K kernel needs the split scratch"
+                args += tuple(np.uint64(pointer) for pointer in scratch.pointers())
             shared = f16_shared_bytes(spec.kernel, spec.stride, tile, *pixels)
-            grid = f16_grid(spec, batch, tile, *pixels)
-            return cls(spec, batch, math, tile, pixels, epilogue, args, grid, F16_THREADS, shared, F16_SOURCE)
+            grid = f16_grid(spec, batch, tile, *pixels, split)
+            return cls(spec, batch, math, tile, pixels, epilogue, args, grid, F16_THREADS, shared, F16_SOURCE,
+                       split=split)  # fmt: skip
+        assert split == 1, f"{spec.name}: conv_igemm.cu has no split-K kernels"
         outputs = batch * spec.h_out * spec.w_out
         grid = (-(-outputs // BLOCK_PIXELS), spec.cout // tile, 1)
         sizes = (
@@ -211,7 +307,7 @@ class IgemmConv(OwnKernel):
 
     @property
     def name(self) -> str:
-        return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride, self.pixels)
+        return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride, self.pixels, self.split)
 
     def launch(self, stream) -> None:
         function = kernels.entry(self.source, self.name, self.shared)

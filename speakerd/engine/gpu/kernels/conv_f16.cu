@@ -37,8 +37,21 @@
 // Epilogue: accumulators go through shared memory (FP32, rows padded by 8 floats) so that
 // bias, residual and the stores are 16-byte accesses along the channels.
 //
+// Split K (entry points ending _sk<SPLIT>, for grids too small to fill the GPU: layer3 and
+// layer4 at b1 have 40-80 blocks of 1 x 128 for 132 SMs): SPLIT blocks share one output
+// tile, each summing 1/SPLIT of the input channels (blockIdx.z = tile row * SPLIT + split).
+// Each writes its FP32 sums to its slice of `partials` and takes a ticket from the tile's
+// counter in `tickets`; the block that takes the last ticket adds the SPLIT slices in split
+// order (the same order whichever block comes last, so every launch, eager or replayed in a
+// graph, gives the same bits), runs the epilogue and sets the counter back to zero for the
+// next launch. No block ever waits for another (a block that is not last just ends), so the
+// grid may be any size. Floating-point atomics would be simpler and not reproducible.
+// (partials and tickets are not __restrict__: other blocks write what the last one reads.)
+//
 // Requirements (checked on the host): cin % 32 == 0, cout % BN == 0, r in {1, 3}, pad = r / 2
-// (r = 1: pad 0), 16-byte aligned x, w, residual and y.
+// (r = 1: pad 0), 16-byte aligned x, w, residual and y; split K: cin % (32 * SPLIT) == 0,
+// partials 16-byte aligned with SPLIT * tiles * ROWS * COLS * BN floats, and a zeroed counter
+// per tile (tiles = the grid's blocks / SPLIT).
 //
 // No cuda_fp16.h: conversions are PTX (cvt, in common.cuh), so the file compiles with
 // NVRTC's built-in headers only (CI compiles every kernel without a CUDA toolkit).
@@ -76,12 +89,12 @@ struct HaloTile {
     static constexpr int SHARED_BYTES = LOAD_BYTES > OUT_FLOATS * 4 ? LOAD_BYTES : OUT_FLOATS * 4;
 };
 
-template <int R, int STRIDE, int BN, int ROWS, int COLS>
+template <int R, int STRIDE, int BN, int ROWS, int COLS, int SPLIT>
 __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
                                          const float* __restrict__ bias,
                                          const unsigned short* __restrict__ residual,
                                          unsigned short* __restrict__ y, int* __restrict__ flag, int h, int wd,
-                                         int c, int ho, int wo, int k, int relu) {
+                                         int c, int ho, int wo, int k, int relu, float* partials, int* tickets) {
     using T = HaloTile<R, STRIDE, BN, ROWS, COLS>;
     // Warp tile: PX consecutive output pixels of one output row x BN channels, MI m16
     // fragments; WARPS_PER_ROW warps share an output row.
@@ -98,7 +111,8 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
     const int group = lane >> 2, quad = lane & 3;  // mma fragment coordinates
     const int n0 = blockIdx.x * BN, ow0 = blockIdx.y * COLS;
     const int row_blocks = (ho + ROWS - 1) / ROWS;
-    const int image = blockIdx.z / row_blocks, oh0 = (blockIdx.z - image * row_blocks) * ROWS;
+    const int tile_z = blockIdx.z / SPLIT, split = blockIdx.z - tile_z * SPLIT;  // SPLIT 1: blockIdx.z, 0
+    const int image = tile_z / row_blocks, oh0 = (tile_z - image * row_blocks) * ROWS;
     const int ih0 = oh0 * STRIDE - T::PAD, iw0 = ow0 * STRIDE - T::PAD;
     const int hstep = R == 1 ? STRIDE : 1;  // input pixels between consecutive halo pixels
     const long long image_base = static_cast<long long>(image) * h * wd * c;
@@ -111,7 +125,8 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
     float acc[MI][BN / 8][4];
     zero_fragments(acc);
 
-    for (int c0 = 0; c0 < c; c0 += F16_CHUNK) {
+    const int c_split = c / SPLIT;  // this block's input channels: [split * c_split, + c_split)
+    for (int c0 = split * c_split; c0 < (split + 1) * c_split; c0 += F16_CHUNK) {
         // the halo of this chunk: 4 x 16-byte pieces per pixel, zeros in the padding
         for (int index = tid; index < T::HALO_ROWS * T::HALO_COLS * 4; index += F16_THREADS) {
             const int pixel = index >> 2, piece = index & 3;
@@ -171,18 +186,57 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
         }
     __syncthreads();
 
+    // Split K: this block's sums to its slice, a ticket, and only the last block goes on.
+    constexpr int TILE_FLOATS = ROWS * COLS * BN;  // one split's slice of one tile
+    const int tiles = gridDim.x * gridDim.y * (gridDim.z / SPLIT);
+    const int tile = (tile_z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    if constexpr (SPLIT > 1) {
+        float* slice = partials + (static_cast<long long>(split) * tiles + tile) * TILE_FLOATS;
+        for (int index = tid; index < ROWS * COLS * (BN / 8); index += F16_THREADS) {
+            const int pixel = index / (BN / 8), part = index - pixel * (BN / 8);
+            const float* staged = out_s + pixel * T::LDO + part * 8;
+            float4* to = reinterpret_cast<float4*>(slice + pixel * BN + part * 8);
+            __stcg(to, *reinterpret_cast<const float4*>(staged));  // to L2: the last block reads it there
+            __stcg(to + 1, *reinterpret_cast<const float4*>(staged + 4));
+        }
+        __threadfence();  // the slice is visible to every block before the ticket is taken
+        __syncthreads();
+        bool last = false;
+        if (tid == 0) {
+            last = atomicAdd(tickets + tile, 1) == SPLIT - 1;
+            if (last) tickets[tile] = 0;  // every split has taken its ticket: none touches it again
+        }
+        if (!__syncthreads_or(last)) return;
+        __threadfence();  // the other slices are read after their tickets were seen
+    }
+
     // Bias, residual, ReLU, range check and the store, 8 channels (16 bytes) per step.
     bool bad = false;
     for (int index = tid; index < ROWS * COLS * (BN / 8); index += F16_THREADS) {
         const int pixel = index / (BN / 8), part = index - pixel * (BN / 8);
         const int oh = oh0 + pixel / COLS, ow = ow0 + pixel % COLS;
         if (oh >= ho || ow >= wo) continue;
-        const float* staged = out_s + pixel * T::LDO + part * 8;
         const int channel = n0 + part * 8;
         const float4 b0 = *reinterpret_cast<const float4*>(bias + channel);
         const float4 b1 = *reinterpret_cast<const float4*>(bias + channel + 4);
-        const float4 s0 = *reinterpret_cast<const float4*>(staged);
-        const float4 s1 = *reinterpret_cast<const float4*>(staged + 4);
+        float4 s0, s1;
+        if constexpr (SPLIT == 1) {
+            const float* staged = out_s + pixel * T::LDO + part * 8;
+            s0 = *reinterpret_cast<const float4*>(staged);
+            s1 = *reinterpret_cast<const float4*>(staged + 4);
+        } else {  // the slices' sum in split order (bits independent of which block is last)
+            const float* at = partials + static_cast<long long>(tile) * TILE_FLOATS + pixel * BN + part * 8;
+            const long long between = static_cast<long long>(tiles) * TILE_FLOATS;  // one split's slices
+            s0 = __ldcg(reinterpret_cast<const float4*>(at));
+            s1 = __ldcg(reinterpret_cast<const float4*>(at + 4));
+#pragma unroll
+            for (int other = 1; other < SPLIT; ++other) {
+                const float4 p0 = __ldcg(reinterpret_cast<const float4*>(at + other * between));
+                const float4 p1 = __ldcg(reinterpret_cast<const float4*>(at + other * between + 4));
+                s0 = make_float4(s0.x + p0.x, s0.y + p0.y, s0.z + p0.z, s0.w + p0.w);
+                s1 = make_float4(s1.x + p1.x, s1.y + p1.y, s1.z + p1.z, s1.w + p1.w);
+            }
+        }
         float v[8] = {s0.x + b0.x, s0.y + b0.y, s0.z + b0.z, s0.w + b0.w,
                       s1.x + b1.x, s1.y + b1.y, s1.z + b1.z, s1.w + b1.w};
         const long long at = ((static_cast<long long>(image) * ho + oh) * wo + ow) * k + channel;
@@ -207,7 +261,16 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
 #define F16_ENTRY(R, S, BN, ROWS, COLS, BLOCKS)                                                   \
     extern "C" __global__ __launch_bounds__(F16_THREADS, BLOCKS) void                             \
         conv_f16_r##R##s##S##_n##BN##_##ROWS##x##COLS(F16_PARAMS) {                               \
-        conv_f16<R, S, BN, ROWS, COLS>(F16_ARGS);                                                 \
+        conv_f16<R, S, BN, ROWS, COLS, 1>(F16_ARGS, nullptr, nullptr);                            \
+    }
+// Split K (see the top of the file): conv_f16_r<R>s<STRIDE>_n<BN>_<ROWS>x<COLS>_sk<SPLIT>, the
+// same grid with z * SPLIT, two more arguments: partials (FP32) and tickets (zeroed counters,
+// one per tile); igemm.F16_SPLITS lists these.
+#define F16_SPLIT_ENTRY(R, S, BN, ROWS, COLS, BLOCKS, SPLIT)                                      \
+    extern "C" __global__ __launch_bounds__(F16_THREADS, BLOCKS) void                             \
+        conv_f16_r##R##s##S##_n##BN##_##ROWS##x##COLS##_sk##SPLIT(                                \
+            F16_PARAMS, float* partials, int* tickets) {                                          \
+        conv_f16<R, S, BN, ROWS, COLS, SPLIT>(F16_ARGS, partials, tickets);                       \
     }
 F16_ENTRY(3, 1, 32, 2, 128, F16_BLOCKS_PER_SM)
 F16_ENTRY(3, 1, 32, 1, 128, F16_BLOCKS_PER_SM)
@@ -224,3 +287,10 @@ F16_ENTRY(1, 2, 32, 2, 128, F16_BLOCKS_PER_SM)
 F16_ENTRY(1, 2, 32, 1, 128, F16_BLOCKS_PER_SM)
 F16_ENTRY(1, 2, 64, 2, 128, F16_BLOCKS_PER_SM)
 F16_ENTRY(1, 2, 64, 1, 128, F16_BLOCKS_PER_SM)
+F16_SPLIT_ENTRY(3, 1, 64, 1, 128, F16_BLOCKS_PER_SM, 2)
+F16_SPLIT_ENTRY(3, 1, 64, 1, 128, F16_BLOCKS_PER_SM, 4)
+F16_SPLIT_ENTRY(3, 1, 64, 1, 128, F16_BLOCKS_PER_SM, 8)
+F16_SPLIT_ENTRY(3, 1, 32, 1, 128, F16_BLOCKS_PER_SM, 2)
+F16_SPLIT_ENTRY(3, 1, 32, 1, 128, F16_BLOCKS_PER_SM, 4)
+F16_SPLIT_ENTRY(3, 2, 64, 1, 128, F16_BLOCKS_PER_SM_WIDE, 2)
+F16_SPLIT_ENTRY(3, 2, 64, 1, 128, F16_BLOCKS_PER_SM_WIDE, 4)
