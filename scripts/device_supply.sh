@@ -6,6 +6,9 @@
 # receiver: each load's JSON has `receiver_calls`, the split, and `queue_wait_ms_mean`,
 # near 0 when the requests and not the server are the limit), and an hour-long recording
 # (RECORDING_STREAMS callers, 1 by default). P16=0 leaves the 16-process load out.
+# LATENCY=1 adds 16 streams of 1 and of 8 chunks (4 processes): loads that fill half a batch
+# and four batches, whose p99 can be held to 2x the batch time plus the batching delay
+# (16 full batches in a closed loop make ~16 batch times of queue by Little's law).
 # PROFILE=1 adds py-spy --idle --native of the server during one more load. Logs and JSON
 # land in $OUT.
 set -o pipefail
@@ -22,6 +25,7 @@ SPID=$!
 timeout 320 python3 -m speakerd.client health --wait 300 > /dev/null 2>&1; echo "health rc $? at $SECONDS s"
 for run in 1 2 3; do chunk_load p4-$run 4; done
 [ "${P16:-1}" = 1 ] && chunk_load p16 16
+if [ "${LATENCY:-0}" = 1 ]; then chunk_load c1 4 1; chunk_load c8 4 8; fi
 streams=${RECORDING_STREAMS:-1}
 timeout 120 python3 -m speakerd.client load --recording 3600 --streams $streams --seconds ${RECORDING_S:-15} \
   --warmup ${RECORDING_WARMUP_S:-1} --timeout 60 > $OUT/load-recording.json 2> $OUT/load-recording.err
