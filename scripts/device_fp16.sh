@@ -6,6 +6,11 @@
 # kernels where they won).
 set -o pipefail
 source scripts/device_env.sh
+# PROBE=1: first, one wgmma against NumPy (scripts/probe_wgmma.py: which descriptor reading
+# and accumulator layout hold), before conv_wgmma.cu's tests run on them.
+if [ "${PROBE:-0}" = 1 ]; then
+  timeout 60 python3 scripts/probe_wgmma.py 2>&1 | tee $OUT/probe-wgmma.log | cut -c1-400
+fi
 if [ "${TESTS:-1}" = 1 ]; then
   REQUIRE_GPU=1 timeout ${TEST_S:-150} python3 -m pytest -q -s tests/test_gpu_fp16.py 2>&1 | tee $OUT/fp16-tests.log | grep -E "^[0-9]+->|^stem|^forced|passed|failed|Error|error" | cut -c1-240 | head -60
   echo "fp16 tests at $SECONDS s"

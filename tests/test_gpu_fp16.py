@@ -7,6 +7,8 @@
   or pixel would give.
 - Its split-K entry points (b1's layer3 and layer4 shapes): the same bound, the same bits on
   every launch and in a graph replay, and the range flag.
+- conv_wgmma.cu (Hopper's warpgroup MMA, compute capability 9.0 only; elsewhere skipped with
+  the reason): the same bound, bits and flag on layer1's and layer2's shapes and a small one.
 - The stem kernels (FP32 arithmetic; FP32 or FP16 out) against float64.
 - The range flag: raised by an FP16 kernel whose output leaves FP16's range (weights scaled
   up) or meets a NaN, never on normal data.
@@ -93,7 +95,7 @@ def test_f16_kernel_matches_float64(shape, capsys) -> None:
             x.astype(cupy.float32), weight.astype(cupy.float32), bias,
             None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
         )  # fmt: skip
-        for tile, pixels, _ in candidates:  # unsplit (no SM count): the split test is below
+        for tile, pixels, _, _ in candidates:  # unsplit (no SM count): the split test is below
             assert pixels is not None, "every FP16 entry point has a pixel tile"
             conv = igemm.IgemmConv.bind(
                 spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels
@@ -154,7 +156,7 @@ def test_f16_split_kernels_match_float64_and_repeat_bit_for_bit(shape, capsys) -
             x.astype(cupy.float32), weight.astype(cupy.float32), bias,
             None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
         )  # fmt: skip
-        for tile, pixels, split in variants:
+        for tile, pixels, split, _ in variants:
             conv = igemm.IgemmConv.bind(
                 spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels, split, scratch
             )
@@ -184,9 +186,88 @@ def test_f16_split_kernels_match_float64_and_repeat_bit_for_bit(shape, capsys) -
             if function.local_size_bytes:
                 failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
     huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
-    for tile, pixels, split in variants:
+    for tile, pixels, split, _ in variants:
         loud = igemm.IgemmConv.bind(
             spec, batch, Math.FP16, tile, "bias_only", x, huge, bias, None, y, flag, pixels, split, scratch
+        )
+        if _run(loud, y, flag, stream) != 1:
+            failures.append(f"{loud.name}: no flag for outputs beyond 65504")
+    assert not failures, failures
+
+
+#: conv_wgmma.cu's shapes, (cin, cout, h, w, batch): layer1 and layer2 (3x3 stride 1), and a
+#: small image whose 140 columns leave part of a 64-pixel tile and whose rows part of a
+#: row tile.
+WGMMA_SHAPES = [(32, 32, 80, 998, 2), (64, 64, 40, 499, 2), (32, 64, 13, 140, 3)]
+
+
+def _where_wrong(ours, reference, shape: tuple[int, ...]) -> str:
+    """Where `ours` (rows = pixels, NHWC) is not within F16_BOUND of `reference`: the share
+    wrong and the first few as (image, row, column % 64, channel), which tells a wrong
+    operand layout (every column or channel of a pattern) from a wrong edge (the last tile)."""
+    import cupy
+
+    _, cout, h, w, batch = shape
+    scale = float(cupy.abs(reference).max())
+    wrong = ~(cupy.abs(ours.astype(cupy.float64) - reference) <= F16_BOUND * scale)
+    where = cupy.argwhere(wrong.reshape(batch, h, w, cout)).get()[:6]
+    first = ", ".join(f"({i}, {r}, {c % 64}, {ch})" for i, r, c, ch in where)
+    return f"{float(wrong.mean()):.1%} wrong, first (image, row, col % 64, channel): {first}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", WGMMA_SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_b{s[4]}")
+def test_wgmma_kernels_match_float64(shape, capsys) -> None:
+    """Every conv_wgmma.cu entry point for the shape, every epilogue: within F16_BOUND of
+    float64 with no flag and no spills, the same bits on a second launch, and the range flag
+    raised by weights that push the sums beyond 65504. A mismatch prints where it is."""
+    import cupy
+
+    from speakerd.engine.gpu import igemm, kernels
+
+    capability = str(cupy.cuda.Device().compute_capability)
+    why = igemm.wgmma_why_not(ConvSpec("t", "t", 32, 32, 3, 1, 8, 64), Math.FP16, capability)
+    if why:
+        pytest.skip(why)
+    cin, cout, h, w, batch = shape
+    spec = ConvSpec("test", "test", cin, cout, 3, 1, h, w)
+    x, weight, bias, residual = _f16_inputs(spec, batch)
+    y = cupy.empty((batch * h * w, cout), dtype=cupy.float16)
+    flag = cupy.zeros((1,), dtype=cupy.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    variants = igemm.wgmma_candidates_for(spec, Math.FP16, capability)
+    assert variants, f"{spec}: no wgmma variant"
+    failures = []
+    for epilogue in ["bias_only", "bias_relu"] + (["bias_add_relu"] if cin == cout else []):
+        add = residual if epilogue == "bias_add_relu" else None
+        reference = _reference(x.astype(cupy.float32), weight.astype(cupy.float32), bias,
+                               None if add is None else add.astype(cupy.float64), 3, 1,
+                               epilogue != "bias_only")  # fmt: skip
+        for tile, pixels, _, _ in variants:
+            conv = igemm.IgemmConv.bind(
+                spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels, wgmma=True
+            )
+            raised = _run(conv, y, flag, stream)
+            first = y.copy()
+            error = igemm.relative_difference(first.astype(cupy.float64), reference)
+            again = _run(conv, y, flag, stream) == 0 and bool((y == first).all())
+            function = kernels.entry(igemm.WGMMA_SOURCE, conv.name, conv.shared)
+            with capsys.disabled():
+                print(f"\n{cin}->{cout} {h}x{w} b{batch}  {conv.name:<20} grid {conv.grid} {epilogue:<14} "
+                      f"{error:.3e}  flag {raised}  again {again}  regs {function.num_regs} "
+                      f"local {function.local_size_bytes}", end="")  # fmt: skip
+            if not error <= F16_BOUND or raised:
+                failures.append(f"{conv.name} {epilogue}: error {error:.3e} (bound {F16_BOUND:g}), "
+                                f"flag {raised}; {_where_wrong(first, reference, shape)}")  # fmt: skip
+            if not again:
+                failures.append(f"{conv.name} {epilogue}: a second launch gave other bits")
+            if function.local_size_bytes:
+                failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
+    huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
+    for tile, pixels, _, _ in variants:
+        loud = igemm.IgemmConv.bind(
+            spec, batch, Math.FP16, tile, "bias_only", x, huge, bias, None, y, flag, pixels, wgmma=True
         )
         if _run(loud, y, flag, stream) != 1:
             failures.append(f"{loud.name}: no flag for outputs beyond 65504")

@@ -216,9 +216,9 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     assert igemm.f16_grid(layer1, 32, 32, 8, 32) == (1, 32, 32 * 10)
     assert igemm.f16_grid(layer1, 32, 32, 4, 64) == (1, 16, 32 * 20)
     assert igemm.candidates_for(layer1, Math.FP16) == tuple(
-        (32, p, 1) for p in igemm.F16_PIXEL_TILES[(3, 1, 32)]
+        igemm.Variant(32, p) for p in igemm.F16_PIXEL_TILES[(3, 1, 32)]
     )
-    assert igemm.candidates_for(layer1, Math.TF32) == ((32, None, 1),)
+    assert igemm.candidates_for(layer1, Math.TF32) == (igemm.Variant(32, None),)
     # split K at b1 on the H200's 132 SMs: layer3 (80 blocks of 1 x 128 x 64 channels, four
     # 32-channel chunks: 2 or 4 ways), layer4 (40 blocks, eight chunks: 2, 4 or 8 ways); never
     # at b32, where the grids fill the GPU; never without the SM count
@@ -233,7 +233,7 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     assert igemm.splits_for(layer4, 7, 64, (1, 128), 132) == (1,), "7 x 40 blocks fill 132 SMs twice"
     assert igemm.splits_for(layer4, 1, 64, (1, 128), None) == (1,)
     assert all(v.split == 1 for v in igemm.candidates_for(layer3, Math.FP16, 32, 132))
-    assert igemm.candidates_for(layer4, Math.FP16, 1, 132).count((64, (1, 128), 8)) == 1
+    assert igemm.candidates_for(layer4, Math.FP16, 1, 132).count(igemm.Variant(64, (1, 128), 8)) == 1
     assert igemm.kernel_name(Math.FP16, 64, 3, 1, (1, 128), 4) == "conv_f16_r3s1_n64_1x128_sk4"
     assert igemm.split_partial_bytes(40, 64, (1, 128), 8) == 8 * 40 * 128 * 64 * 4  # 10.5 MB
     assert "not 8 whole 32-channel chunks" in igemm.why_no_split(layer3, 1, 64, (1, 128), 8)
@@ -249,6 +249,68 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
     assert igemm.tiles_for(ConvSpec("sc1", "bn", 64, 128, 1, 1, 40, 499), Math.FP16) == (), "no 1x1 stride-1"
     assert igemm.tiles_for(ConvSpec("l1", "bn", 32, 32, 3, 1, 80, 998), Math.TF32) == (32,)
     assert igemm.tiles_for(ConvSpec("l4", "bn", 256, 256, 3, 1, 10, 125), Math.FP32) == (64, 32)
+
+
+def test_wgmma_names_tiles_and_rules_match_the_source() -> None:
+    """conv_wgmma.cu's entry points are igemm.WGMMA_TILES', and which convolutions it may run
+    (no GPU)."""
+    import re
+
+    from speakerd.engine.gpu import igemm, kernels
+
+    source = kernels.kernel_sources()[igemm.WGMMA_SOURCE]
+    entries = re.findall(r"^WG_ENTRY\((\d+), (\d+), (\d+), (\d+)\)$", source, re.M)
+    tiles: dict[int, list[tuple[int, int]]] = {}
+    for tile, rows, cols, blocks in entries:
+        tiles.setdefault(int(tile), []).append((int(rows), int(cols)))
+        shared = igemm.wgmma_shared_bytes(int(tile), int(rows), int(cols))
+        # the launch bounds' blocks fit one SM's 228 KB (1 KB reserved per block)
+        assert int(blocks) * (shared + 1024) <= 228 * 1024, (tile, rows, cols, blocks, shared)
+    assert tiles == {tile: list(pixels) for tile, pixels in igemm.WGMMA_TILES.items()}, tiles
+    defines = {name: int(value) for name, value in re.findall(r"#define WG_(\w+) (\d+)", source)}
+    assert (defines["THREADS"], defines["CHUNK"], defines["OUT_PAD"]) == (
+        igemm.WGMMA_THREADS, igemm.CHANNEL_STEP, igemm.WGMMA_OUT_PAD,
+    ), defines  # fmt: skip
+    assert igemm.wgmma_shared_bytes(32, 4, 64) == 4 * 6 * 66 * 16 + 9 * 4 * 32 * 16
+    assert igemm.wgmma_shared_bytes(32, 8, 64) == 8 * 64 * 40 * 4, "staged outputs dominate"
+    layer1 = ConvSpec("l1", "bn", 32, 32, 3, 1, 80, 998)
+    assert igemm.wgmma_candidates_for(layer1, Math.FP16, "90") == tuple(
+        igemm.Variant(32, pixels, wgmma=True) for pixels in igemm.WGMMA_TILES[32]
+    )
+    layer2 = ConvSpec("l2", "bn", 64, 64, 3, 1, 40, 499)
+    assert {v.tile for v in igemm.wgmma_candidates_for(layer2, Math.FP16, "90")} == {32, 64}
+    assert "compute capability 90" in igemm.wgmma_why_not(layer1, Math.FP16, "100")
+    assert "FP16 only" in igemm.wgmma_why_not(layer1, Math.TF32, "90")
+    stride2 = ConvSpec("s2", "bn", 32, 64, 3, 2, 80, 998)
+    assert "3x3 stride 1 only" in igemm.wgmma_why_not(stride2, Math.FP16, "90")
+    assert igemm.wgmma_candidates_for(layer1, Math.FP16, "89") == ()
+    assert igemm.wgmma_kernel_name(32, (4, 64)) == "conv_wgmma_n32_4x64"
+    assert kernels.arch_of(igemm.WGMMA_SOURCE) == "90a" and kernels.arch_of(igemm.F16_SOURCE) == "90"
+
+
+@pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
+def test_wgmma_shared_bytes_are_the_kernels() -> None:
+    """igemm.wgmma_shared_bytes equals WgTile<...>::SHARED_BYTES of every WG_ENTRY (static
+    asserts appended to conv_wgmma.cu, compiled to PTX for compute_90a by NVRTC)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from speakerd.engine.gpu import igemm, kernels
+
+    checks = "".join(
+        f"static_assert(WgTile<{tile}, {rows}, {cols}>::SHARED_BYTES == "
+        f'{igemm.wgmma_shared_bytes(tile, rows, cols)}, "wgmma_shared_bytes({tile}, {rows}, {cols})");\n'
+        for tile, tiles in igemm.WGMMA_TILES.items()
+        for rows, cols in tiles
+    )
+    source = kernels.kernel_sources()[igemm.WGMMA_SOURCE] + "namespace {\n" + checks + "}\n"
+    program = nvrtc.createProgram(source, igemm.WGMMA_SOURCE, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, (*kernels.compile_options(), "--gpu-architecture=compute_90a"))
+        except nvrtc.NVRTCError as error:
+            raise AssertionError(nvrtc.getProgramLog(program)) from error
+    finally:
+        nvrtc.destroyProgram(program)
 
 
 @pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))

@@ -1,4 +1,5 @@
-"""Every kernels/*.cu compiles with NVRTC for sm_90 (the H200), with no GPU needed.
+"""Every kernels/*.cu compiles with NVRTC for sm_90 (the H200; sm_90a for the wgmma file,
+kernels.CHIP_SOURCES), with no GPU needed.
 
 NVRTC comes with CuPy here (cupy_backends.cuda.libs.nvrtc, which loads libnvrtc); .ci/run
 installs cupy-cuda12x and nvidia-cuda-nvrtc-cu12, so CI compiles every kernel without a GPU.
@@ -37,11 +38,12 @@ ENTRY = r'extern "C" __global__ (?:__launch_bounds__\([^)]*\) )?void (\w+)'
 @pytest.mark.parametrize("name", sorted(kernels.kernel_sources()))
 def test_kernel_file_compiles_for_sm90(name: str) -> None:
     source = kernels.kernel_sources()[name]
-    cubin = kernels.compile_binary(source, kernels.CI_ARCH, name)
+    cubin = kernels.compile_binary(source, kernels.arch_of(name), name)  # sm_90a for wgmma
     assert cubin[:4] == b"\x7fELF", f"{name}: NVRTC output is not an ELF cubin ({cubin[:16]!r})"
     launched = {
         kernels.ENGINE_SOURCE: kernels.KERNEL_NAMES, igemm.SOURCE: igemm.KERNEL_NAMES,
         igemm.F16_SOURCE: igemm.F16_KERNEL_NAMES, block.SOURCE: block.KERNEL_NAMES,
+        igemm.WGMMA_SOURCE: igemm.WGMMA_KERNEL_NAMES,
     }.get(name, ())  # fmt: skip
     for entry in {*re.findall(ENTRY, source), *launched}:  # F16_ENTRY's names appear only in the cubin
         assert entry.encode() in cubin, f"{name}: entry point {entry} missing from the cubin"

@@ -7,7 +7,9 @@ The candidates, in the order they are tried (a later one must be strictly faster
   allows one (maths.py: TF32, and FP16 with its range check, an AMAX reduction, in the graph);
 - `OwnStem`: our direct stem kernel (stem.py), the stem only;
 - `OwnIgemm`: our implicit-GEMM kernels (igemm.py), every channel tile (and in FP16 every
-  pixel tile, and split-K factor for grids too small to fill the GPU) the shape allows.
+  pixel tile, and split-K factor for grids too small to fill the GPU) the shape allows;
+- `OwnWgmma`: our FP16 3x3 stride-1 kernels on Hopper's warpgroup MMA (kernels/conv_wgmma.cu,
+  compute capability 9.0 only), every tile.
 
 A whole BasicBlock has one more candidate once both its convolutions are chosen
 (`choose_block`, with --conv-kernels blocks): our kernel that runs conv1 and conv2 in one
@@ -17,9 +19,10 @@ output on the same buffers and kept only when faster than the two together.
 Each answers `can_implement(key) -> (ok, reason)` before anything is built, so a refusal is
 a record (`Refusal`) with its reason, kept for conv_report and build_report, never a silent
 skip. Our kernels are also checked on the same buffers against cuDNN's bare conv + our
-epilogue; one outside the math's agreement bound is a bug of ours, and our kernels are
-refused for that shape from then on (a refusal too). The shape of this registry follows
-vLLM's mixed-precision linear kernels (`can_implement` per kernel, reasons collected).
+epilogue; one outside the math's agreement bound is a bug of ours, and its family of our
+kernels is refused for that shape from then on (a refusal too; the other families stay).
+The shape of this registry follows vLLM's mixed-precision linear kernels (`can_implement`
+per kernel, reasons collected).
 
 Set-up only: timing allocates (workspaces, copies); the forward path never does.
 """
@@ -233,7 +236,8 @@ class CudnnFused(Candidate):
 
 
 class OwnFamily(Candidate):
-    """Our kernels: allowed unless turned off (--conv-kernels cudnn) or refused for the shape."""
+    """Our kernels: allowed unless turned off (--conv-kernels cudnn) or this family was
+    refused for the shape."""
 
     #: our kernels take float32 weights even in a half-io math (the stem) or the io dtype
     io_weights = True
@@ -241,7 +245,7 @@ class OwnFamily(Candidate):
     def can_implement(self, key: ConvKey) -> tuple[bool, str]:
         if not self.tuner.own_kernels:
             return False, "--conv-kernels cudnn"
-        refused = self.tuner.own_refused.get(key.bare())
+        refused = self.tuner.own_refused.get((self.name, key.bare()))
         if refused is not None:
             return False, f"turned off: {refused}"
         return self.fits(key)
@@ -287,7 +291,24 @@ class OwnIgemm(OwnFamily):
                 r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag, pixels,
                 split, ctx.split_scratch,
             )
-            for tile, pixels, split in igemm.candidates_for(r.spec, r.math, r.batch, ctx.sm_count)
+            for tile, pixels, split, _ in igemm.candidates_for(r.spec, r.math, r.batch, ctx.sm_count)
+        ]  # fmt: skip
+
+
+class OwnWgmma(OwnFamily):
+    name = "ours:wgmma"
+
+    def fits(self, key: ConvKey) -> tuple[bool, str]:
+        why = igemm.wgmma_why_not(key, key.math, self.tuner.ctx.compute_capability)
+        return (not why, why)
+
+    def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
+        """One kernel per channel and pixel tile, each timed."""
+        r, capability = request, self.tuner.ctx.compute_capability
+        return [
+            IgemmConv.bind(r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y,
+                           r.flag, pixels, wgmma=True)
+            for tile, pixels, _, _ in igemm.wgmma_candidates_for(r.spec, r.math, capability)
         ]  # fmt: skip
 
 
@@ -304,11 +325,11 @@ class Autotuner:
         self.graphs: dict[ConvKey, ConvGraph] = {}
         self.failed: dict[ConvKey, str] = {}  # fused keys cuDNN cannot serve, or turned off
         self.banned: dict[ConvKey, set[int]] = {}  # plans that replayed wrongly in a forward
-        self.own_refused: dict[ConvKey, str] = {}  # bare keys our kernels may not run, and why
+        self.own_refused: dict[tuple[str, ConvKey], str] = {}  # (family, bare key) refused, and why
         self.instances: list[ConvGraph] = []
         self._refusals: dict[tuple[str, str, str], Refusal] = {}
         self.bare, self.fusion = CudnnBare(self), CudnnFused(self)
-        self.own: tuple[OwnFamily, ...] = (OwnStem(self), OwnIgemm(self))
+        self.own: tuple[OwnFamily, ...] = (OwnStem(self), OwnIgemm(self), OwnWgmma(self))
         self.candidates: tuple[Candidate, ...] = (self.bare, self.fusion, *self.own)
 
     # ----- choosing ---------------------------------------------------------------------
@@ -364,13 +385,12 @@ class Autotuner:
                 best.fused_ms = fused.ms
         ours = None
         if own:
-            kernels: list[OwnKernel] = []
+            families: list[list[OwnKernel]] = []
             for family in own:
                 weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io and family.io_weights)
-                kernels += family.bind(request, weight, bias)
-            ours, refusal = self._fastest_own(request, kernels, best)
-            if refusal is not None:
-                refusals.append(refusal)
+                families.append(family.bind(request, weight, bias))
+            ours, refused = self._fastest_own(request, families, best)
+            refusals += refused
         for refusal in refusals:
             self._remember(refusal)
         return self._pick(request, best, buffers, fused, fused_buffers, ours, tuple(refusals))
@@ -404,27 +424,33 @@ class Autotuner:
         return dataclasses.replace(best, graph=instance, pack=instance.pack(buffers))
 
     def _fastest_own(
-        self, request: ConvRequest, kernels: list[OwnKernel], bare: ConvChoice | None
-    ) -> tuple[OwnKernel | None, Refusal | None]:
-        """(our fastest kernel, None), or (None, the refusal) when one disagrees with cuDNN's
-        bare conv + our epilogue on the same buffers by more than the math's agreement bound
-        (then ours is turned off for the shape, with a warning: that is a bug of ours). With
+        self, request: ConvRequest, families: list[list[OwnKernel]], bare: ConvChoice | None
+    ) -> tuple[OwnKernel | None, list[Refusal]]:
+        """(our fastest kernel of the families' kernels, refusals): a family one of whose
+        kernels disagrees with cuDNN's bare conv + our epilogue on the same buffers by more
+        than the math's agreement bound is turned off for the shape (with a warning: that is
+        a bug of ours) and gives a refusal; the other families' kernels still compete. With
         no cuDNN to compare with (the half stem) ours are timed unchecked here; the GPU
         tests check them against float64, and the start-up self-check the whole network."""
-        if not kernels:
-            return None, None
+        if not any(families):
+            return None, []
         y = request.y[: request.elements]
         reference = None
         if bare is not None:
             assert bare.graph is not None and bare.epilogue is not None, request.name
             reference = self._output_of([bare], y)
         bound = maths.of(request.math).agreement
-        fastest, failed = self._checked_fastest(kernels, y, reference, bound, "cuDNN")
-        if failed is not None:
-            kernel, reason = failed
-            self.refuse_own(request.key.bare(), reason)
-            return None, Refusal(f"ours:{kernel.name}", _label(request.key), reason)
-        return fastest, None
+        fastest: OwnKernel | None = None
+        refusals: list[Refusal] = []
+        for kernels in filter(None, families):
+            best, failed = self._checked_fastest(kernels, y, reference, bound, "cuDNN")
+            if failed is not None:
+                kernel, reason = failed
+                self.refuse_own(request.key.bare(), reason, kernel.family)
+                refusals.append(Refusal(f"ours:{kernel.name}", _label(request.key), reason))
+            elif best is not None and (fastest is None or best.ms < fastest.ms):
+                fastest = best
+        return fastest, refusals
 
     def _checked_fastest(
         self, kernels: list[K], y, reference, bound: float, against: str
@@ -567,7 +593,7 @@ class Autotuner:
         """Never run what runs `choice` again for its key: our kernel is turned off for the
         shape, a cuDNN plan is banned (see ban)."""
         if choice.own is not None:
-            self.refuse_own(choice.key, reason)
+            self.refuse_own(choice.key, reason, choice.own.family)
         else:
             assert choice.graph is not None, choice.key.label()
             self.ban(choice.graph.key, choice.graph.plan_index)
@@ -585,11 +611,11 @@ class Autotuner:
         self.banned.setdefault(key, set()).add(plan_index)
         self.graphs.pop(key, None)
 
-    def refuse_own(self, key: ConvKey, reason: str) -> None:
-        """Never run our kernels for `key` (bare) again (one disagreed with cuDNN or replayed
-        wrongly)."""
-        self.own_refused[key] = reason
-        log.warning("%s: our convolution kernel turned off: %s", key.label(), reason)
+    def refuse_own(self, key: ConvKey, reason: str, family: str) -> None:
+        """Never run our kernels of `family` (a candidate's name) for `key` (bare) again (one
+        disagreed with cuDNN or replayed wrongly)."""
+        self.own_refused[(family, key)] = reason
+        log.warning("%s: our %s kernels turned off: %s", key.label(), family, reason)
 
     # ----- reports ----------------------------------------------------------------------
     def refusals(self) -> list[Refusal]:
@@ -603,7 +629,7 @@ class Autotuner:
             "conv_instances": len(self.instances),
             "instance_build_s": round(sum(g.build_s for g in self.instances), 2),
             "fusions_unsupported": sorted(key.label() for key in self.failed),  # or turned off
-            "own_kernel_refused": {key.label(): why for key, why in self.own_refused.items()},
+            "own_kernel_refused": {f"{n} {key.label()}": why for (n, key), why in self.own_refused.items()},
             "block_kernel_refused": {key.label(): why for key, why in self.block_refused.items()},
             "refusals": summarize(self.refusals()),
         }

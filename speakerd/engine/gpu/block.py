@@ -118,6 +118,10 @@ class BlockKernel(OwnKernel):
     def name(self) -> str:
         return kernel_name(self.variant)
 
+    @property
+    def family(self) -> str:
+        return "ours:block"
+
     def launch(self, stream) -> None:
         function = kernels.entry(SOURCE, self.name, self.shared)
         function(self.grid, (32 * self.variant[2],), self.args, stream=stream, shared_mem=self.shared)

@@ -144,6 +144,7 @@ class DeviceContext:
     kernels: Mapping[str, object]  # entry point name -> cupy.RawKernel (kernels/speakerd.cu)
     arena: Mapping[str, object]  # activation buffer name -> float32 device array, see plan.py
     sm_count: int
+    compute_capability: str  # e.g. "90": which chip-specific kernels may run (kernels.CHIP_SOURCES)
 
     def linear(self, pooled, output) -> None:
         """output [rows, 256] = pooled [rows, 5120] @ seg_1.weight^T in FP32 on cuBLAS."""

@@ -115,6 +115,7 @@ class GpuEngine(Engine):
                     for name, count in activation_elements(sizes[-1]).items()
                 },
                 sm_count=int(cupy.cuda.Device().attributes["MultiProcessorCount"]),
+                compute_capability=str(cupy.cuda.Device().compute_capability),
             )
             self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks)
             self._randomize_arena(math)

@@ -88,13 +88,26 @@ F16_SPLITS: dict[tuple[int, int, int, tuple[int, int]], tuple[int, ...]] = {
 SPLIT_BELOW_BLOCKS_PER_SM = 2
 
 
+#: kernels/conv_wgmma.cu: FP16 3x3 stride-1 convolutions on Hopper's warpgroup MMA (wgmma,
+#: sm_90a: compute capability 9.0 only), one warpgroup per block, 32 input channels per K
+#: chunk. Channel tile -> the pixel tiles (output rows, columns; columns a multiple of 64)
+#: it has entry points for (its WG_ENTRY lines; tests check): 32 channels for layer1 (4 x 64
+#: and 2 x 128: four m64 tiles, four blocks per SM; 8 x 64: eight, two blocks per SM, a
+#: squarer halo), 64 for layer2.
+WGMMA_SOURCE = "conv_wgmma.cu"
+WGMMA_THREADS = 128
+WGMMA_OUT_PAD = 8
+WGMMA_TILES: dict[int, tuple[tuple[int, int], ...]] = {32: ((4, 64), (2, 128), (8, 64)), 64: ((2, 64),)}
+
+
 class Variant(NamedTuple):
-    """One kernel of our family for a convolution: channel tile, pixel tile (rows, cols;
-    None for conv_igemm.cu) and split-K factor (1: unsplit)."""
+    """One kernel of our families for a convolution: channel tile, pixel tile (rows, cols;
+    None for conv_igemm.cu), split-K factor (1: unsplit), and whether it is conv_wgmma.cu's."""
 
     tile: int
     pixels: tuple[int, int] | None
     split: int = 1
+    wgmma: bool = False
 
 
 #: (kernel, stride) shapes each family has entry points for (None: any 1x1 or 3x3).
@@ -114,6 +127,12 @@ def kernel_name(
     return row.own_kernel(tile, kernel, stride, pixels) + (f"_sk{split}" if split > 1 else "")
 
 
+def wgmma_kernel_name(tile: int, pixels: tuple[int, int]) -> str:
+    """conv_wgmma.cu's entry point for the channel tile and pixel tile (rows, cols)."""
+    assert pixels in WGMMA_TILES.get(tile, ()), (tile, pixels)
+    return f"conv_wgmma_n{tile}_{pixels[0]}x{pixels[1]}"
+
+
 #: Every entry point of kernels/conv_igemm.cu this module launches, then of kernels/conv_f16.cu.
 KERNEL_NAMES = tuple(
     row.own_kernel(tile) for row in maths.MATHS.values() if row.own_source == SOURCE for tile in TILE_CHANNELS
@@ -129,6 +148,47 @@ F16_KERNEL_NAMES = tuple(
     for (kernel, stride, tile, pixels), splits in F16_SPLITS.items()
     for split in splits
 )
+
+
+#: ... and of kernels/conv_wgmma.cu.
+WGMMA_KERNEL_NAMES = tuple(
+    wgmma_kernel_name(tile, pixels) for tile, tiles in WGMMA_TILES.items() for pixels in tiles
+)
+
+
+def wgmma_why_not(spec: ConvSpec | ConvKey, math: Math, capability: str) -> str:
+    """Why conv_wgmma.cu cannot run `spec` under `math` on a device of compute capability
+    `capability` ("" when it can)."""
+    if capability != kernels.CHIP_SOURCES[WGMMA_SOURCE]:
+        needed = kernels.CHIP_SOURCES[WGMMA_SOURCE]
+        return f"wgmma needs compute capability {needed} (sm_90a); this device is {capability}"
+    if maths.of(math).own_source != F16_SOURCE:
+        return f"FP16 only, not {math}"
+    if (spec.kernel, spec.stride) != (3, 1):
+        return f"3x3 stride 1 only, not k{spec.kernel} s{spec.stride}"
+    if spec.cin % CHANNEL_STEP:
+        return f"{spec.cin} input channels are not a multiple of {CHANNEL_STEP}"
+    if not any(spec.cout % tile == 0 for tile in WGMMA_TILES):
+        return f"{spec.cout} output channels fit no tile of {tuple(WGMMA_TILES)}"
+    return ""
+
+
+def wgmma_candidates_for(spec: ConvSpec | ConvKey, math: Math, capability: str) -> tuple[Variant, ...]:
+    """conv_wgmma.cu's variants for `spec` (none where wgmma_why_not says why)."""
+    if wgmma_why_not(spec, math, capability):
+        return ()
+    return tuple(
+        Variant(tile, pixels, wgmma=True) for tile, tiles in WGMMA_TILES.items() if spec.cout % tile == 0
+        for pixels in tiles
+    )  # fmt: skip
+
+
+def wgmma_shared_bytes(tile: int, rows: int, cols: int) -> int:
+    """conv_wgmma.cu's WgTile<tile, rows, cols>::SHARED_BYTES: the halo ([channel group][pixel],
+    16 bytes each) and the weights of one 32-channel chunk, or the staged FP32 outputs."""
+    groups = CHANNEL_STEP // 8
+    loads = groups * (rows + 2) * (cols + 2) * 16 + 9 * groups * tile * 16
+    return max(loads, rows * cols * (tile + WGMMA_OUT_PAD) * 4)
 
 
 def tiles_for(spec: ConvSpec | ConvKey, math: Math) -> tuple[int, ...]:
@@ -258,17 +318,16 @@ class IgemmConv(OwnKernel):
     source: str  # the kernels/ file of the entry point
     ms: float = 0.0
     split: int = 1  # split-K factor (conv_f16.cu's _sk entry points)
+    wgmma: bool = False  # conv_wgmma.cu's entry point, not conv_f16.cu's
 
     @classmethod
     def bind(cls, spec: ConvSpec, batch: int, math: Math, tile: int, epilogue: str, x, w, bias, residual, y,
              flag=None, pixels: tuple[int, int] | None = None, split: int = 1,
-             scratch: SplitScratch | None = None):  # fmt: skip
+             scratch: SplitScratch | None = None, wgmma: bool = False):  # fmt: skip
         """`split` above 1 needs `scratch`, where the kernel keeps its partial sums and
-        tickets (one per engine: DeviceContext.split_scratch)."""
-        assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
-        assert pixels in pixel_tiles_for(spec, math, tile), (
-            f"{spec.name}: pixel tile {pixels} not in {pixel_tiles_for(spec, math, tile)}"
-        )
+        tickets (one per engine: DeviceContext.split_scratch). `wgmma`: conv_wgmma.cu's
+        kernel for the channel and pixel tile (the caller checked wgmma_why_not: it takes
+        conv_f16.cu's arguments and grid, with one warpgroup per block)."""
         assert (residual is not None) == (epilogue == "bias_add_relu"), (epilogue, residual is None)
         table = maths.of(math)
         assert (flag is not None) == table.range_flag, "range-flag maths' convs, and only they, take the flag"
@@ -278,17 +337,27 @@ class IgemmConv(OwnKernel):
         if table.own_source == F16_SOURCE:
             sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
-            assert pixels is not None  # (pixel_tiles_for gives no None in FP16)
+            assert pixels is not None, f"{spec.name}: FP16 kernels take a pixel tile"
+            grid = f16_grid(spec, batch, tile, *pixels, split)
+            if wgmma:
+                assert pixels in WGMMA_TILES.get(tile, ()) and split == 1, (spec.name, tile, pixels, split)
+                shared = wgmma_shared_bytes(tile, *pixels)
+                return cls(spec, batch, math, tile, pixels, epilogue, args, grid, WGMMA_THREADS, shared,
+                           WGMMA_SOURCE, wgmma=True)  # fmt: skip
+            assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
+            assert pixels in pixel_tiles_for(spec, math, tile), (
+                f"{spec.name}: pixel tile {pixels} not in {pixel_tiles_for(spec, math, tile)}"
+            )
             if split > 1:
                 why = why_no_split(spec, batch, tile, pixels, split)
                 assert not why, f"{spec.name}: {why}"
                 assert scratch is not None, f"{spec.name}: a split-K kernel needs the split scratch"
                 args += tuple(np.uint64(pointer) for pointer in scratch.pointers())
             shared = f16_shared_bytes(spec.kernel, spec.stride, tile, *pixels)
-            grid = f16_grid(spec, batch, tile, *pixels, split)
             return cls(spec, batch, math, tile, pixels, epilogue, args, grid, F16_THREADS, shared, F16_SOURCE,
                        split=split)  # fmt: skip
-        assert split == 1, f"{spec.name}: conv_igemm.cu has no split-K kernels"
+        assert split == 1 and not wgmma, f"{spec.name}: conv_igemm.cu has no split-K or wgmma kernels"
+        assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
         outputs = batch * spec.h_out * spec.w_out
         grid = (-(-outputs // BLOCK_PIXELS), spec.cout // tile, 1)
         sizes = (
@@ -307,7 +376,15 @@ class IgemmConv(OwnKernel):
 
     @property
     def name(self) -> str:
+        if self.wgmma:
+            assert self.pixels is not None, self.spec.name
+            return wgmma_kernel_name(self.tile, self.pixels)
         return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride, self.pixels, self.split)
+
+    @property
+    def family(self) -> str:
+        """The autotuner's candidate this kernel belongs to (its refusals are per family)."""
+        return "ours:wgmma" if self.wgmma else "ours:igemm"
 
     def launch(self, stream) -> None:
         function = kernels.entry(self.source, self.name, self.shared)

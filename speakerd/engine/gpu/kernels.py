@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import re
+import tempfile
 from importlib import resources
 from importlib.resources.abc import Traversable
+from pathlib import Path
 
 #: The kernels' folder, read through importlib.resources so that it works the same from a
 #: source checkout, an installed wheel or a zip: the .cu files are package data of
@@ -27,6 +29,17 @@ KERNEL_NAMES = (
 #: The compute capability CI compiles for without a device: the H200 (Hopper, sm_90),
 #: in the digits-only form CuPy's compiler takes.
 CI_ARCH = "90"
+#: kernels/ files that use instructions of one chip only (wgmma: sm_90a, "a" for the
+#: architecture-specific target) -> the compute capability they are built for. CuPy's
+#: compiler names plain targets only, so these are compiled here (compile_binary) and their
+#: cubin loaded; they run on that compute capability alone.
+CHIP_SOURCES = {"conv_wgmma.cu": "90"}
+
+
+def arch_of(source: str, capability: str = CI_ARCH) -> str:
+    """The NVRTC architecture (digits, maybe with "a") `source` is compiled for on a device
+    of `capability`."""
+    return f"{CHIP_SOURCES[source]}a" if source in CHIP_SOURCES else capability
 
 
 #: `#include "name.cuh"`: a header of kernels/ that kernel_sources() pastes in place.
@@ -77,12 +90,27 @@ def compile_binary(source: str, arch: str = CI_ARCH, name: str = ENGINE_SOURCE) 
 
 @functools.cache
 def module(source: str = ENGINE_SOURCE):  # -> cupy.RawModule
-    """kernels/`source` compiled for the current device (CuPy caches the binary on disk)."""
+    """kernels/`source` compiled for the current device (CuPy caches the binary on disk; a
+    CHIP_SOURCES file is compiled here, once per process, and its cubin loaded)."""
     import cupy
 
-    raw = cupy.RawModule(code=kernel_sources()[source], options=compile_options(), backend="nvrtc")
-    raw.compile()
-    return raw
+    if source not in CHIP_SOURCES:
+        raw = cupy.RawModule(code=kernel_sources()[source], options=compile_options(), backend="nvrtc")
+        raw.compile()
+        return raw
+    capability = cupy.cuda.Device().compute_capability
+    assert capability == CHIP_SOURCES[source], (
+        f"{source} is built for compute capability {CHIP_SOURCES[source]}; this device is {capability}"
+    )
+    path = Path(_binaries().name) / f"{source}.cubin"
+    path.write_bytes(compile_binary(kernel_sources()[source], arch_of(source), source))
+    return cupy.RawModule(path=str(path))  # loaded at its first get_function
+
+
+@functools.cache
+def _binaries() -> tempfile.TemporaryDirectory:
+    """This process's folder of the cubins it compiled itself (removed at exit)."""
+    return tempfile.TemporaryDirectory(prefix="speakerd-kernels-")
 
 
 @functools.cache

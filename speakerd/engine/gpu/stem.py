@@ -60,6 +60,10 @@ class StemConv(OwnKernel):
     def name(self) -> str:
         return maths.of(self.math).stem_kernel
 
+    @property
+    def family(self) -> str:
+        return "ours:stem"
+
     def launch(self, stream) -> None:
         from speakerd.engine.gpu import kernels
 

@@ -78,6 +78,11 @@ class OwnKernel:
     def name(self) -> str:
         raise NotImplementedError
 
+    @property
+    def family(self) -> str:
+        """The autotuner candidate (autotune.py) it belongs to: refusals are per family."""
+        raise NotImplementedError
+
     def launch(self, stream) -> None:
         raise NotImplementedError
 

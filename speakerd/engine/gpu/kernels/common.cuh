@@ -103,3 +103,34 @@ __device__ __forceinline__ uint4 relu_check_pack(float (&v)[8], bool relu, bool&
 __device__ __forceinline__ void raise_flag(bool bad, int* flag) {
     if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flag, 1);
 }
+
+// The FP16 epilogue of a block's output tile of ROWS x COLS pixels x BN channels (pixel p =
+// row * COLS + column from (oh0, ow0) of `image`, channels from n0), THREADS threads: per
+// 8 channels (16 bytes), sums(pixel, part, s0, s1) gives the FP32 sums of the convolution,
+// then bias, residual, ReLU, the range check and the store; pixels outside the image are
+// skipped. The kernels differ only in where the sums are (kernels/conv_f16.cu: staged in
+// shared memory, or split K's slices; conv_wgmma.cu: staged).
+template <int ROWS, int COLS, int BN, int THREADS, class Sums>
+__device__ __forceinline__ void f16_tile_epilogue(Sums sums, const float* __restrict__ bias,
+                                                  const unsigned short* __restrict__ residual,
+                                                  unsigned short* __restrict__ y, int* __restrict__ flag,
+                                                  int image, int oh0, int ow0, int ho, int wo, int k, int n0,
+                                                  int relu) {
+    bool bad = false;
+    for (int index = threadIdx.x; index < ROWS * COLS * (BN / 8); index += THREADS) {
+        const int pixel = index / (BN / 8), part = index - pixel * (BN / 8);
+        const int oh = oh0 + pixel / COLS, ow = ow0 + pixel % COLS;
+        if (oh >= ho || ow >= wo) continue;
+        const int channel = n0 + part * 8;
+        const float4 b0 = *reinterpret_cast<const float4*>(bias + channel);
+        const float4 b1 = *reinterpret_cast<const float4*>(bias + channel + 4);
+        float4 s0, s1;
+        sums(pixel, part, s0, s1);
+        float v[8] = {s0.x + b0.x, s0.y + b0.y, s0.z + b0.z, s0.w + b0.w,
+                      s1.x + b1.x, s1.y + b1.y, s1.z + b1.z, s1.w + b1.w};
+        const long long at = ((static_cast<long long>(image) * ho + oh) * wo + ow) * k + channel;
+        if (residual != nullptr) add_halves(v, *reinterpret_cast<const uint4*>(residual + at));
+        *reinterpret_cast<uint4*>(y + at) = relu_check_pack(v, relu, bad);
+    }
+    raise_flag(bad, flag);
+}

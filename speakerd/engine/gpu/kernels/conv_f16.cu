@@ -211,39 +211,27 @@ __device__ __forceinline__ void conv_f16(const unsigned short* __restrict__ x, c
     }
 
     // Bias, residual, ReLU, range check and the store, 8 channels (16 bytes) per step.
-    bool bad = false;
-    for (int index = tid; index < ROWS * COLS * (BN / 8); index += F16_THREADS) {
-        const int pixel = index / (BN / 8), part = index - pixel * (BN / 8);
-        const int oh = oh0 + pixel / COLS, ow = ow0 + pixel % COLS;
-        if (oh >= ho || ow >= wo) continue;
-        const int channel = n0 + part * 8;
-        const float4 b0 = *reinterpret_cast<const float4*>(bias + channel);
-        const float4 b1 = *reinterpret_cast<const float4*>(bias + channel + 4);
-        float4 s0, s1;
-        if constexpr (SPLIT == 1) {
-            const float* staged = out_s + pixel * T::LDO + part * 8;
-            s0 = *reinterpret_cast<const float4*>(staged);
-            s1 = *reinterpret_cast<const float4*>(staged + 4);
-        } else {  // the slices' sum in split order (bits independent of which block is last)
-            const float* at = partials + static_cast<long long>(tile) * TILE_FLOATS + pixel * BN + part * 8;
-            const long long between = static_cast<long long>(tiles) * TILE_FLOATS;  // one split's slices
-            s0 = __ldcg(reinterpret_cast<const float4*>(at));
-            s1 = __ldcg(reinterpret_cast<const float4*>(at + 4));
+    f16_tile_epilogue<ROWS, COLS, BN, F16_THREADS>(
+        [&](int pixel, int part, float4& s0, float4& s1) {
+            if constexpr (SPLIT == 1) {
+                const float* staged = out_s + pixel * T::LDO + part * 8;
+                s0 = *reinterpret_cast<const float4*>(staged);
+                s1 = *reinterpret_cast<const float4*>(staged + 4);
+            } else {  // the slices' sum in split order (bits independent of which block is last)
+                const float* at = partials + static_cast<long long>(tile) * TILE_FLOATS + pixel * BN + part * 8;
+                const long long between = static_cast<long long>(tiles) * TILE_FLOATS;  // one split's slices
+                s0 = __ldcg(reinterpret_cast<const float4*>(at));
+                s1 = __ldcg(reinterpret_cast<const float4*>(at + 4));
 #pragma unroll
-            for (int other = 1; other < SPLIT; ++other) {
-                const float4 p0 = __ldcg(reinterpret_cast<const float4*>(at + other * between));
-                const float4 p1 = __ldcg(reinterpret_cast<const float4*>(at + other * between + 4));
-                s0 = make_float4(s0.x + p0.x, s0.y + p0.y, s0.z + p0.z, s0.w + p0.w);
-                s1 = make_float4(s1.x + p1.x, s1.y + p1.y, s1.z + p1.z, s1.w + p1.w);
+                for (int other = 1; other < SPLIT; ++other) {
+                    const float4 p0 = __ldcg(reinterpret_cast<const float4*>(at + other * between));
+                    const float4 p1 = __ldcg(reinterpret_cast<const float4*>(at + other * between + 4));
+                    s0 = make_float4(s0.x + p0.x, s0.y + p0.y, s0.z + p0.z, s0.w + p0.w);
+                    s1 = make_float4(s1.x + p1.x, s1.y + p1.y, s1.z + p1.z, s1.w + p1.w);
+                }
             }
-        }
-        float v[8] = {s0.x + b0.x, s0.y + b0.y, s0.z + b0.z, s0.w + b0.w,
-                      s1.x + b1.x, s1.y + b1.y, s1.z + b1.z, s1.w + b1.w};
-        const long long at = ((static_cast<long long>(image) * ho + oh) * wo + ow) * k + channel;
-        if (residual != nullptr) add_halves(v, *reinterpret_cast<const uint4*>(residual + at));
-        *reinterpret_cast<uint4*>(y + at) = relu_check_pack(v, relu, bad);
-    }
-    raise_flag(bad, flag);
+        },
+        bias, residual, y, flag, image, oh0, ow0, ho, wo, k, n0, relu);
 }
 
 }  // namespace
