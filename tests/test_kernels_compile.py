@@ -11,6 +11,7 @@ catch a kernel drifting from the Python side without any CUDA at all.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,29 @@ def test_kernel_constants_match_the_architecture() -> None:
     from speakerd.engine.gpu import stem
 
     assert defines.get("STEM_THREADS") == str(stem.THREADS), (defines.get("STEM_THREADS"), stem.THREADS)
+
+
+@pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
+def test_chip_kernels_are_compiled_once_per_machine(tmp_path, monkeypatch) -> None:
+    """A CHIP_SOURCES file (sm_90a, which CuPy's compiler cannot target) is compiled by
+    NVRTC into a cubin kept in CuPy's cache folder: a second start finds it and compiles
+    nothing; where the folder cannot be written the cubin goes to a folder of the process."""
+    from speakerd.engine.gpu import igemm
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    first = kernels._cubin(igemm.WGMMA_SOURCE)
+    assert first.parent == tmp_path / "cache" and first.read_bytes()[:4] == b"\x7fELF", first
+    assert not list(first.parent.glob("*.part")), "a partial file was left behind"
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again although the cubin is cached")
+
+    monkeypatch.setattr(kernels, "compile_binary", no_compile)
+    assert kernels._cubin(igemm.WGMMA_SOURCE) == first
+    monkeypatch.undo()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocked))
+    fallback = kernels._cubin(igemm.WGMMA_SOURCE)
+    assert fallback.parent == Path(kernels._process_folder().name), fallback
+    assert fallback.read_bytes() == first.read_bytes()

@@ -9,6 +9,8 @@ tests/test_kernels_compile.py uses).
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
 import tempfile
 from importlib import resources
@@ -91,7 +93,7 @@ def compile_binary(source: str, arch: str = CI_ARCH, name: str = ENGINE_SOURCE) 
 @functools.cache
 def module(source: str = ENGINE_SOURCE):  # -> cupy.RawModule
     """kernels/`source` compiled for the current device (CuPy caches the binary on disk; a
-    CHIP_SOURCES file is compiled here, once per process, and its cubin loaded)."""
+    CHIP_SOURCES file is compiled here and its cubin cached beside CuPy's: _cubin)."""
     import cupy
 
     if source not in CHIP_SOURCES:
@@ -102,14 +104,38 @@ def module(source: str = ENGINE_SOURCE):  # -> cupy.RawModule
     assert capability == CHIP_SOURCES[source], (
         f"{source} is built for compute capability {CHIP_SOURCES[source]}; this device is {capability}"
     )
-    path = Path(_binaries().name) / f"{source}.cubin"
-    path.write_bytes(compile_binary(kernel_sources()[source], arch_of(source), source))
-    return cupy.RawModule(path=str(path))  # loaded at its first get_function
+    return cupy.RawModule(path=str(_cubin(source)))  # loaded at its first get_function
+
+
+def _cubin(source: str) -> Path:
+    """The cubin of CHIP_SOURCES file `source`, compiled once per machine: kept in CuPy's
+    kernel cache folder ($CUPY_CACHE_DIR, else ~/.cupy/kernel_cache) under a hash of the
+    source text, options, architecture and NVRTC version (an edit or another NVRTC compiles
+    afresh); where that folder cannot be written, in a folder of this process."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    text, arch = kernel_sources()[source], arch_of(source)
+    key = hashlib.sha256(repr((text, compile_options(), arch, nvrtc.getVersion())).encode()).hexdigest()[:20]
+    name = f"speakerd-{source}-{arch}-{key}.cubin"
+    folder = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+    if (folder / name).is_file():
+        return folder / name
+    cubin = compile_binary(text, arch, source)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".part", delete=False) as part:
+            part.write(cubin)
+        os.replace(part.name, folder / name)  # whole or absent, whoever writes it too
+        return folder / name
+    except OSError:
+        path = Path(_process_folder().name) / name
+        path.write_bytes(cubin)
+        return path
 
 
 @functools.cache
-def _binaries() -> tempfile.TemporaryDirectory:
-    """This process's folder of the cubins it compiled itself (removed at exit)."""
+def _process_folder() -> tempfile.TemporaryDirectory:
+    """This process's folder for cubins it could not cache (removed at exit)."""
     return tempfile.TemporaryDirectory(prefix="speakerd-kernels-")
 
 
