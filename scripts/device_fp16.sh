@@ -12,7 +12,11 @@ if [ "${PROBE:-0}" = 1 ]; then
   timeout 60 python3 scripts/probe_wgmma.py 2>&1 | tee $OUT/probe-wgmma.log | cut -c1-400
 fi
 if [ "${TESTS:-1}" = 1 ]; then
-  REQUIRE_GPU=1 timeout ${TEST_S:-150} python3 -m pytest -q -s tests/test_gpu_fp16.py 2>&1 | tee $OUT/fp16-tests.log | grep -E "^[0-9]+->|^stem|^forced|passed|failed|Error|error" | cut -c1-240 | head -60
+  REQUIRE_GPU=1 timeout ${TEST_S:-300} python3 -m pytest -q -s tests/test_gpu_fp16.py > $OUT/fp16-tests.log 2>&1
+  # the split-K and wgmma rows, shortened (kernel, epilogue, error, flag, same bits); the full
+  # table is in fp16-tests.log
+  grep -E "_sk[0-9]|conv_wgmma" $OUT/fp16-tests.log | sed -E 's/ +grid \([0-9, ]+\)//; s/  +/ /g' | cut -c1-150 | head -80
+  grep -E "^stem|^forced|passed|failed|Error|^E " $OUT/fp16-tests.log | cut -c1-400 | head -30
   echo "fp16 tests at $SECONDS s"
 fi
 timeout ${BENCH_S:-240} python3 -m speakerd bench --math ${MATHS:-fp16} --convs --log-level INFO 2> $OUT/bench.err | tee $OUT/bench.jsonl | grep -v '"kind": "conv"' | cut -c1-700

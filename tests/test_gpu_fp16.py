@@ -5,8 +5,10 @@
   conv of the same half inputs: the only FP16 error left is the output's rounding to half
   (2^-11 relative), so F16_BOUND is a few of those, far below anything a wrong tap, channel
   or pixel would give.
-- Its split-K entry points (b1's layer3 and layer4 shapes): the same bound, the same bits on
-  every launch and in a graph replay, and the range flag.
+  Every kernel also gives the same bits on a second launch and raises the range flag for
+  weights that push its sums beyond 65504.
+- Its split-K entry points (b1's layer3 and layer4 shapes): the same checks, and the same
+  bits in a CUDA-graph replay.
 - conv_wgmma.cu (Hopper's warpgroup MMA, compute capability 9.0 only; elsewhere skipped with
   the reason): the same bound, bits and flag on layer1's and layer2's shapes and a small one.
 - The stem kernels (FP32 arithmetic; FP32 or FP16 out) against float64.
@@ -19,7 +21,8 @@
   graph runs it on the H200; the test prints what ran) is scaled by OVERFLOW_SCALE overflows FP16 in the
   trunk; the FP16 engine must flag the batch, recompute it in TF32, count it, and still
   meet the FP16 bound against the float64 forward of the same scaled model.
-The tables printed: (shape, kernel, epilogue, max |error| / max |reference|).
+The tables printed: (shape, kernel, grid, epilogue, max |error| / max |reference|, flag,
+same bits, registers, local memory).
 """
 
 from __future__ import annotations
@@ -73,48 +76,94 @@ def _run(conv, y, flag, stream) -> int:
     return int(flag.get()[0])
 
 
-@gpu_over_shapes
-def test_f16_kernel_matches_float64(shape, capsys) -> None:
+def _where_wrong(ours, reference, spec: ConvSpec, batch: int) -> str:
+    """Where `ours` (rows = output pixels, NHWC) is not within F16_BOUND of `reference`: the
+    share wrong and the first few as (image, row, column % 64, channel), which tells a wrong
+    operand layout (a pattern over columns or channels) from a wrong edge (the last tile)."""
+    import cupy
+
+    scale = float(cupy.abs(reference).max())
+    wrong = ~(cupy.abs(ours.astype(cupy.float64) - reference) <= F16_BOUND * scale)
+    where = cupy.argwhere(wrong.reshape(batch, spec.h_out, spec.w_out, spec.cout)).get()[:6]
+    first = ", ".join(f"({i}, {r}, {c % 64}, {ch})" for i, r, c, ch in where)
+    return f"{float(wrong.mean()):.1%} wrong, first (image, row, col % 64, channel): {first}"
+
+
+def _f16_kernel_failures(spec: ConvSpec, batch: int, variants, capsys, replay: bool = False) -> list[str]:
+    """Every variant (igemm.Variant: conv_f16.cu's, split or not, or conv_wgmma.cu's) on
+    `spec` at `batch`, every epilogue the shape has, each over a NaN-poisoned output: what
+    fails of within F16_BOUND of float64 with no flag, the same bits on a second launch (and
+    in a CUDA-graph replay with `replay`), no spills, and the flag raised by weights pushing
+    the sums beyond 65504. Prints a row per run: shape, kernel, grid, epilogue, error,
+    flag, repeat, registers, local memory."""
     import cupy
 
     from speakerd.engine.gpu import igemm, kernels
+    from speakerd.engine.gpu.context import SplitScratch
 
-    spec, batch = spec_of(shape), shape[-1]
-    cin, cout, h, w, kernel, stride = spec.cin, spec.cout, spec.h_in, spec.w_in, spec.kernel, spec.stride
     x, weight, bias, residual = _f16_inputs(spec, batch)
-    y = cupy.empty((batch * spec.h_out * spec.w_out, cout), dtype=cupy.float16)
+    y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
     flag = cupy.zeros((1,), dtype=cupy.int32)
     stream = cupy.cuda.Stream(non_blocking=True)
-    candidates = igemm.candidates_for(spec, Math.FP16)
-    assert candidates, f"{cin}->{cout} k{kernel}s{stride}: no FP16 tile"
-    epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if stride == 1 and cin == cout else [])
+    scratch = SplitScratch(stream)
+
+    def bind(variant, epilogue: str, w, add):
+        tile, pixels, split, wgmma = variant
+        return igemm.IgemmConv.bind(spec, batch, Math.FP16, tile, epilogue, x, w, bias, add, y, flag, pixels,
+                                    split, scratch if split > 1 else None, wgmma)  # fmt: skip
+
     failures = []
-    for epilogue in epilogues:
+    square = spec.stride == 1 and spec.cin == spec.cout
+    for epilogue in ["bias_only", "bias_relu"] + (["bias_add_relu"] if square else []):
         add = residual if epilogue == "bias_add_relu" else None
-        reference = _reference(
-            x.astype(cupy.float32), weight.astype(cupy.float32), bias,
-            None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
-        )  # fmt: skip
-        for tile, pixels, _, _ in candidates:  # unsplit (no SM count): the split test is below
-            assert pixels is not None, "every FP16 entry point has a pixel tile"
-            conv = igemm.IgemmConv.bind(
-                spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels
-            )
+        wide = None if add is None else add.astype(cupy.float64)
+        reference = _reference(x.astype(cupy.float32), weight.astype(cupy.float32), bias, wide, spec.kernel,
+                               spec.stride, epilogue != "bias_only")  # fmt: skip
+        for variant in variants:
+            conv = bind(variant, epilogue, weight, add)
             raised = _run(conv, y, flag, stream)
-            error = igemm.relative_difference(y.astype(cupy.float64), reference)
-            function = kernels.entry(
-                igemm.F16_SOURCE, conv.name, igemm.f16_shared_bytes(kernel, stride, tile, *pixels)
-            )
+            first = y.copy()
+            error = igemm.relative_difference(first.astype(cupy.float64), reference)
+            again = _run(conv, y, flag, stream) == 0 and bool((y == first).all())
+            if replay:
+                with stream:
+                    y.fill(float("nan"))
+                    stream.begin_capture()
+                    conv.launch(stream)
+                    stream.end_capture().launch(stream)
+                stream.synchronize()
+                again = again and bool((y == first).all())
+            function = kernels.entry(conv.source, conv.name, conv.shared)
             with capsys.disabled():
-                print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  {conv.name:<24} {epilogue:<14} "
-                      f"{error:.3e}  flag {raised}  regs {function.num_regs} "
-                      f"local {function.local_size_bytes}", end="")  # fmt: skip
+                print(f"\n{spec.cin}->{spec.cout} {spec.h_in}x{spec.w_in} k{spec.kernel}s{spec.stride} "
+                      f"b{batch}  {conv.name:<28} grid {conv.grid} {epilogue:<14} {error:.3e} flag {raised}  "
+                      f"same bits {again}  regs {function.num_regs} local {function.local_size_bytes}",
+                      end="")  # fmt: skip
             if not error <= F16_BOUND or raised:
-                failures.append(
-                    f"{conv.name} {epilogue}: error {error:.3e} (bound {F16_BOUND:g}), flag {raised}"
-                )
+                failures.append(f"{conv.name} {epilogue}: error {error:.3e} (bound {F16_BOUND:g}), "
+                                f"flag {raised}; {_where_wrong(first, reference, spec, batch)}")  # fmt: skip
+            if not again:
+                failures.append(f"{conv.name} {epilogue}: other bits on a launch{' or replay' * replay}")
             if function.local_size_bytes:
                 failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
+    huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)  # sums ~1e5, every weight finite
+    assert bool(cupy.isfinite(huge).all())
+    for variant in variants:
+        loud = bind(variant, "bias_only", huge, None)
+        if _run(loud, y, flag, stream) != 1:
+            failures.append(f"{loud.name}: no flag for outputs beyond 65504")
+    return failures
+
+
+@gpu_over_shapes
+def test_f16_kernel_matches_float64(shape, capsys) -> None:
+    """Every unsplit conv_f16.cu entry point (channel and pixel tile) for the shape."""
+    from speakerd.engine.gpu import igemm
+
+    spec, batch = spec_of(shape), shape[-1]
+    variants = igemm.candidates_for(spec, Math.FP16)  # no SM count: unsplit only
+    assert variants, f"{spec}: no FP16 tile"
+    failures = _f16_kernel_failures(spec, batch, variants, capsys)
     assert not failures, failures
 
 
@@ -128,70 +177,19 @@ SPLIT_SHAPES = [(128, 128, 20, 250, 3, 1), (256, 256, 10, 125, 3, 1), (128, 256,
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_k{s[4]}s{s[5]}")
 def test_f16_split_kernels_match_float64_and_repeat_bit_for_bit(shape, capsys) -> None:
     """Every split-K entry point the b1 plan may time for the shape (igemm.candidates_for
-    with this device's SMs), every epilogue: within F16_BOUND of float64 with no flag and
-    no spills; then three eager launches over a NaN-poisoned output and a CUDA-graph replay
-    all give the same bits (the last block of each tile adds the splits in a fixed order
-    and sets the tile's ticket back to zero: a ticket left over would leave the tile
-    unwritten, NaN); and weights pushing the sums beyond 65504 raise the flag."""
+    with this device's SMs); a CUDA-graph replay gives the same bits too (the last block of
+    each tile adds the splits in a fixed order and sets the tile's ticket back to zero: a
+    ticket left over would leave the tile unwritten, NaN)."""
     import cupy
 
-    from speakerd.engine.gpu import igemm, kernels
-    from speakerd.engine.gpu.context import SplitScratch
+    from speakerd.engine.gpu import igemm
 
     cin, cout, h, w, kernel, stride = shape
-    spec, batch = ConvSpec("test", "test", cin, cout, kernel, stride, h, w), 1
-    x, weight, bias, residual = _f16_inputs(spec, batch)
-    y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
-    flag = cupy.zeros((1,), dtype=cupy.int32)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    scratch = SplitScratch(stream)
+    spec = ConvSpec("test", "test", cin, cout, kernel, stride, h, w)
     sm_count = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-    variants = [v for v in igemm.candidates_for(spec, Math.FP16, batch, sm_count) if v.split > 1]
+    variants = [v for v in igemm.candidates_for(spec, Math.FP16, 1, sm_count) if v.split > 1]
     assert variants, f"{spec}: no split-K variant at b1 on {sm_count} SMs"
-    epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if spec.stride == 1 else [])
-    failures = []
-    for epilogue in epilogues:
-        add = residual if epilogue == "bias_add_relu" else None
-        reference = _reference(
-            x.astype(cupy.float32), weight.astype(cupy.float32), bias,
-            None if add is None else add.astype(cupy.float64), kernel, stride, epilogue != "bias_only",
-        )  # fmt: skip
-        for tile, pixels, split, _ in variants:
-            conv = igemm.IgemmConv.bind(
-                spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels, split, scratch
-            )
-            raised = _run(conv, y, flag, stream)
-            first = y.copy()
-            error = igemm.relative_difference(first.astype(cupy.float64), reference)
-            repeats = [_run(conv, y, flag, stream) == 0 and bool((y == first).all()) for _ in range(2)]
-            with stream:
-                y.fill(float("nan"))
-                stream.begin_capture()
-                conv.launch(stream)
-                graph = stream.end_capture()
-                graph.launch(stream)
-            stream.synchronize()
-            replayed = bool((y == first).all())
-            function = kernels.entry(igemm.F16_SOURCE, conv.name, conv.shared)
-            with capsys.disabled():
-                print(f"\n{cin}->{cout} {h}x{w} k{kernel}s{stride} b{batch}  "
-                      f"{conv.name:<28} grid {conv.grid} {epilogue:<14} {error:.3e}  flag {raised}  "
-                      f"repeats {repeats} replay {replayed}  regs {function.num_regs} "
-                      f"local {function.local_size_bytes}", end="")  # fmt: skip
-            if not error <= F16_BOUND or raised:
-                failures.append(f"{conv.name} {epilogue}: error {error:.3e} (bound {F16_BOUND:g}), "
-                                f"flag {raised}")  # fmt: skip
-            if not all(repeats) or not replayed:
-                failures.append(f"{conv.name} {epilogue}: repeats {repeats}, graph replay equal {replayed}")
-            if function.local_size_bytes:
-                failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
-    huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
-    for tile, pixels, split, _ in variants:
-        loud = igemm.IgemmConv.bind(
-            spec, batch, Math.FP16, tile, "bias_only", x, huge, bias, None, y, flag, pixels, split, scratch
-        )
-        if _run(loud, y, flag, stream) != 1:
-            failures.append(f"{loud.name}: no flag for outputs beyond 65504")
+    failures = _f16_kernel_failures(spec, 1, variants, capsys, replay=True)
     assert not failures, failures
 
 
@@ -201,76 +199,24 @@ def test_f16_split_kernels_match_float64_and_repeat_bit_for_bit(shape, capsys) -
 WGMMA_SHAPES = [(32, 32, 80, 998, 2), (64, 64, 40, 499, 2), (32, 64, 13, 140, 3)]
 
 
-def _where_wrong(ours, reference, shape: tuple[int, ...]) -> str:
-    """Where `ours` (rows = pixels, NHWC) is not within F16_BOUND of `reference`: the share
-    wrong and the first few as (image, row, column % 64, channel), which tells a wrong
-    operand layout (every column or channel of a pattern) from a wrong edge (the last tile)."""
-    import cupy
-
-    _, cout, h, w, batch = shape
-    scale = float(cupy.abs(reference).max())
-    wrong = ~(cupy.abs(ours.astype(cupy.float64) - reference) <= F16_BOUND * scale)
-    where = cupy.argwhere(wrong.reshape(batch, h, w, cout)).get()[:6]
-    first = ", ".join(f"({i}, {r}, {c % 64}, {ch})" for i, r, c, ch in where)
-    return f"{float(wrong.mean()):.1%} wrong, first (image, row, col % 64, channel): {first}"
-
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", WGMMA_SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_b{s[4]}")
 def test_wgmma_kernels_match_float64(shape, capsys) -> None:
-    """Every conv_wgmma.cu entry point for the shape, every epilogue: within F16_BOUND of
-    float64 with no flag and no spills, the same bits on a second launch, and the range flag
-    raised by weights that push the sums beyond 65504. A mismatch prints where it is."""
+    """Every conv_wgmma.cu entry point for the shape (compute capability 9.0 only; elsewhere
+    skipped with the reason). A mismatch says where it is."""
     import cupy
 
-    from speakerd.engine.gpu import igemm, kernels
+    from speakerd.engine.gpu import igemm
 
-    capability = str(cupy.cuda.Device().compute_capability)
-    why = igemm.wgmma_why_not(ConvSpec("t", "t", 32, 32, 3, 1, 8, 64), Math.FP16, capability)
-    if why:
-        pytest.skip(why)
     cin, cout, h, w, batch = shape
     spec = ConvSpec("test", "test", cin, cout, 3, 1, h, w)
-    x, weight, bias, residual = _f16_inputs(spec, batch)
-    y = cupy.empty((batch * h * w, cout), dtype=cupy.float16)
-    flag = cupy.zeros((1,), dtype=cupy.int32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    capability = str(cupy.cuda.Device().compute_capability)
+    why = igemm.wgmma_why_not(spec, Math.FP16, capability)
+    if why:
+        pytest.skip(why)
     variants = igemm.wgmma_candidates_for(spec, Math.FP16, capability)
-    assert variants, f"{spec}: no wgmma variant"
-    failures = []
-    for epilogue in ["bias_only", "bias_relu"] + (["bias_add_relu"] if cin == cout else []):
-        add = residual if epilogue == "bias_add_relu" else None
-        reference = _reference(x.astype(cupy.float32), weight.astype(cupy.float32), bias,
-                               None if add is None else add.astype(cupy.float64), 3, 1,
-                               epilogue != "bias_only")  # fmt: skip
-        for tile, pixels, _, _ in variants:
-            conv = igemm.IgemmConv.bind(
-                spec, batch, Math.FP16, tile, epilogue, x, weight, bias, add, y, flag, pixels, wgmma=True
-            )
-            raised = _run(conv, y, flag, stream)
-            first = y.copy()
-            error = igemm.relative_difference(first.astype(cupy.float64), reference)
-            again = _run(conv, y, flag, stream) == 0 and bool((y == first).all())
-            function = kernels.entry(igemm.WGMMA_SOURCE, conv.name, conv.shared)
-            with capsys.disabled():
-                print(f"\n{cin}->{cout} {h}x{w} b{batch}  {conv.name:<20} grid {conv.grid} {epilogue:<14} "
-                      f"{error:.3e}  flag {raised}  again {again}  regs {function.num_regs} "
-                      f"local {function.local_size_bytes}", end="")  # fmt: skip
-            if not error <= F16_BOUND or raised:
-                failures.append(f"{conv.name} {epilogue}: error {error:.3e} (bound {F16_BOUND:g}), "
-                                f"flag {raised}; {_where_wrong(first, reference, shape)}")  # fmt: skip
-            if not again:
-                failures.append(f"{conv.name} {epilogue}: a second launch gave other bits")
-            if function.local_size_bytes:
-                failures.append(f"{conv.name}: {function.local_size_bytes} bytes of local memory (spills)")
-    huge = (weight.astype(cupy.float32) * 1e5 / 3).astype(cupy.float16)
-    for tile, pixels, _, _ in variants:
-        loud = igemm.IgemmConv.bind(
-            spec, batch, Math.FP16, tile, "bias_only", x, huge, bias, None, y, flag, pixels, wgmma=True
-        )
-        if _run(loud, y, flag, stream) != 1:
-            failures.append(f"{loud.name}: no flag for outputs beyond 65504")
+    failures = _f16_kernel_failures(spec, batch, variants, capsys)
     assert not failures, failures
 
 

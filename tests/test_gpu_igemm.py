@@ -288,25 +288,19 @@ def test_wgmma_names_tiles_and_rules_match_the_source() -> None:
     assert kernels.arch_of(igemm.WGMMA_SOURCE) == "90a" and kernels.arch_of(igemm.F16_SOURCE) == "90"
 
 
-@pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
-def test_wgmma_shared_bytes_are_the_kernels() -> None:
-    """igemm.wgmma_shared_bytes equals WgTile<...>::SHARED_BYTES of every WG_ENTRY (static
-    asserts appended to conv_wgmma.cu, compiled to PTX for compute_90a by NVRTC)."""
+def _assert_compiles_with(source_name: str, checks: str) -> None:
+    """kernels/`source_name` with `checks` (C++ static asserts) appended in its anonymous
+    namespace compiles to PTX for its architecture (kernels.arch_of): no GPU needed."""
     from cupy_backends.cuda.libs import nvrtc
 
-    from speakerd.engine.gpu import igemm, kernels
+    from speakerd.engine.gpu import kernels
 
-    checks = "".join(
-        f"static_assert(WgTile<{tile}, {rows}, {cols}>::SHARED_BYTES == "
-        f'{igemm.wgmma_shared_bytes(tile, rows, cols)}, "wgmma_shared_bytes({tile}, {rows}, {cols})");\n'
-        for tile, tiles in igemm.WGMMA_TILES.items()
-        for rows, cols in tiles
-    )
-    source = kernels.kernel_sources()[igemm.WGMMA_SOURCE] + "namespace {\n" + checks + "}\n"
-    program = nvrtc.createProgram(source, igemm.WGMMA_SOURCE, (), ())
+    source = kernels.kernel_sources()[source_name] + "namespace {\n" + checks + "}\n"
+    program = nvrtc.createProgram(source, source_name, (), ())
     try:
         try:
-            nvrtc.compileProgram(program, (*kernels.compile_options(), "--gpu-architecture=compute_90a"))
+            arch = f"--gpu-architecture=compute_{kernels.arch_of(source_name)}"
+            nvrtc.compileProgram(program, (*kernels.compile_options(), arch))
         except nvrtc.NVRTCError as error:
             raise AssertionError(nvrtc.getProgramLog(program)) from error
     finally:
@@ -314,26 +308,27 @@ def test_wgmma_shared_bytes_are_the_kernels() -> None:
 
 
 @pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
+def test_wgmma_shared_bytes_are_the_kernels() -> None:
+    """igemm.wgmma_shared_bytes equals WgTile<...>::SHARED_BYTES of every WG_ENTRY."""
+    from speakerd.engine.gpu import igemm
+
+    _assert_compiles_with(igemm.WGMMA_SOURCE, "".join(
+        f"static_assert(WgTile<{tile}, {rows}, {cols}>::SHARED_BYTES == "
+        f'{igemm.wgmma_shared_bytes(tile, rows, cols)}, "wgmma_shared_bytes({tile}, {rows}, {cols})");\n'
+        for tile, tiles in igemm.WGMMA_TILES.items()
+        for rows, cols in tiles
+    ))  # fmt: skip
+
+
+@pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
 def test_f16_shared_bytes_are_the_kernels() -> None:
-    """igemm.f16_shared_bytes equals HaloTile<...>::SHARED_BYTES of every F16_ENTRY (static
-    asserts appended to conv_f16.cu, compiled to PTX by NVRTC: no GPU needed)."""
-    from cupy_backends.cuda.libs import nvrtc
+    """igemm.f16_shared_bytes equals HaloTile<...>::SHARED_BYTES of every F16_ENTRY."""
+    from speakerd.engine.gpu import igemm
 
-    from speakerd.engine.gpu import igemm, kernels
-
-    checks = "".join(
+    _assert_compiles_with(igemm.F16_SOURCE, "".join(
         f"static_assert(HaloTile<{kernel}, {stride}, {tile}, {rows}, {cols}>::SHARED_BYTES == "
         f"{igemm.f16_shared_bytes(kernel, stride, tile, rows, cols)}, "
         f'"f16_shared_bytes({kernel}, {stride}, {tile}, {rows}, {cols})");\n'
         for (kernel, stride, tile), tiles in igemm.F16_PIXEL_TILES.items()
         for rows, cols in tiles
-    )
-    source = kernels.kernel_sources()[igemm.F16_SOURCE] + "namespace {\n" + checks + "}\n"
-    program = nvrtc.createProgram(source, igemm.F16_SOURCE, (), ())
-    try:
-        try:
-            nvrtc.compileProgram(program, (*kernels.compile_options(), "--gpu-architecture=compute_90"))
-        except nvrtc.NVRTCError as error:
-            raise AssertionError(nvrtc.getProgramLog(program)) from error
-    finally:
-        nvrtc.destroyProgram(program)
+    ))  # fmt: skip
