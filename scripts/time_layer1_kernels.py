@@ -29,9 +29,8 @@ def main() -> None:
     variants += igemm.wgmma_candidates_for(spec, Math.FP16, capability)
     flops = 2 * batch * 80 * 998 * 32 * 9 * 32
     with stream:
-        for tile, pixels, split, wgmma in variants:
-            conv = igemm.IgemmConv.bind(spec, batch, Math.FP16, tile, "bias_relu", x, w, bias, None, y, flag,
-                                        pixels, split, None, wgmma)  # fmt: skip
+        for variant in variants:
+            conv = igemm.IgemmConv.of(variant, spec, batch, Math.FP16, "bias_relu", x, w, bias, None, y, flag)
             ms = conv.time(stream)
             print(json.dumps({"kernel": conv.name, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
                               "blocks": int(np.prod(conv.grid)), "threads": conv.threads}))  # fmt: skip

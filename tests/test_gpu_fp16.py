@@ -108,9 +108,8 @@ def _f16_kernel_failures(spec: ConvSpec, batch: int, variants, capsys, replay: b
     scratch = SplitScratch(stream)
 
     def bind(variant, epilogue: str, w, add):
-        tile, pixels, split, wgmma = variant
-        return igemm.IgemmConv.bind(spec, batch, Math.FP16, tile, epilogue, x, w, bias, add, y, flag, pixels,
-                                    split, scratch if split > 1 else None, wgmma)  # fmt: skip
+        return igemm.IgemmConv.of(variant, spec, batch, Math.FP16, epilogue, x, w, bias, add, y, flag,
+                                  scratch)  # fmt: skip
 
     failures = []
     square = spec.stride == 1 and spec.cin == spec.cout

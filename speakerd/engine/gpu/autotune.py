@@ -262,7 +262,7 @@ class OwnFamily(Candidate):
 class OwnStem(OwnFamily):
     """The stem kernel computes in FP32 in every math (FP32 weights, FP32 input)."""
 
-    name = "ours:stem"
+    name = StemConv.family
     io_weights = False
 
     def fits(self, key: ConvKey) -> tuple[bool, str]:
@@ -275,7 +275,7 @@ class OwnStem(OwnFamily):
 
 
 class OwnIgemm(OwnFamily):
-    name = "ours:igemm"
+    name = igemm.IGEMM_FAMILY
 
     def fits(self, key: ConvKey) -> tuple[bool, str]:
         why = igemm.why_not(key, key.math)
@@ -285,18 +285,13 @@ class OwnIgemm(OwnFamily):
         """One kernel per channel tile, (FP16) pixel tile and split-K factor: which is fastest
         depends on the shape and batch (grid size against the SMs, halo loads), so each is
         timed."""
-        r, ctx = request, self.tuner.ctx
-        return [
-            IgemmConv.bind(
-                r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag, pixels,
-                split, ctx.split_scratch,
-            )
-            for tile, pixels, split, _ in igemm.candidates_for(r.spec, r.math, r.batch, ctx.sm_count)
-        ]  # fmt: skip
+        ctx = self.tuner.ctx
+        variants = igemm.candidates_for(request.spec, request.math, request.batch, ctx.sm_count)
+        return _bound(request, weight, bias, variants, ctx.split_scratch)
 
 
 class OwnWgmma(OwnFamily):
-    name = "ours:wgmma"
+    name = igemm.WGMMA_FAMILY
 
     def fits(self, key: ConvKey) -> tuple[bool, str]:
         why = igemm.wgmma_why_not(key, key.math, self.tuner.ctx.compute_capability)
@@ -304,12 +299,18 @@ class OwnWgmma(OwnFamily):
 
     def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
         """One kernel per channel and pixel tile, each timed."""
-        r, capability = request, self.tuner.ctx.compute_capability
-        return [
-            IgemmConv.bind(r.spec, r.batch, r.math, tile, r.epilogue, r.x, weight, bias, r.residual, r.y,
-                           r.flag, pixels, wgmma=True)
-            for tile, pixels, _, _ in igemm.wgmma_candidates_for(r.spec, r.math, capability)
-        ]  # fmt: skip
+        variants = igemm.wgmma_candidates_for(request.spec, request.math, self.tuner.ctx.compute_capability)
+        return _bound(request, weight, bias, variants)
+
+
+def _bound(request: ConvRequest, weight, bias, variants, scratch=None) -> list[OwnKernel]:
+    """IgemmConv `variants` bound to `request`'s buffers."""
+    r = request
+    return [
+        IgemmConv.of(v, r.spec, r.batch, r.math, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag,
+                     scratch)
+        for v in variants
+    ]  # fmt: skip
 
 
 class Autotuner:
@@ -511,7 +512,7 @@ class Autotuner:
             return None
         why = self.why_no_block(spec, first, second)
         if why:
-            self._remember(Refusal("ours:block", _label(first.key), why))
+            self._remember(Refusal(BlockKernel.family, _label(first.key), why))
             return None
         w1, b1 = self.ctx.weights.conv(first.folded, half=True)
         w2, b2 = self.ctx.weights.conv(second.folded, half=True)

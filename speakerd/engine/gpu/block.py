@@ -100,6 +100,7 @@ class BlockKernel(OwnKernel):
     shared: int
     ms: float = 0.0
     tile: int = CHANNELS  # channels per block, for reports (the interface of IgemmConv)
+    family = "ours:block"
 
     @classmethod
     def bind(cls, block: BlockSpec, batch: int, variant: tuple[int, int, int], x, w1, b1, w2, b2, y, flag,
@@ -117,10 +118,6 @@ class BlockKernel(OwnKernel):
     @property
     def name(self) -> str:
         return kernel_name(self.variant)
-
-    @property
-    def family(self) -> str:
-        return "ours:block"
 
     def launch(self, stream) -> None:
         function = kernels.entry(SOURCE, self.name, self.shared)

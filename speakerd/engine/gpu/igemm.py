@@ -15,6 +15,7 @@ bound, maths.py). Which family and entry points a math uses is the maths table's
 
 from __future__ import annotations
 
+import functools
 import math as arithmetic
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -100,6 +101,12 @@ WGMMA_OUT_PAD = 8
 WGMMA_TILES: dict[int, tuple[tuple[int, int], ...]] = {32: ((4, 64), (2, 128), (8, 64)), 64: ((2, 64),)}
 
 
+#: The autotuner candidates (their names) our kernels here belong to: conv_igemm.cu's and
+#: conv_f16.cu's, and conv_wgmma.cu's.
+IGEMM_FAMILY = "ours:igemm"
+WGMMA_FAMILY = "ours:wgmma"
+
+
 class Variant(NamedTuple):
     """One kernel of our families for a convolution: channel tile, pixel tile (rows, cols;
     None for conv_igemm.cu), split-K factor (1: unsplit), and whether it is conv_wgmma.cu's."""
@@ -159,8 +166,8 @@ WGMMA_KERNEL_NAMES = tuple(
 def wgmma_why_not(spec: ConvSpec | ConvKey, math: Math, capability: str) -> str:
     """Why conv_wgmma.cu cannot run `spec` under `math` on a device of compute capability
     `capability` ("" when it can)."""
-    if capability != kernels.CHIP_SOURCES[WGMMA_SOURCE]:
-        needed = kernels.CHIP_SOURCES[WGMMA_SOURCE]
+    needed = kernels.CHIP_SOURCES[WGMMA_SOURCE]
+    if capability != needed:
         return f"wgmma needs compute capability {needed} (sm_90a); this device is {capability}"
     if maths.of(math).own_source != F16_SOURCE:
         return f"FP16 only, not {math}"
@@ -374,17 +381,26 @@ class IgemmConv(OwnKernel):
         args = (x, w, bias, residual, y, *(np.int32(v) for v in sizes), relu)
         return cls(spec, batch, math, tile, None, epilogue, args, grid, THREADS, shared_bytes(tile), SOURCE)
 
-    @property
-    def name(self) -> str:
+    @classmethod
+    def of(cls, variant: Variant, spec: ConvSpec, batch: int, math: Math, epilogue: str, x, w, bias, residual,
+           y, flag=None, scratch: SplitScratch | None = None) -> IgemmConv:  # fmt: skip
+        """bind() for one of candidates_for's or wgmma_candidates_for's variants (`scratch`
+        is used by split ones only)."""
+        tile, pixels, split, wgmma = variant
+        return cls.bind(spec, batch, math, tile, epilogue, x, w, bias, residual, y, flag, pixels, split,
+                        scratch if split > 1 else None, wgmma)  # fmt: skip
+
+    @functools.cached_property
+    def name(self) -> str:  # type: ignore[override]
+        """The entry point (computed once: launches on the eager path read it)."""
         if self.wgmma:
             assert self.pixels is not None, self.spec.name
             return wgmma_kernel_name(self.tile, self.pixels)
         return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride, self.pixels, self.split)
 
     @property
-    def family(self) -> str:
-        """The autotuner's candidate this kernel belongs to (its refusals are per family)."""
-        return "ours:wgmma" if self.wgmma else "ours:igemm"
+    def family(self) -> str:  # type: ignore[override]
+        return WGMMA_FAMILY if self.wgmma else IGEMM_FAMILY
 
     def launch(self, stream) -> None:
         function = kernels.entry(self.source, self.name, self.shared)

@@ -46,6 +46,7 @@ class StemConv(OwnKernel):
     grid: tuple[int]
     ms: float = 0.0
     tile: int = STEM.cout  # channels per thread, for reports (the interface of IgemmConv)
+    family = "ours:stem"
 
     @classmethod
     def bind(cls, batch: int, math: Math, x, w, bias, y, flag=None) -> StemConv:
@@ -59,10 +60,6 @@ class StemConv(OwnKernel):
     @property
     def name(self) -> str:
         return maths.of(self.math).stem_kernel
-
-    @property
-    def family(self) -> str:
-        return "ours:stem"
 
     def launch(self, stream) -> None:
         from speakerd.engine.gpu import kernels

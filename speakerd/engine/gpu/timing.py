@@ -73,14 +73,12 @@ class OwnKernel:
 
     ms: float
     tile: int
+    #: the autotuner candidate (autotune.py) it belongs to, by that candidate's name:
+    #: refusals are per family
+    family: str
 
     @property
     def name(self) -> str:
-        raise NotImplementedError
-
-    @property
-    def family(self) -> str:
-        """The autotuner candidate (autotune.py) it belongs to: refusals are per family."""
         raise NotImplementedError
 
     def launch(self, stream) -> None:
