@@ -25,12 +25,14 @@ def main() -> None:
     flag = cupy.zeros((1,), dtype=cupy.int32)
     stream = cupy.cuda.Stream(non_blocking=True)
     capability = str(cupy.cuda.Device().compute_capability)
+    sm_count = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     variants = [*igemm.candidates_for(spec, Math.FP16)]
     variants += igemm.wgmma_candidates_for(spec, Math.FP16, capability)
     flops = 2 * batch * 80 * 998 * 32 * 9 * 32
     with stream:
         for variant in variants:
-            conv = igemm.IgemmConv.of(variant, spec, batch, Math.FP16, "bias_relu", x, w, bias, None, y, flag)
+            conv = igemm.IgemmConv.of(variant, spec, batch, Math.FP16, "bias_relu", x, w, bias, None, y, flag,
+                                      sm_count=sm_count)  # fmt: skip
             ms = conv.time(stream)
             print(json.dumps({"kernel": conv.name, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
                               "blocks": int(np.prod(conv.grid)), "threads": conv.threads}))  # fmt: skip

@@ -89,13 +89,15 @@ def _where_wrong(ours, reference, spec: ConvSpec, batch: int) -> str:
     return f"{float(wrong.mean()):.1%} wrong, first (image, row, col % 64, channel): {first}"
 
 
-def _f16_kernel_failures(spec: ConvSpec, batch: int, variants, capsys, replay: bool = False) -> list[str]:
+def _f16_kernel_failures(spec: ConvSpec, batch: int, variants, capsys, replay: bool = False,
+                         sm_count: int | None = None) -> list[str]:  # fmt: skip
     """Every variant (igemm.Variant: conv_f16.cu's, split or not, or conv_wgmma.cu's) on
     `spec` at `batch`, every epilogue the shape has, each over a NaN-poisoned output: what
     fails of within F16_BOUND of float64 with no flag, the same bits on a second launch (and
     in a CUDA-graph replay with `replay`), no spills, and the flag raised by weights pushing
-    the sums beyond 65504. Prints a row per run: shape, kernel, grid, epilogue, error,
-    flag, repeat, registers, local memory."""
+    the sums beyond 65504. `sm_count` sizes conv_wgmma.cu's persistent grids (default: the
+    device's). Prints a row per run: shape, kernel, grid, epilogue, error, flag, repeat,
+    registers, local memory."""
     import cupy
 
     from speakerd.engine.gpu import igemm, kernels
@@ -106,10 +108,11 @@ def _f16_kernel_failures(spec: ConvSpec, batch: int, variants, capsys, replay: b
     flag = cupy.zeros((1,), dtype=cupy.int32)
     stream = cupy.cuda.Stream(non_blocking=True)
     scratch = SplitScratch(stream)
+    sm_count = sm_count or int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
     def bind(variant, epilogue: str, w, add):
         return igemm.IgemmConv.of(variant, spec, batch, Math.FP16, epilogue, x, w, bias, add, y, flag,
-                                  scratch)  # fmt: skip
+                                  scratch, sm_count)  # fmt: skip
 
     failures = []
     square = spec.stride == 1 and spec.cin == spec.cout
@@ -192,30 +195,34 @@ def test_f16_split_kernels_match_float64_and_repeat_bit_for_bit(shape, capsys) -
     assert not failures, failures
 
 
-#: conv_wgmma.cu's shapes, (cin, cout, h, w, batch): layer1 and layer2 (3x3 stride 1), and a
-#: small image whose 140 columns leave part of a 64-pixel tile and whose rows part of a
-#: row tile.
-WGMMA_SHAPES = [(32, 32, 80, 998, 2), (64, 64, 40, 499, 2), (32, 64, 13, 140, 3)]
+#: conv_wgmma.cu's shapes, (cin, cout, h, w, batch, SMs the grid is sized for: None for
+#: the device's): layer1 and layer2 (3x3 stride 1), each block walking one or two tiles; a
+#: small image whose 140 columns leave part of a 64-pixel tile and whose rows part of a row
+#: tile; and layer1 on a grid sized for 2 SMs, so that each block walks ~80 tiles through
+#: both halo stages in turn.
+WGMMA_SHAPES = [(32, 32, 80, 998, 2, None), (64, 64, 40, 499, 2, None), (32, 64, 13, 140, 3, None),
+                (32, 32, 80, 998, 2, 2)]  # fmt: skip
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("shape", WGMMA_SHAPES, ids=lambda s: f"{s[0]}->{s[1]}_{s[2]}x{s[3]}_b{s[4]}")
+@pytest.mark.parametrize("shape", WGMMA_SHAPES, ids=lambda s: f"{s[0]}-{s[1]}_{s[2]}x{s[3]}_b{s[4]}_{s[5]}sm")
 def test_wgmma_kernels_match_float64(shape, capsys) -> None:
     """Every conv_wgmma.cu entry point for the shape (compute capability 9.0 only; elsewhere
-    skipped with the reason). A mismatch says where it is."""
+    skipped with the reason), its persistent walk replayed in a CUDA graph too. A mismatch
+    says where it is."""
     import cupy
 
     from speakerd.engine.gpu import igemm
 
-    cin, cout, h, w, batch = shape
+    cin, cout, h, w, batch, sm_count = shape
     spec = ConvSpec("test", "test", cin, cout, 3, 1, h, w)
     capability = str(cupy.cuda.Device().compute_capability)
     why = igemm.wgmma_why_not(spec, Math.FP16, capability)
     if why:
         pytest.skip(why)
     variants = igemm.wgmma_candidates_for(spec, Math.FP16, capability)
-    failures = _f16_kernel_failures(spec, batch, variants, capsys)
+    failures = _f16_kernel_failures(spec, batch, variants, capsys, replay=True, sm_count=sm_count)
     assert not failures, failures
 
 

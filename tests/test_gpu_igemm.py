@@ -252,30 +252,34 @@ def test_kernel_names_and_tiling_match_the_source() -> None:
 
 
 def test_wgmma_names_tiles_and_rules_match_the_source() -> None:
-    """conv_wgmma.cu's entry points are igemm.WGMMA_TILES', and which convolutions it may run
-    (no GPU)."""
+    """conv_wgmma.cu's entry points are igemm.WGMMA_ENTRIES, their blocks per SM fit an SM's
+    shared memory, and which convolutions it may run (no GPU)."""
     import re
 
     from speakerd.engine.gpu import igemm, kernels
 
     source = kernels.kernel_sources()[igemm.WGMMA_SOURCE]
-    entries = re.findall(r"^WG_ENTRY\((\d+), (\d+), (\d+), (\d+)\)$", source, re.M)
-    tiles: dict[int, list[tuple[int, int]]] = {}
-    for tile, rows, cols, blocks in entries:
-        tiles.setdefault(int(tile), []).append((int(rows), int(cols)))
-        shared = igemm.wgmma_shared_bytes(int(tile), int(rows), int(cols))
-        # the launch bounds' blocks fit one SM's 228 KB (1 KB reserved per block)
-        assert int(blocks) * (shared + 1024) <= 228 * 1024, (tile, rows, cols, blocks, shared)
-    assert tiles == {tile: list(pixels) for tile, pixels in igemm.WGMMA_TILES.items()}, tiles
+    lines = re.findall(r"^WG_ENTRY\((\d+), (\d+), (\d+), (\d+), (\d+)\)$", source, re.M)
+    found = tuple(
+        igemm.WgmmaEntry(int(cin), int(tile), (int(rows), int(cols)), int(blocks))
+        for cin, tile, rows, cols, blocks in lines
+    )
+    assert found == igemm.WGMMA_ENTRIES, found
+    for entry in found:
+        shared = igemm.wgmma_shared_bytes(entry)
+        # the grid's blocks per SM fit one SM's 228 KB (1 KB reserved per block)
+        assert entry.blocks * (shared + 1024) <= 228 * 1024, (entry, shared)
     defines = {name: int(value) for name, value in re.findall(r"#define WG_(\w+) (\d+)", source)}
-    assert (defines["THREADS"], defines["CHUNK"], defines["OUT_PAD"]) == (
-        igemm.WGMMA_THREADS, igemm.CHANNEL_STEP, igemm.WGMMA_OUT_PAD,
-    ), defines  # fmt: skip
-    assert igemm.wgmma_shared_bytes(32, 4, 64) == 4 * 6 * 66 * 16 + 9 * 4 * 32 * 16
-    assert igemm.wgmma_shared_bytes(32, 8, 64) == 8 * 64 * 40 * 4, "staged outputs dominate"
+    assert (defines["THREADS"], defines["STAGES"]) == (igemm.WGMMA_THREADS, igemm.WGMMA_STAGES), defines
+    layer1_8x64 = igemm.wgmma_entry(32, 32, (8, 64))
+    assert igemm.wgmma_shared_bytes(layer1_8x64) == 2 * 4 * 10 * 66 * 16 + 9 * 4 * 32 * 16
+    assert igemm.wgmma_kernel_name(layer1_8x64) == "conv_wgmma_c32_n32_8x64"
     layer1 = ConvSpec("l1", "bn", 32, 32, 3, 1, 80, 998)
+    # persistent: two blocks per SM for 32 x 10 x 16 = 5,120 tiles; a small image gets one per tile
+    assert igemm.wgmma_grid(layer1, 32, layer1_8x64, 132) == (264, 1, 1)
+    assert igemm.wgmma_grid(ConvSpec("s", "bn", 32, 64, 3, 1, 13, 140), 3, layer1_8x64, 132) == (18, 2, 1)
     assert igemm.wgmma_candidates_for(layer1, Math.FP16, "90") == tuple(
-        igemm.Variant(32, pixels, wgmma=True) for pixels in igemm.WGMMA_TILES[32]
+        igemm.Variant(32, e.pixels, wgmma=True) for e in igemm.WGMMA_ENTRIES if e.cin == 32
     )
     layer2 = ConvSpec("l2", "bn", 64, 64, 3, 1, 40, 499)
     assert {v.tile for v in igemm.wgmma_candidates_for(layer2, Math.FP16, "90")} == {32, 64}
@@ -283,8 +287,9 @@ def test_wgmma_names_tiles_and_rules_match_the_source() -> None:
     assert "FP16 only" in igemm.wgmma_why_not(layer1, Math.TF32, "90")
     stride2 = ConvSpec("s2", "bn", 32, 64, 3, 2, 80, 998)
     assert "3x3 stride 1 only" in igemm.wgmma_why_not(stride2, Math.FP16, "90")
+    layer3 = ConvSpec("l3", "bn", 128, 128, 3, 1, 20, 250)
+    assert "fit no entry point" in igemm.wgmma_why_not(layer3, Math.FP16, "90")
     assert igemm.wgmma_candidates_for(layer1, Math.FP16, "89") == ()
-    assert igemm.wgmma_kernel_name(32, (4, 64)) == "conv_wgmma_n32_4x64"
     assert kernels.arch_of(igemm.WGMMA_SOURCE) == "90a" and kernels.arch_of(igemm.F16_SOURCE) == "90"
 
 
@@ -313,10 +318,9 @@ def test_wgmma_shared_bytes_are_the_kernels() -> None:
     from speakerd.engine.gpu import igemm
 
     _assert_compiles_with(igemm.WGMMA_SOURCE, "".join(
-        f"static_assert(WgTile<{tile}, {rows}, {cols}>::SHARED_BYTES == "
-        f'{igemm.wgmma_shared_bytes(tile, rows, cols)}, "wgmma_shared_bytes({tile}, {rows}, {cols})");\n'
-        for tile, tiles in igemm.WGMMA_TILES.items()
-        for rows, cols in tiles
+        f"static_assert(WgTile<{e.cin}, {e.tile}, {e.pixels[0]}, {e.pixels[1]}>::SHARED_BYTES == "
+        f'{igemm.wgmma_shared_bytes(e)}, "wgmma_shared_bytes({e})");\n'
+        for e in igemm.WGMMA_ENTRIES
     ))  # fmt: skip
 
 

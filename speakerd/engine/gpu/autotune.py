@@ -299,16 +299,17 @@ class OwnWgmma(OwnFamily):
 
     def bind(self, request: ConvRequest, weight, bias) -> list[OwnKernel]:
         """One kernel per channel and pixel tile, each timed."""
-        variants = igemm.wgmma_candidates_for(request.spec, request.math, self.tuner.ctx.compute_capability)
-        return _bound(request, weight, bias, variants)
+        ctx = self.tuner.ctx
+        variants = igemm.wgmma_candidates_for(request.spec, request.math, ctx.compute_capability)
+        return _bound(request, weight, bias, variants, sm_count=ctx.sm_count)
 
 
-def _bound(request: ConvRequest, weight, bias, variants, scratch=None) -> list[OwnKernel]:
+def _bound(request: ConvRequest, weight, bias, variants, scratch=None, sm_count=None) -> list[OwnKernel]:
     """IgemmConv `variants` bound to `request`'s buffers."""
     r = request
     return [
         IgemmConv.of(v, r.spec, r.batch, r.math, r.epilogue, r.x, weight, bias, r.residual, r.y, r.flag,
-                     scratch)
+                     scratch, sm_count)
         for v in variants
     ]  # fmt: skip
 

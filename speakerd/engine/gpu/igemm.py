@@ -90,15 +90,31 @@ SPLIT_BELOW_BLOCKS_PER_SM = 2
 
 
 #: kernels/conv_wgmma.cu: FP16 3x3 stride-1 convolutions on Hopper's warpgroup MMA (wgmma,
-#: sm_90a: compute capability 9.0 only), one warpgroup per block, 32 input channels per K
-#: chunk. Channel tile -> the pixel tiles (output rows, columns; columns a multiple of 64)
-#: it has entry points for (its WG_ENTRY lines; tests check): 32 channels for layer1 (4 x 64
-#: and 2 x 128: four m64 tiles, four blocks per SM; 8 x 64: eight, two blocks per SM, a
-#: squarer halo), 64 for layer2.
+#: sm_90a: compute capability 9.0 only), one warpgroup per block, persistent: BLOCKS blocks
+#: per SM walk the output tiles, the weights copied once per block, the next tile's halo
+#: copied while this one's MMAs run. Its entry points (WG_ENTRY lines; tests check):
+#: (input channels, channel tile, (pixel rows, columns), blocks per SM). 32 input channels
+#: for layer1 (8 x 64: eight m64 tiles, two blocks per SM; 4 x 64 and 2 x 128: four, three
+#: and two blocks), 64 for layer2 (64 outputs at one block per SM, 32 at two).
 WGMMA_SOURCE = "conv_wgmma.cu"
 WGMMA_THREADS = 128
-WGMMA_OUT_PAD = 8
-WGMMA_TILES: dict[int, tuple[tuple[int, int], ...]] = {32: ((4, 64), (2, 128), (8, 64)), 64: ((2, 64),)}
+WGMMA_STAGES = 2
+
+
+class WgmmaEntry(NamedTuple):
+    cin: int
+    tile: int
+    pixels: tuple[int, int]
+    blocks: int  # per SM, the grid's size and the launch bounds' register cap
+
+
+WGMMA_ENTRIES: tuple[WgmmaEntry, ...] = (
+    WgmmaEntry(32, 32, (8, 64), 2),
+    WgmmaEntry(32, 32, (4, 64), 3),
+    WgmmaEntry(32, 32, (2, 128), 2),
+    WgmmaEntry(64, 64, (2, 64), 1),
+    WgmmaEntry(64, 32, (2, 64), 2),
+)
 
 
 #: The autotuner candidates (their names) our kernels here belong to: conv_igemm.cu's and
@@ -134,10 +150,16 @@ def kernel_name(
     return row.own_kernel(tile, kernel, stride, pixels) + (f"_sk{split}" if split > 1 else "")
 
 
-def wgmma_kernel_name(tile: int, pixels: tuple[int, int]) -> str:
-    """conv_wgmma.cu's entry point for the channel tile and pixel tile (rows, cols)."""
-    assert pixels in WGMMA_TILES.get(tile, ()), (tile, pixels)
-    return f"conv_wgmma_n{tile}_{pixels[0]}x{pixels[1]}"
+def wgmma_entry(cin: int, tile: int, pixels: tuple[int, int]) -> WgmmaEntry:
+    """conv_wgmma.cu's entry for the input channels, channel tile and pixel tile."""
+    found = [e for e in WGMMA_ENTRIES if (e.cin, e.tile, e.pixels) == (cin, tile, pixels)]
+    assert found, f"conv_wgmma.cu has no entry point for {cin} input channels, tile {tile}, pixels {pixels}"
+    return found[0]
+
+
+def wgmma_kernel_name(entry: WgmmaEntry) -> str:
+    """conv_wgmma.cu's entry point name."""
+    return f"conv_wgmma_c{entry.cin}_n{entry.tile}_{entry.pixels[0]}x{entry.pixels[1]}"
 
 
 #: Every entry point of kernels/conv_igemm.cu this module launches, then of kernels/conv_f16.cu.
@@ -158,9 +180,7 @@ F16_KERNEL_NAMES = tuple(
 
 
 #: ... and of kernels/conv_wgmma.cu.
-WGMMA_KERNEL_NAMES = tuple(
-    wgmma_kernel_name(tile, pixels) for tile, tiles in WGMMA_TILES.items() for pixels in tiles
-)
+WGMMA_KERNEL_NAMES = tuple(wgmma_kernel_name(entry) for entry in WGMMA_ENTRIES)
 
 
 def wgmma_why_not(spec: ConvSpec | ConvKey, math: Math, capability: str) -> str:
@@ -173,29 +193,36 @@ def wgmma_why_not(spec: ConvSpec | ConvKey, math: Math, capability: str) -> str:
         return f"FP16 only, not {math}"
     if (spec.kernel, spec.stride) != (3, 1):
         return f"3x3 stride 1 only, not k{spec.kernel} s{spec.stride}"
-    if spec.cin % CHANNEL_STEP:
-        return f"{spec.cin} input channels are not a multiple of {CHANNEL_STEP}"
-    if not any(spec.cout % tile == 0 for tile in WGMMA_TILES):
-        return f"{spec.cout} output channels fit no tile of {tuple(WGMMA_TILES)}"
+    if not _wgmma_entries_for(spec):
+        shapes = sorted({(e.cin, e.tile) for e in WGMMA_ENTRIES})
+        return f"{spec.cin} -> {spec.cout} channels fit no entry point's (input channels, tile) of {shapes}"
     return ""
+
+
+def _wgmma_entries_for(spec: ConvSpec | ConvKey) -> tuple[WgmmaEntry, ...]:
+    return tuple(e for e in WGMMA_ENTRIES if e.cin == spec.cin and spec.cout % e.tile == 0)
 
 
 def wgmma_candidates_for(spec: ConvSpec | ConvKey, math: Math, capability: str) -> tuple[Variant, ...]:
     """conv_wgmma.cu's variants for `spec` (none where wgmma_why_not says why)."""
     if wgmma_why_not(spec, math, capability):
         return ()
-    return tuple(
-        Variant(tile, pixels, wgmma=True) for tile, tiles in WGMMA_TILES.items() if spec.cout % tile == 0
-        for pixels in tiles
-    )  # fmt: skip
+    return tuple(Variant(e.tile, e.pixels, wgmma=True) for e in _wgmma_entries_for(spec))
 
 
-def wgmma_shared_bytes(tile: int, rows: int, cols: int) -> int:
-    """conv_wgmma.cu's WgTile<tile, rows, cols>::SHARED_BYTES: the halo ([channel group][pixel],
-    16 bytes each) and the weights of one 32-channel chunk, or the staged FP32 outputs."""
-    groups = CHANNEL_STEP // 8
-    loads = groups * (rows + 2) * (cols + 2) * 16 + 9 * groups * tile * 16
-    return max(loads, rows * cols * (tile + WGMMA_OUT_PAD) * 4)
+def wgmma_shared_bytes(entry: WgmmaEntry) -> int:
+    """conv_wgmma.cu's WgTile<cin, tile, rows, cols>::SHARED_BYTES: WGMMA_STAGES halos (all
+    input channels, [channel group][pixel], 16 bytes each) and the block's weights."""
+    groups, (rows, cols) = entry.cin // 8, entry.pixels
+    return WGMMA_STAGES * groups * (rows + 2) * (cols + 2) * 16 + 9 * groups * entry.tile * 16
+
+
+def wgmma_grid(spec: ConvSpec, batch: int, entry: WgmmaEntry, sm_count: int) -> tuple[int, int, int]:
+    """conv_wgmma.cu's persistent grid: `entry.blocks` blocks per SM (no more than there are
+    output tiles) per channel tile."""
+    rows, cols = entry.pixels
+    tiles = batch * -(-spec.h_out // rows) * -(-spec.w_out // cols)
+    return (min(tiles, entry.blocks * sm_count), spec.cout // entry.tile, 1)
 
 
 def tiles_for(spec: ConvSpec | ConvKey, math: Math) -> tuple[int, ...]:
@@ -330,11 +357,13 @@ class IgemmConv(OwnKernel):
     @classmethod
     def bind(cls, spec: ConvSpec, batch: int, math: Math, tile: int, epilogue: str, x, w, bias, residual, y,
              flag=None, pixels: tuple[int, int] | None = None, split: int = 1,
-             scratch: SplitScratch | None = None, wgmma: bool = False):  # fmt: skip
+             scratch: SplitScratch | None = None, wgmma: bool = False,
+             sm_count: int | None = None):  # fmt: skip
         """`split` above 1 needs `scratch`, where the kernel keeps its partial sums and
         tickets (one per engine: DeviceContext.split_scratch). `wgmma`: conv_wgmma.cu's
         kernel for the channel and pixel tile (the caller checked wgmma_why_not: it takes
-        conv_f16.cu's arguments and grid, with one warpgroup per block)."""
+        conv_f16.cu's arguments and the batch, one warpgroup per block, and a grid sized
+        by `sm_count`)."""
         assert (residual is not None) == (epilogue == "bias_add_relu"), (epilogue, residual is None)
         table = maths.of(math)
         assert (flag is not None) == table.range_flag, "range-flag maths' convs, and only they, take the flag"
@@ -345,12 +374,13 @@ class IgemmConv(OwnKernel):
             sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
             assert pixels is not None, f"{spec.name}: FP16 kernels take a pixel tile"
-            grid = f16_grid(spec, batch, tile, *pixels, split)
             if wgmma:
-                assert pixels in WGMMA_TILES.get(tile, ()) and split == 1, (spec.name, tile, pixels, split)
-                shared = wgmma_shared_bytes(tile, *pixels)
-                return cls(spec, batch, math, tile, pixels, epilogue, args, grid, WGMMA_THREADS, shared,
-                           WGMMA_SOURCE, wgmma=True)  # fmt: skip
+                entry = wgmma_entry(spec.cin, tile, pixels)
+                assert split == 1 and sm_count, f"{spec.name}: wgmma kernels need the SM count and no split"
+                grid = wgmma_grid(spec, batch, entry, sm_count)
+                return cls(spec, batch, math, tile, pixels, epilogue, (*args, np.int32(batch)), grid,
+                           WGMMA_THREADS, wgmma_shared_bytes(entry), WGMMA_SOURCE, wgmma=True)  # fmt: skip
+            grid = f16_grid(spec, batch, tile, *pixels, split)
             assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
             assert pixels in pixel_tiles_for(spec, math, tile), (
                 f"{spec.name}: pixel tile {pixels} not in {pixel_tiles_for(spec, math, tile)}"
@@ -383,19 +413,20 @@ class IgemmConv(OwnKernel):
 
     @classmethod
     def of(cls, variant: Variant, spec: ConvSpec, batch: int, math: Math, epilogue: str, x, w, bias, residual,
-           y, flag=None, scratch: SplitScratch | None = None) -> IgemmConv:  # fmt: skip
+           y, flag=None, scratch: SplitScratch | None = None,
+           sm_count: int | None = None) -> IgemmConv:  # fmt: skip
         """bind() for one of candidates_for's or wgmma_candidates_for's variants (`scratch`
-        is used by split ones only)."""
+        is used by split ones only, `sm_count` by wgmma ones)."""
         tile, pixels, split, wgmma = variant
         return cls.bind(spec, batch, math, tile, epilogue, x, w, bias, residual, y, flag, pixels, split,
-                        scratch if split > 1 else None, wgmma)  # fmt: skip
+                        scratch if split > 1 else None, wgmma, sm_count)  # fmt: skip
 
     @functools.cached_property
     def name(self) -> str:  # type: ignore[override]
         """The entry point (computed once: launches on the eager path read it)."""
         if self.wgmma:
             assert self.pixels is not None, self.spec.name
-            return wgmma_kernel_name(self.tile, self.pixels)
+            return wgmma_kernel_name(wgmma_entry(self.spec.cin, self.tile, self.pixels))
         return kernel_name(self.math, self.tile, self.spec.kernel, self.spec.stride, self.pixels, self.split)
 
     @property

@@ -3,58 +3,72 @@
 // conv_f16.cu:
 //   y = half(act(conv(x, w) + bias (+ residual))), flag |= 1 where |y| > 65504 or NaN.
 //
-// Why: layer1 at b32 (32 -> 32 channels, 80 x 998) takes 1.68 of the b32 batch's 4.39 ms
-// in conv_f16.cu at ~163 TFLOP/s, bound by how fast its eight warps feed mma.sync from
-// shared memory (every tap reloads its fragments through registers). wgmma reads both
-// operands from shared memory itself, asynchronously, so a warpgroup issues a tap's MMAs
-// without loading a fragment.
+// Why: layer1 at b32 (32 -> 32 channels, 80 x 998) takes 1.67 of the b32 batch's 4.43 ms at
+// ~170 TFLOP/s, a sixth of the H200's FP16 peak, in conv_f16.cu (mma.sync) and in this
+// file's first version alike. That version ran one tile per block in strict order (copy the
+// halo and the weights, wait, issue the MMAs, wait, stage the outputs in shared memory,
+// store), so a block's tensor-core work was a short burst between two waits on memory:
+// 0.278 ms for layer1 at 8 x 64 against a tensor-core time of ~0.05 ms and an HBM floor
+// (163 MB in, 163 MB out) of ~0.07 ms.
+//
+// This version is persistent and keeps memory busy while the MMAs run:
+//   - the grid is BLOCKS blocks per SM (igemm.wgmma_grid), each walking the output tiles
+//     of one channel tile (blockIdx.y) with a stride of gridDim.x;
+//   - the block's weights (all nine taps, all input channels, BN outputs) are copied once;
+//   - the halo has two stages: while the MMAs of tile t run (asynchronously), the same
+//     threads issue the copies of tile t + 1's halo into the other stage;
+//   - the epilogue reads the accumulators from registers (bias, residual, ReLU, range
+//     check, 4-byte stores of two channels), so no shared memory is staged and another
+//     block's MMAs use the tensor cores meanwhile (BLOCKS per SM: 2 or 3).
 //
 // Tiling: one warpgroup (128 threads) per block computes ROWS output rows x COLS output
 // columns of one image for BN output channels: ROWS * COLS / 64 m64 tiles of 64 consecutive
-// pixels of one output row. Per 32-channel K chunk it copies the halo ((ROWS + 2) x
-// (COLS + 2) input pixels) and the chunk's weights of all nine taps into shared memory
-// once; every tap's A operand is then the halo shifted by (dh, dw) pixels, so a tap costs
-// no copy at all, only a different descriptor.
+// pixels of one output row. Every tap's A operand is the halo ((ROWS + 2) x (COLS + 2) input
+// pixels, all CIN channels) shifted by (dh, dw) pixels, so a tap costs no copy, only a
+// different descriptor.
 //
 // Shared-memory layouts (wgmma's K-major layout without swizzle: a core matrix is 8 rows of
 // 16 bytes, 128 contiguous bytes; the descriptor's LBO steps between core matrices along K,
-// its SBO between core matrices along M or N):
+// its SBO between core matrices along M or N; both readings confirmed on the H200 by
+// scripts/probe_wgmma.py):
 //   halo    [channel group of 8][pixel] 16 bytes each: a run of 8 pixels of one halo row is
 //           a core matrix wherever it starts, so the shift by dw (one pixel, 16 bytes) is a
 //           start address (16-byte granular), SBO = 128 bytes, LBO = pixels * 16.
 //   weights [tap][channel group][n] 16 bytes each: SBO = 128 bytes, LBO = BN * 16.
-// Every wgmma of a chunk is issued back to back, then one commit and one wait.
+// Every wgmma of a tile is issued back to back, then one commit and one wait.
 //
-// Epilogue: the accumulators go through shared memory (FP32, rows padded by 8 floats) to
-// the common FP16 epilogue (common.cuh, f16_tile_epilogue), as in conv_f16.cu.
+// The sums are the same for every launch and grid (each output's sum runs over taps and k
+// steps in one fixed order, in one thread's accumulator), so a replayed graph gives the
+// eager launch's bits.
 //
 // Requirements (checked on the host): a compute capability 9.0 device (sm_90a code), 3x3
-// stride 1 pad 1, cin % 32 == 0, cout % BN == 0, 16-byte aligned x, w, residual and y.
-// Compiled for sm_90a by kernels.py (wgmma has no plain sm_90 form), not through CuPy.
+// stride 1 pad 1, cin == CIN, cout % BN == 0, 16-byte aligned x, w and y, 4-byte aligned
+// residual. Compiled for sm_90a by kernels.py (wgmma has no plain sm_90 form), not through
+// CuPy.
 
 #define WG_THREADS 128  // one warpgroup
-#define WG_CHUNK 32     // input channels per K chunk: 4 groups of 8
-#define WG_OUT_PAD 8    // floats of padding per staged output row
+#define WG_STAGES 2     // halo buffers: this tile's and the next one's
 
 #include "common.cuh"
 
 namespace {
 
-template <int BN, int ROWS, int COLS>
+template <int CIN, int BN, int ROWS, int COLS>
 struct WgTile {
     static constexpr int HALO_ROWS = ROWS + 2;
     static constexpr int HALO_COLS = COLS + 2;
     static constexpr int PIXELS = HALO_ROWS * HALO_COLS;
-    static constexpr int GROUPS = WG_CHUNK / 8;
-    static constexpr int A_BYTES = GROUPS * PIXELS * 16;
+    static constexpr int GROUPS = CIN / 8;
+    static constexpr int HALO_BYTES = GROUPS * PIXELS * 16;  // one stage
     static constexpr int B_BYTES = 9 * GROUPS * BN * 16;
-    static constexpr int LDO = BN + WG_OUT_PAD;
-    static constexpr int OUT_BYTES = ROWS * COLS * LDO * 4;
-    static constexpr int LOAD_BYTES = A_BYTES + B_BYTES;
-    static constexpr int SHARED_BYTES = LOAD_BYTES > OUT_BYTES ? LOAD_BYTES : OUT_BYTES;
+    static constexpr int SHARED_BYTES = WG_STAGES * HALO_BYTES + B_BYTES;
     static constexpr int M_TILES = ROWS * COLS / 64;
     static_assert(COLS % 64 == 0, "an m64 tile is 64 pixels of one output row");
-    static_assert(A_BYTES % 16 == 0, "the weights start 16-byte aligned");
+    static_assert(CIN % 16 == 0, "a k step is 16 input channels");
+    static_assert(HALO_BYTES % 128 == 0, "every stage and the weights start 128-byte aligned");
+    // wgmma's descriptor holds a start address in 16-byte units in 14 bits: the whole
+    // shared window (and any start within it) must stay under 256 KB
+    static_assert(SHARED_BYTES <= (1 << 18), "descriptor start addresses fit 14 bits");
 };
 
 // A shared-memory matrix descriptor: K-major, no swizzle, base offset 0; the start address,
@@ -77,26 +91,27 @@ __device__ __forceinline__ unsigned long long wg_descriptor(const void* smem, un
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 
+// scale_d 0: d = a * b (the accumulators are written, not read).
 template <int BN>
-__device__ __forceinline__ void wgmma_f16(float (&d)[BN / 2], unsigned long long a, unsigned long long b);
+__device__ __forceinline__ void wgmma_f16(float (&d)[BN / 2], unsigned long long a, unsigned long long b, int scale_d);
 
 template <>
-__device__ __forceinline__ void wgmma_f16<32>(float (&d)[16], unsigned long long a, unsigned long long b) {
+__device__ __forceinline__ void wgmma_f16<32>(float (&d)[16], unsigned long long a, unsigned long long b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " WG_D16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
         : WG_OUT16(d)
-        : "l"(a), "l"(b), "r"(1));
+        : "l"(a), "l"(b), "r"(scale_d));
 }
 
 template <>
-__device__ __forceinline__ void wgmma_f16<64>(float (&d)[32], unsigned long long a, unsigned long long b) {
+__device__ __forceinline__ void wgmma_f16<64>(float (&d)[32], unsigned long long a, unsigned long long b, int scale_d) {
     float* e = d + 16;
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WG_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
         : WG_OUT16(d), WG_OUT16(e)
-        : "l"(a), "l"(b), "r"(1));
+        : "l"(a), "l"(b), "r"(scale_d));
 }
 
 // Keeps the compiler from moving accumulator registers across the asynchronous MMAs: each
@@ -109,117 +124,169 @@ __device__ __forceinline__ void wg_pin(float (&acc)[M][N]) {
         for (int j = 0; j < N; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
 }
 
-template <int BN, int ROWS, int COLS>
+// Copies the halo of the output tile (image, oh0, ow0) into `stage` ([group][pixel] x 16
+// bytes): a pixel's CIN * 2 bytes are read by GROUPS neighbouring threads (coalesced), each
+// 16 bytes landing in its channel group's plane; zeros outside the image.
+template <int CIN, int BN, int ROWS, int COLS>
+__device__ __forceinline__ void wg_copy_halo(unsigned char* stage, const unsigned short* __restrict__ x, int image,
+                                             int oh0, int ow0, int h, int wd) {
+    using T = WgTile<CIN, BN, ROWS, COLS>;
+    const long long image_base = static_cast<long long>(image) * h * wd * CIN;
+    for (int index = threadIdx.x; index < T::PIXELS * T::GROUPS; index += WG_THREADS) {
+        const int pixel = index / T::GROUPS, group = index - pixel * T::GROUPS;
+        const int row = pixel / T::HALO_COLS, col = pixel - row * T::HALO_COLS;
+        const int ih = oh0 - 1 + row, iw = ow0 - 1 + col;
+        const bool inside =
+            static_cast<unsigned>(ih) < static_cast<unsigned>(h) && static_cast<unsigned>(iw) < static_cast<unsigned>(wd);
+        const unsigned short* source = inside ? x + image_base + (static_cast<long long>(ih) * wd + iw) * CIN + group * 8 : x;
+        cp_async16(stage + (group * T::PIXELS + pixel) * 16, source, inside);
+    }
+}
+
+// Output tile `tile` of a channel tile's walk -> (image, first output row, first column):
+// columns first, so a block's neighbours in the walk share halo columns in L2.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void wg_tile_origin(int tile, int ho, int wo, int& image, int& oh0, int& ow0) {
+    const int col_tiles = (wo + COLS - 1) / COLS, row_blocks = (ho + ROWS - 1) / ROWS;
+    const int z = tile / col_tiles;
+    ow0 = (tile - z * col_tiles) * COLS;
+    image = z / row_blocks;
+    oh0 = (z - image * row_blocks) * ROWS;
+}
+
+template <int CIN, int BN, int ROWS, int COLS>
 __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
                                            const float* __restrict__ bias, const unsigned short* __restrict__ residual,
                                            unsigned short* __restrict__ y, int* __restrict__ flag, int h, int wd, int c,
-                                           int ho, int wo, int k, int relu) {
-    using T = WgTile<BN, ROWS, COLS>;
+                                           int ho, int wo, int k, int relu, int images) {
+    using T = WgTile<CIN, BN, ROWS, COLS>;
     constexpr int COL_TILES = COLS / 64;
     extern __shared__ float4 shared4[];
-    unsigned char* a_s = reinterpret_cast<unsigned char*>(shared4);  // [group][pixel] x 16 bytes
-    unsigned char* b_s = a_s + T::A_BYTES;                           // [tap][group][n] x 16 bytes
-    const int tid = threadIdx.x;
-    const int n0 = blockIdx.x * BN, ow0 = blockIdx.y * COLS;
-    const int row_blocks = (ho + ROWS - 1) / ROWS;
-    const int image = blockIdx.z / row_blocks, oh0 = (blockIdx.z - image * row_blocks) * ROWS;
-    const int ih0 = oh0 - 1, iw0 = ow0 - 1;
-    const long long image_base = static_cast<long long>(image) * h * wd * c;
-    const int filter = 9 * c;
-    const unsigned long long a_first = wg_descriptor(a_s, T::PIXELS * 16, 128);
+    unsigned char* halo_s = reinterpret_cast<unsigned char*>(shared4);  // WG_STAGES x [group][pixel] x 16 bytes
+    unsigned char* b_s = halo_s + WG_STAGES * T::HALO_BYTES;            // [tap][group][n] x 16 bytes
+    const int tid = threadIdx.x, n0 = blockIdx.y * BN;
+    const int all_tiles = ((wo + COLS - 1) / COLS) * ((ho + ROWS - 1) / ROWS) * images;
+
+    // the block's weights, every tap and input channel: (n, tap)'s CIN * 2 bytes read by
+    // GROUPS neighbouring threads
+    for (int index = tid; index < 9 * T::GROUPS * BN; index += WG_THREADS) {
+        const int group = index % T::GROUPS, rest = index / T::GROUPS;
+        const int n = rest % BN, tap = rest / BN;
+        cp_async16(b_s + ((tap * T::GROUPS + group) * BN + n) * 16,
+                   w + static_cast<long long>(n0 + n) * 9 * CIN + tap * CIN + group * 8, true);
+    }
+    int image, oh0, ow0;
+    int tile = blockIdx.x;
+    if (tile < all_tiles) {
+        wg_tile_origin<ROWS, COLS>(tile, ho, wo, image, oh0, ow0);
+        wg_copy_halo<CIN, BN, ROWS, COLS>(halo_s, x, image, oh0, ow0, h, wd);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+
+    // this thread's two channels of every n8 column block: bias pairs kept in registers
+    const int warp = tid >> 5, group = (tid & 31) >> 2, quad = tid & 3;
+    float2 bias_pair[BN / 8];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) bias_pair[j] = *reinterpret_cast<const float2*>(bias + n0 + 8 * j + 2 * quad);
+
     const unsigned long long b_first = wg_descriptor(b_s, BN * 16, 128);
     float acc[T::M_TILES][BN / 2];
-#pragma unroll
-    for (int m = 0; m < T::M_TILES; ++m)
-#pragma unroll
-        for (int e = 0; e < BN / 2; ++e) acc[m][e] = 0.0f;
-
-    for (int c0 = 0; c0 < c; c0 += WG_CHUNK) {
-        // the halo of this chunk, a pixel's 64 bytes read by 4 neighbouring threads
-        // (coalesced), each 16 bytes landing in its channel group's plane; zeros outside
-        for (int index = tid; index < T::PIXELS * T::GROUPS; index += WG_THREADS) {
-            const int pixel = index >> 2, group = index & 3;
-            const int row = pixel / T::HALO_COLS, col = pixel - row * T::HALO_COLS;
-            const int ih = ih0 + row, iw = iw0 + col;
-            const bool inside =
-                static_cast<unsigned>(ih) < static_cast<unsigned>(h) && static_cast<unsigned>(iw) < static_cast<unsigned>(wd);
-            const unsigned short* source = inside ? x + image_base + (static_cast<long long>(ih) * wd + iw) * c + c0 + group * 8 : x;
-            cp_async16(a_s + (group * T::PIXELS + pixel) * 16, source, inside);
-        }
-        // the chunk's weights, every tap: (n, tap)'s 64 bytes read by 4 neighbouring threads
-        for (int index = tid; index < 9 * T::GROUPS * BN; index += WG_THREADS) {
-            const int group = index & 3, rest = index >> 2;
-            const int n = rest % BN, tap = rest / BN;
-            cp_async16(b_s + ((tap * T::GROUPS + group) * BN + n) * 16,
-                       w + static_cast<long long>(n0 + n) * filter + tap * c + c0 + group * 8, true);
-        }
-        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    bool bad = false;
+    for (int step = 0; tile < all_tiles; tile += gridDim.x, ++step) {
+        unsigned char* stage = halo_s + (step & 1) * T::HALO_BYTES;
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         // the copies are ordinary (generic-proxy) writes; wgmma reads through the async proxy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
 
+        const unsigned long long a_first = wg_descriptor(stage, T::PIXELS * 16, 128);
         wg_pin(acc);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int tap = 0; tap < 9; ++tap) {
             const int dh = tap / 3, dw = tap - dh * 3;
 #pragma unroll
-            for (int ks = 0; ks < WG_CHUNK / 16; ++ks) {
+            for (int ks = 0; ks < CIN / 16; ++ks) {
                 // descriptors as the first ones plus compile-time offsets in 16-byte units (the
                 // start address field is the low 14 bits and no sum leaves them): no registers
                 const unsigned long long b = b_first + (tap * T::GROUPS + 2 * ks) * BN;
 #pragma unroll
                 for (int m = 0; m < T::M_TILES; ++m) {
                     const int pixel = (m / COL_TILES + dh) * T::HALO_COLS + (m % COL_TILES) * 64 + dw;
-                    wgmma_f16<BN>(acc[m], a_first + 2 * ks * T::PIXELS + pixel, b);
+                    // the tile's first MMA overwrites the accumulators (scale-d 0)
+                    wgmma_f16<BN>(acc[m], a_first + 2 * ks * T::PIXELS + pixel, b, tap == 0 && ks == 0 ? 0 : 1);
                 }
             }
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+
+        // while they run: the next tile's halo into the other stage (its last reader, the
+        // previous tile's MMAs, finished before every thread passed the barrier above)
+        const int next = tile + gridDim.x;
+        const int here_image = image, here_oh0 = oh0, here_ow0 = ow0;
+        if (next < all_tiles) {
+            wg_tile_origin<ROWS, COLS>(next, ho, wo, image, oh0, ow0);
+            wg_copy_halo<CIN, BN, ROWS, COLS>(halo_s + ((step + 1) & 1) * T::HALO_BYTES, x, image, oh0, ow0, h, wd);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         wg_pin(acc);
-        __syncthreads();  // every warp's MMAs are done with the chunk before it is refilled
-    }
 
-    // Stage the accumulators (FP32) in shared memory: pixel p = row * COLS + column.
-    float* out_s = reinterpret_cast<float*>(shared4);
-    const int warp = tid >> 5, group = (tid & 31) >> 2, quad = tid & 3;
+        // Epilogue from the accumulator fragment: row 16 * warp + group (+ 8 for the second
+        // pair of each n8 block) of m64 tile m, channels n0 + 8j + 2 * quad and + 1.
 #pragma unroll
-    for (int m = 0; m < T::M_TILES; ++m)
+        for (int m = 0; m < T::M_TILES; ++m) {
+            const int oh = here_oh0 + m / COL_TILES;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int pixel = (m / COL_TILES) * COLS + (m % COL_TILES) * 64 + 16 * warp + group + 8 * half;
+            for (int half = 0; half < 2; ++half) {
+                const int ow = here_ow0 + (m % COL_TILES) * 64 + 16 * warp + group + 8 * half;
+                if (oh >= ho || ow >= wo) continue;
+                const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 2 * quad;
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-                *reinterpret_cast<float2*>(out_s + pixel * T::LDO + j * 8 + 2 * quad) =
-                    make_float2(acc[m][4 * j + 2 * half], acc[m][4 * j + 2 * half + 1]);
+                for (int j = 0; j < BN / 8; ++j) {
+                    float v0 = acc[m][4 * j + 2 * half] + bias_pair[j].x;
+                    float v1 = acc[m][4 * j + 2 * half + 1] + bias_pair[j].y;
+                    if (residual != nullptr) {
+                        const float2 r = unpack_half2(*reinterpret_cast<const unsigned*>(residual + at + 8 * j));
+                        v0 += r.x;
+                        v1 += r.y;
+                    }
+                    if (relu) {
+                        v0 = fmaxf(v0, 0.0f);
+                        v1 = fmaxf(v1, 0.0f);
+                    }
+                    bad |= out_of_half_range(v0) || out_of_half_range(v1);
+                    *reinterpret_cast<unsigned*>(y + at + 8 * j) = pack_half2(v0, v1);
+                }
+            }
         }
-    __syncthreads();
-
-    f16_tile_epilogue<ROWS, COLS, BN, WG_THREADS>(
-        [&](int pixel, int part, float4& s0, float4& s1) {
-            const float* staged = out_s + pixel * T::LDO + part * 8;
-            s0 = *reinterpret_cast<const float4*>(staged);
-            s1 = *reinterpret_cast<const float4*>(staged + 4);
-        },
-        bias, residual, y, flag, image, oh0, ow0, ho, wo, k, n0, relu);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    raise_flag(bad, flag);
 }
 
 }  // namespace
 
-// Entry points: conv_wgmma_n<BN>_<ROWS>x<COLS>, 3x3 stride 1 only. grid (cout / BN,
-// ceil(wo / COLS), n * ceil(ho / ROWS)), block 128, dynamic shared memory WgTile<BN, ROWS,
-// COLS>::SHARED_BYTES (igemm.wgmma_shared_bytes computes the same); residual may be null.
-// BLOCKS: the blocks per SM the launch bounds ask for, which caps the registers (65536 /
-// (128 x BLOCKS)) below what would spill the accumulators (M_TILES x BN / 2 floats).
-#define WG_ENTRY(BN, ROWS, COLS, BLOCKS)                                                                      \
-    extern "C" __global__ __launch_bounds__(WG_THREADS, BLOCKS) void conv_wgmma_n##BN##_##ROWS##x##COLS(       \
+// Entry points: conv_wgmma_c<CIN>_n<BN>_<ROWS>x<COLS>, 3x3 stride 1 only; conv_f16.cu's
+// arguments and then `images`, the batch. grid (min(tiles, BLOCKS x SMs), cout / BN) where
+// tiles = images * ceil(ho / ROWS) * ceil(wo / COLS)
+// (igemm.wgmma_grid), block 128, dynamic shared memory WgTile<CIN, BN, ROWS, COLS>::SHARED_BYTES
+// (igemm.wgmma_shared_bytes computes the same); residual may be null. BLOCKS: the blocks
+// per SM the grid is sized for; the launch bounds cap the registers at 65536 / (128 x
+// BLOCKS) and the shared memory must fit BLOCKS blocks (228 KB per SM, 1 KB of it reserved
+// per block).
+#define WG_ENTRY(CIN, BN, ROWS, COLS, BLOCKS)                                                                   \
+    static_assert(BLOCKS * (WgTile<CIN, BN, ROWS, COLS>::SHARED_BYTES + 1024) <= 233472,                       \
+                  "BLOCKS blocks fit an SM's shared memory");                                                   \
+    extern "C" __global__ __launch_bounds__(WG_THREADS, BLOCKS) void conv_wgmma_c##CIN##_n##BN##_##ROWS##x##COLS( \
         const unsigned short* __restrict__ x, const unsigned short* __restrict__ w, const float* __restrict__ bias, \
         const unsigned short* __restrict__ residual, unsigned short* __restrict__ y, int* __restrict__ flag, int h,  \
-        int wd, int c, int ho, int wo, int k, int relu) {                                                      \
-        conv_wgmma<BN, ROWS, COLS>(x, w, bias, residual, y, flag, h, wd, c, ho, wo, k, relu);               \
+        int wd, int c, int ho, int wo, int k, int relu, int images) {                                          \
+        conv_wgmma<CIN, BN, ROWS, COLS>(x, w, bias, residual, y, flag, h, wd, c, ho, wo, k, relu, images);  \
     }
-WG_ENTRY(32, 4, 64, 4)
-WG_ENTRY(32, 2, 128, 4)
-WG_ENTRY(32, 8, 64, 2)
-WG_ENTRY(64, 2, 64, 4)
+WG_ENTRY(32, 32, 8, 64, 2)
+WG_ENTRY(32, 32, 4, 64, 3)
+WG_ENTRY(32, 32, 2, 128, 2)
+WG_ENTRY(64, 64, 2, 64, 1)
+WG_ENTRY(64, 32, 2, 64, 2)
