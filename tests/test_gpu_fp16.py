@@ -196,12 +196,12 @@ def test_f16_split_kernels_match_float64_and_repeat_bit_for_bit(shape, capsys) -
 
 
 #: conv_wgmma.cu's shapes, (cin, cout, h, w, batch, SMs the grid is sized for: None for
-#: the device's): layer1 and layer2 (3x3 stride 1), each block walking one or two tiles; a
-#: small image whose 140 columns leave part of a 64-pixel tile and whose rows part of a row
-#: tile; and layer1 on a grid sized for 2 SMs, so that each block walks ~80 tiles through
-#: both halo stages in turn.
-WGMMA_SHAPES = [(32, 32, 80, 998, 2, None), (64, 64, 40, 499, 2, None), (32, 64, 13, 140, 3, None),
-                (32, 32, 80, 998, 2, 2)]  # fmt: skip
+#: the device's): layer1, layer2 and layer3 at b1 (3x3 stride 1), each block walking one
+#: or two tiles; a small image whose 140 columns leave part of a 64-pixel tile and whose
+#: rows part of a row tile; and layer1 on a grid sized for 2 SMs, so that each block walks
+#: ~80 tiles through both halo stages in turn.
+WGMMA_SHAPES = [(32, 32, 80, 998, 2, None), (64, 64, 40, 499, 2, None), (128, 128, 20, 250, 1, None),
+                (32, 64, 13, 140, 3, None), (32, 32, 80, 998, 2, 2)]  # fmt: skip
 
 
 @pytest.mark.gpu

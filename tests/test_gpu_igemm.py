@@ -278,6 +278,8 @@ def test_wgmma_names_tiles_and_rules_match_the_source() -> None:
     # persistent: two blocks per SM for 32 x 10 x 16 = 5,120 tiles; a small image gets one per tile
     assert igemm.wgmma_grid(layer1, 32, layer1_8x64, 132) == (264, 1, 1)
     assert igemm.wgmma_grid(ConvSpec("s", "bn", 32, 64, 3, 1, 13, 140), 3, layer1_8x64, 132) == (18, 2, 1)
+    # two channel tiles share the SMs' blocks
+    assert igemm.wgmma_grid(ConvSpec("s", "bn", 32, 64, 3, 1, 80, 998), 32, layer1_8x64, 132) == (132, 2, 1)
     assert igemm.wgmma_candidates_for(layer1, Math.FP16, "90") == tuple(
         igemm.Variant(32, e.pixels, wgmma=True) for e in igemm.WGMMA_ENTRIES if e.cin == 32
     )
@@ -287,8 +289,8 @@ def test_wgmma_names_tiles_and_rules_match_the_source() -> None:
     assert "FP16 only" in igemm.wgmma_why_not(layer1, Math.TF32, "90")
     stride2 = ConvSpec("s2", "bn", 32, 64, 3, 2, 80, 998)
     assert "3x3 stride 1 only" in igemm.wgmma_why_not(stride2, Math.FP16, "90")
-    layer3 = ConvSpec("l3", "bn", 128, 128, 3, 1, 20, 250)
-    assert "fit no entry point" in igemm.wgmma_why_not(layer3, Math.FP16, "90")
+    layer4 = ConvSpec("l4", "bn", 256, 256, 3, 1, 10, 125)
+    assert "fit no entry point" in igemm.wgmma_why_not(layer4, Math.FP16, "90")
     assert igemm.wgmma_candidates_for(layer1, Math.FP16, "89") == ()
     assert kernels.arch_of(igemm.WGMMA_SOURCE) == "90a" and kernels.arch_of(igemm.F16_SOURCE) == "90"
 

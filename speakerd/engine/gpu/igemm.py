@@ -95,7 +95,8 @@ SPLIT_BELOW_BLOCKS_PER_SM = 2
 #: copied while this one's MMAs run. Its entry points (WG_ENTRY lines; tests check):
 #: (input channels, channel tile, (pixel rows, columns), blocks per SM). 32 input channels
 #: for layer1 (8 x 64: eight m64 tiles, two blocks per SM; 4 x 64 and 2 x 128: four, three
-#: and two blocks), 64 for layer2 (64 outputs at one block per SM, 32 at two).
+#: and two blocks), 64 for layer2 (64 outputs at one block per SM, 32 at two), 128 for
+#: layer3 (one 64-pixel row, 32 outputs, one block per SM: for b1's small grids).
 WGMMA_SOURCE = "conv_wgmma.cu"
 WGMMA_THREADS = 128
 WGMMA_STAGES = 2
@@ -114,6 +115,7 @@ WGMMA_ENTRIES: tuple[WgmmaEntry, ...] = (
     WgmmaEntry(32, 32, (2, 128), 2),
     WgmmaEntry(64, 64, (2, 64), 1),
     WgmmaEntry(64, 32, (2, 64), 2),
+    WgmmaEntry(128, 32, (1, 64), 1),
 )
 
 
@@ -218,11 +220,12 @@ def wgmma_shared_bytes(entry: WgmmaEntry) -> int:
 
 
 def wgmma_grid(spec: ConvSpec, batch: int, entry: WgmmaEntry, sm_count: int) -> tuple[int, int, int]:
-    """conv_wgmma.cu's persistent grid: `entry.blocks` blocks per SM (no more than there are
-    output tiles) per channel tile."""
+    """conv_wgmma.cu's persistent grid: `entry.blocks` blocks per SM shared by the channel
+    tiles (blockIdx.y), no more per channel tile than there are output tiles."""
     rows, cols = entry.pixels
     tiles = batch * -(-spec.h_out // rows) * -(-spec.w_out // cols)
-    return (min(tiles, entry.blocks * sm_count), spec.cout // entry.tile, 1)
+    channel_tiles = spec.cout // entry.tile
+    return (min(tiles, max(1, entry.blocks * sm_count // channel_tiles)), channel_tiles, 1)
 
 
 def tiles_for(spec: ConvSpec | ConvKey, math: Math) -> tuple[int, ...]:
