@@ -19,8 +19,7 @@
 //     threads issue the copies of tile t + 1's halo into the other stage;
 //   - the epilogue reads the accumulators from registers (bias, residual, ReLU, range
 //     check, 4-byte stores of two channels), so no shared memory is staged and another
-//     block's MMAs use the tensor cores meanwhile (BLOCKS per SM: 2 or 3); the residual
-//     rows it reads are asked of L2 a tile ahead (cp.async.bulk.prefetch.L2).
+//     block's MMAs use the tensor cores meanwhile (BLOCKS per SM: 2 or 3).
 //
 // Tiling: one warpgroup (128 threads) per block computes ROWS output rows x COLS output
 // columns of one image for BN output channels: ROWS * COLS / 64 m64 tiles of 64 consecutive
@@ -144,21 +143,6 @@ __device__ __forceinline__ void wg_copy_halo(unsigned char* stage, const unsigne
     }
 }
 
-// Asks L2 for the residual rows of the output tile (image, oh0, ow0), a tile ahead of the
-// epilogue that reads them: one bulk prefetch per row of up to COLS pixels x k channels
-// (contiguous in NHWC). Why: the epilogue's residual loads are a few per thread and m64
-// tile, each a round trip; from HBM they made the residual convolutions 1.45x slower than
-// the others (H200: layer1's conv2 0.27 ms against conv1's 0.187 ms at b32).
-template <int ROWS, int COLS>
-__device__ __forceinline__ void wg_prefetch_residual(const unsigned short* __restrict__ residual, int image, int oh0,
-                                                     int ow0, int ho, int wo, int k) {
-    const int row = threadIdx.x;
-    if (residual == nullptr || row >= ROWS || oh0 + row >= ho) return;
-    const unsigned short* start = residual + ((static_cast<long long>(image) * ho + oh0 + row) * wo + ow0) * k;
-    const unsigned bytes = static_cast<unsigned>(min(COLS, wo - ow0) * k * 2);  // k % 8 == 0: 16-byte multiple
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(start), "r"(bytes) : "memory");
-}
-
 // Output tile `tile` of a channel tile's walk -> (image, first output row, first column):
 // columns first, so a block's neighbours in the walk share halo columns in L2.
 template <int ROWS, int COLS>
@@ -196,7 +180,6 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
     if (tile < all_tiles) {
         wg_tile_origin<ROWS, COLS>(tile, ho, wo, image, oh0, ow0);
         wg_copy_halo<CIN, BN, ROWS, COLS>(halo_s, x, image, oh0, ow0, h, wd);
-        wg_prefetch_residual<ROWS, COLS>(residual, image, oh0, ow0, ho, wo, k);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 
@@ -244,7 +227,6 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
         if (next < all_tiles) {
             wg_tile_origin<ROWS, COLS>(next, ho, wo, image, oh0, ow0);
             wg_copy_halo<CIN, BN, ROWS, COLS>(halo_s + ((step + 1) & 1) * T::HALO_BYTES, x, image, oh0, ow0, h, wd);
-            wg_prefetch_residual<ROWS, COLS>(residual, image, oh0, ow0, ho, wo, k);
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
 
