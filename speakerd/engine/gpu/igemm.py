@@ -103,6 +103,9 @@ WGMMA_STAGES = 2
 
 
 class WgmmaEntry(NamedTuple):
+    """One WG_ENTRY line of conv_wgmma.cu: the input channels it is compiled for (its halo
+    and weights hold them all), its channel and pixel tiles, and its blocks per SM."""
+
     cin: int
     tile: int
     pixels: tuple[int, int]

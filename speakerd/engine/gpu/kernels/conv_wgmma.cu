@@ -154,6 +154,7 @@ __device__ __forceinline__ void wg_tile_origin(int tile, int ho, int wo, int& im
     oh0 = (z - image * row_blocks) * ROWS;
 }
 
+// `c` is conv_f16.cu's argument, unread here: the channels are CIN (the host checked c == CIN).
 template <int CIN, int BN, int ROWS, int COLS>
 __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
                                            const float* __restrict__ bias, const unsigned short* __restrict__ residual,
