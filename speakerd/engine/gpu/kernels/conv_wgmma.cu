@@ -162,6 +162,8 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
                                            int ho, int wo, int k, int relu, int images) {
     using T = WgTile<CIN, BN, ROWS, COLS>;
     constexpr int COL_TILES = COLS / 64;
+    // the residual loaded early takes M_TILES * BN / 4 registers: only for the smaller tiles
+    constexpr bool RESIDUAL_EARLY = T::M_TILES * BN / 4 <= 32;
     extern __shared__ float4 shared4[];
     unsigned char* halo_s = reinterpret_cast<unsigned char*>(shared4);  // WG_STAGES x [group][pixel] x 16 bytes
     unsigned char* b_s = halo_s + WG_STAGES * T::HALO_BYTES;            // [tap][group][n] x 16 bytes
@@ -231,6 +233,24 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
 
+        // the residual this thread's epilogue adds, loaded while the MMAs run (where the
+        // registers allow: RESIDUAL_EARLY), so that no epilogue step waits on memory
+        unsigned early[RESIDUAL_EARLY ? T::M_TILES : 1][2][BN / 8];
+        if (RESIDUAL_EARLY && residual != nullptr) {
+#pragma unroll
+            for (int m = 0; m < (RESIDUAL_EARLY ? T::M_TILES : 0); ++m)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int oh = here_oh0 + m / COL_TILES;
+                    const int ow = here_ow0 + (m % COL_TILES) * 64 + 16 * warp + group + 8 * half;
+                    const bool inside = oh < ho && ow < wo;
+                    const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 2 * quad;
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j)
+                        early[m][half][j] = inside ? __ldg(reinterpret_cast<const unsigned*>(residual + at + 8 * j)) : 0u;
+                }
+        }
+
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         wg_pin(acc);
 
@@ -249,7 +269,8 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
                     float v0 = acc[m][4 * j + 2 * half] + bias_pair[j].x;
                     float v1 = acc[m][4 * j + 2 * half + 1] + bias_pair[j].y;
                     if (residual != nullptr) {
-                        const float2 r = unpack_half2(*reinterpret_cast<const unsigned*>(residual + at + 8 * j));
+                        const float2 r = unpack_half2(RESIDUAL_EARLY ? early[RESIDUAL_EARLY ? m : 0][half][j]
+                                                                     : *reinterpret_cast<const unsigned*>(residual + at + 8 * j));
                         v0 += r.x;
                         v1 += r.y;
                     }
