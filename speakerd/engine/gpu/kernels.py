@@ -55,7 +55,14 @@ def kernel_sources() -> dict[str, str]:
     source that merely names it."""
     files = sorted((item for item in KERNEL_DIR.iterdir() if item.name.endswith(".cu")), key=lambda f: f.name)
     assert files, f"no kernels found under {KERNEL_DIR}"
-    return {path.name: INCLUDE.sub(_header, path.read_text()) for path in files}
+    return {path.name: expand_includes(path.read_text()) for path in files}
+
+
+def expand_includes(text: str) -> str:
+    """CUDA C++ `text` with each `#include "x.cuh"` of kernels/ replaced by that file's
+    text (also for a kernel file kept outside the package, e.g. an older version timed
+    against this one)."""
+    return INCLUDE.sub(_header, text)
 
 
 def _header(match: re.Match) -> str:

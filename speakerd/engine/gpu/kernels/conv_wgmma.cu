@@ -49,6 +49,17 @@
 #define WG_THREADS 128  // one warpgroup
 #define WG_STAGES 2     // halo buffers: this tile's and the next one's
 
+// Measurement switches: the engine's build leaves both at their defaults. A script that
+// times variants of this file (scripts/time_wgmma_variants.py) compiles it with other values.
+#ifndef WG_RESIDUAL_EARLY
+#define WG_RESIDUAL_EARLY 1  // load the residual while the MMAs run (see RESIDUAL_EARLY)
+#endif
+#ifndef WG_OMIT
+// Stages left out, to time what each costs (the outputs are then wrong): 1 the MMAs,
+// 2 the epilogue's loads and stores, 4 the next tile's halo copy.
+#define WG_OMIT 0
+#endif
+
 #include "common.cuh"
 
 namespace {
@@ -65,6 +76,7 @@ struct WgTile {
     static constexpr int M_TILES = ROWS * COLS / 64;
     static_assert(COLS % 64 == 0, "an m64 tile is 64 pixels of one output row");
     static_assert(CIN % 16 == 0, "a k step is 16 input channels");
+    static_assert(BN % 32 == 0, "the epilogue writes 32 channels per 16-byte store of each quad");
     static_assert(HALO_BYTES % 128 == 0, "every stage and the weights start 128-byte aligned");
     // wgmma's descriptor holds a start address in 16-byte units in 14 bits: the whole
     // shared window (and any start within it) must stay under 256 KB
@@ -143,6 +155,16 @@ __device__ __forceinline__ void wg_copy_halo(unsigned char* stage, const unsigne
     }
 }
 
+// The output channel (from the block's first) of MMA column n: within each 32 columns, thread
+// quad q's columns 8j + 2q and 8j + 2q + 1 (j = 0..3, the accumulator fragment's) are
+// channels 8q + 2j and 8q + 2j + 1, so each thread holds 8 consecutive channels (16 bytes
+// of output) per 32 columns. The weights are copied in this order; the output is NHWC as
+// ever.
+__device__ __forceinline__ int wg_channel(int n) {
+    const int chunk = n / 32, j = (n % 32) / 8, q = (n % 8) / 2, odd = n % 2;
+    return 32 * chunk + 8 * q + 2 * j + odd;
+}
+
 // Output tile `tile` of a channel tile's walk -> (image, first output row, first column):
 // columns first, so a block's neighbours in the walk share halo columns in L2.
 template <int ROWS, int COLS>
@@ -162,21 +184,22 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
                                            int ho, int wo, int k, int relu, int images) {
     using T = WgTile<CIN, BN, ROWS, COLS>;
     constexpr int COL_TILES = COLS / 64;
+    constexpr int CHUNKS = BN / 32;  // 16-byte loads and stores per output pixel and thread
     // the residual loaded early takes M_TILES * BN / 4 registers: only for the smaller tiles
-    constexpr bool RESIDUAL_EARLY = T::M_TILES * BN / 4 <= 32;
+    constexpr bool RESIDUAL_EARLY = WG_RESIDUAL_EARLY && T::M_TILES * BN / 4 <= 32;
     extern __shared__ float4 shared4[];
     unsigned char* halo_s = reinterpret_cast<unsigned char*>(shared4);  // WG_STAGES x [group][pixel] x 16 bytes
     unsigned char* b_s = halo_s + WG_STAGES * T::HALO_BYTES;            // [tap][group][n] x 16 bytes
     const int tid = threadIdx.x, n0 = blockIdx.y * BN;
     const int all_tiles = ((wo + COLS - 1) / COLS) * ((ho + ROWS - 1) / ROWS) * images;
 
-    // the block's weights, every tap and input channel: (n, tap)'s CIN * 2 bytes read by
-    // GROUPS neighbouring threads
+    // the block's weights, every tap and input channel, MMA column n holding output channel
+    // wg_channel(n): (n, tap)'s CIN * 2 bytes read by GROUPS neighbouring threads
     for (int index = tid; index < 9 * T::GROUPS * BN; index += WG_THREADS) {
         const int group = index % T::GROUPS, rest = index / T::GROUPS;
         const int n = rest % BN, tap = rest / BN;
         cp_async16(b_s + ((tap * T::GROUPS + group) * BN + n) * 16,
-                   w + static_cast<long long>(n0 + n) * 9 * CIN + tap * CIN + group * 8, true);
+                   w + static_cast<long long>(n0 + wg_channel(n)) * 9 * CIN + tap * CIN + group * 8, true);
     }
     int image, oh0, ow0;
     int tile = blockIdx.x;
@@ -186,14 +209,21 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 
-    // this thread's two channels of every n8 column block: bias pairs kept in registers
+    // this thread's columns 8j + 2 * quad (+ 1) hold channels 32 * (j / 4) + 8 * quad + 2 * (j % 4)
+    // (+ 1): 8 consecutive channels per 32 columns, whose bias pairs stay in registers
     const int warp = tid >> 5, group = (tid & 31) >> 2, quad = tid & 3;
     float2 bias_pair[BN / 8];
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) bias_pair[j] = *reinterpret_cast<const float2*>(bias + n0 + 8 * j + 2 * quad);
+    for (int j = 0; j < BN / 8; ++j)
+        bias_pair[j] = *reinterpret_cast<const float2*>(bias + n0 + wg_channel(8 * j + 2 * quad));
 
     const unsigned long long b_first = wg_descriptor(b_s, BN * 16, 128);
     float acc[T::M_TILES][BN / 2];
+    if (WG_OMIT & 1)
+#pragma unroll
+        for (int m = 0; m < T::M_TILES; ++m)
+#pragma unroll
+            for (int j = 0; j < BN / 2; ++j) acc[m][j] = 0.0f;
     bool bad = false;
     for (int step = 0; tile < all_tiles; tile += gridDim.x, ++step) {
         unsigned char* stage = halo_s + (step & 1) * T::HALO_BYTES;
@@ -217,7 +247,8 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
                 for (int m = 0; m < T::M_TILES; ++m) {
                     const int pixel = (m / COL_TILES + dh) * T::HALO_COLS + (m % COL_TILES) * 64 + dw;
                     // the tile's first MMA overwrites the accumulators (scale-d 0)
-                    wgmma_f16<BN>(acc[m], a_first + 2 * ks * T::PIXELS + pixel, b, tap == 0 && ks == 0 ? 0 : 1);
+                    if (!(WG_OMIT & 1))
+                        wgmma_f16<BN>(acc[m], a_first + 2 * ks * T::PIXELS + pixel, b, tap == 0 && ks == 0 ? 0 : 1);
                 }
             }
         }
@@ -227,7 +258,7 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
         // previous tile's MMAs, finished before every thread passed the barrier above)
         const int next = tile + gridDim.x;
         const int here_image = image, here_oh0 = oh0, here_ow0 = ow0;
-        if (next < all_tiles) {
+        if (next < all_tiles && !(WG_OMIT & 4)) {
             wg_tile_origin<ROWS, COLS>(next, ho, wo, image, oh0, ow0);
             wg_copy_halo<CIN, BN, ROWS, COLS>(halo_s + ((step + 1) & 1) * T::HALO_BYTES, x, image, oh0, ow0, h, wd);
         }
@@ -235,8 +266,8 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
 
         // the residual this thread's epilogue adds, loaded while the MMAs run (where the
         // registers allow: RESIDUAL_EARLY), so that no epilogue step waits on memory
-        unsigned early[RESIDUAL_EARLY ? T::M_TILES : 1][2][BN / 8];
-        if (RESIDUAL_EARLY && residual != nullptr) {
+        uint4 early[RESIDUAL_EARLY ? T::M_TILES : 1][2][CHUNKS];
+        if (RESIDUAL_EARLY && residual != nullptr && !(WG_OMIT & 2)) {
 #pragma unroll
             for (int m = 0; m < (RESIDUAL_EARLY ? T::M_TILES : 0); ++m)
 #pragma unroll
@@ -244,10 +275,11 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
                     const int oh = here_oh0 + m / COL_TILES;
                     const int ow = here_ow0 + (m % COL_TILES) * 64 + 16 * warp + group + 8 * half;
                     const bool inside = oh < ho && ow < wo;
-                    const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 2 * quad;
+                    const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 8 * quad;
 #pragma unroll
-                    for (int j = 0; j < BN / 8; ++j)
-                        early[m][half][j] = inside ? __ldg(reinterpret_cast<const unsigned*>(residual + at + 8 * j)) : 0u;
+                    for (int chunk = 0; chunk < CHUNKS; ++chunk)
+                        early[m][half][chunk] =
+                            inside ? __ldg(reinterpret_cast<const uint4*>(residual + at + 32 * chunk)) : make_uint4(0, 0, 0, 0);
                 }
         }
 
@@ -255,31 +287,30 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
         wg_pin(acc);
 
         // Epilogue from the accumulator fragment: row 16 * warp + group (+ 8 for the second
-        // pair of each n8 block) of m64 tile m, channels n0 + 8j + 2 * quad and + 1.
+        // pair of each n8 block) of m64 tile m; per 32 columns, this thread's 8 consecutive
+        // channels (wg_channel): one 16-byte residual load and one 16-byte store, a warp's
+        // covering 8 whole pixels.
 #pragma unroll
         for (int m = 0; m < T::M_TILES; ++m) {
             const int oh = here_oh0 + m / COL_TILES;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int ow = here_ow0 + (m % COL_TILES) * 64 + 16 * warp + group + 8 * half;
-                if (oh >= ho || ow >= wo) continue;
-                const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 2 * quad;
+                if ((WG_OMIT & 2) || oh >= ho || ow >= wo) continue;
+                const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 8 * quad;
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j) {
-                    float v0 = acc[m][4 * j + 2 * half] + bias_pair[j].x;
-                    float v1 = acc[m][4 * j + 2 * half + 1] + bias_pair[j].y;
-                    if (residual != nullptr) {
-                        const float2 r = unpack_half2(RESIDUAL_EARLY ? early[RESIDUAL_EARLY ? m : 0][half][j]
-                                                                     : *reinterpret_cast<const unsigned*>(residual + at + 8 * j));
-                        v0 += r.x;
-                        v1 += r.y;
+                for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+                    float v[8];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int j = 4 * chunk + i;
+                        v[2 * i] = acc[m][4 * j + 2 * half] + bias_pair[j].x;
+                        v[2 * i + 1] = acc[m][4 * j + 2 * half + 1] + bias_pair[j].y;
                     }
-                    if (relu) {
-                        v0 = fmaxf(v0, 0.0f);
-                        v1 = fmaxf(v1, 0.0f);
-                    }
-                    bad |= out_of_half_range(v0) || out_of_half_range(v1);
-                    *reinterpret_cast<unsigned*>(y + at + 8 * j) = pack_half2(v0, v1);
+                    if (residual != nullptr)
+                        add_halves(v, RESIDUAL_EARLY ? early[RESIDUAL_EARLY ? m : 0][half][chunk]
+                                                     : __ldg(reinterpret_cast<const uint4*>(residual + at + 32 * chunk)));
+                    *reinterpret_cast<uint4*>(y + at + 32 * chunk) = relu_check_pack(v, relu, bad);
                 }
             }
         }
