@@ -15,11 +15,21 @@
 //   - the grid is BLOCKS blocks per SM (igemm.wgmma_grid), each walking the output tiles
 //     of one channel tile (blockIdx.y) with a stride of gridDim.x;
 //   - the block's weights (all nine taps, all input channels, BN outputs) are copied once;
-//   - the halo has two stages: while the MMAs of tile t run (asynchronously), the same
-//     threads issue the copies of tile t + 1's halo into the other stage;
+//   - the halo has two stages: while the MMAs of tile t run (asynchronously), tile t + 1's
+//     halo is loaded into the other stage, by the TMA (one thread asks for one box per
+//     channel group; a transaction barrier per stage says when it landed) or, without a
+//     tensor map, by every thread's cp.async;
+//   - the residual a thread adds is loaded into registers while the MMAs run, where the
+//     registers allow (RESIDUAL_EARLY);
 //   - the epilogue reads the accumulators from registers (bias, residual, ReLU, range
-//     check, 4-byte stores of two channels), so no shared memory is staged and another
-//     block's MMAs use the tensor cores meanwhile (BLOCKS per SM: 2 or 3).
+//     check, 16-byte loads and stores of 8 channels: wg_channel), so no shared memory is
+//     staged and another block's MMAs use the tensor cores meanwhile (BLOCKS per SM: 2 or 3).
+//
+// What the stages cost (scripts/time_wgmma_variants.py leaves each out; H100, 3e02174,
+// before the TMA): layer1's 8 x 64 bias + ReLU took 0.182 ms, 0.175 without the MMAs, 0.128
+// without the epilogue's loads and stores, 0.131 without the halo copy, 0.015 with the MMAs
+// alone. The tensor cores are not what bounds it; the memory instructions and their latency
+// with 8 warps per SM are.
 //
 // Tiling: one warpgroup (128 threads) per block computes ROWS output rows x COLS output
 // columns of one image for BN output channels: ROWS * COLS / 64 m64 tiles of 64 consecutive
@@ -33,7 +43,8 @@
 // scripts/probe_wgmma.py):
 //   halo    [channel group of 8][pixel] 16 bytes each: a run of 8 pixels of one halo row is
 //           a core matrix wherever it starts, so the shift by dw (one pixel, 16 bytes) is a
-//           start address (16-byte granular), SBO = 128 bytes, LBO = pixels * 16.
+//           start address (16-byte granular), SBO = 128 bytes, LBO = a group's plane (its
+//           pixels rounded up to 8, so that every plane is a 128-byte aligned TMA box).
 //   weights [tap][channel group][n] 16 bytes each: SBO = 128 bytes, LBO = BN * 16.
 // Every wgmma of a tile is issued back to back, then one commit and one wait.
 //
@@ -42,9 +53,9 @@
 // eager launch's bits.
 //
 // Requirements (checked on the host): a compute capability 9.0 device (sm_90a code), 3x3
-// stride 1 pad 1, cin == CIN, cout % BN == 0, 16-byte aligned x, w and y, 4-byte aligned
-// residual. Compiled for sm_90a by kernels.py (wgmma has no plain sm_90 form), not through
-// CuPy.
+// stride 1 pad 1, cin == CIN, cout % BN == 0, 16-byte aligned x, w, y and residual; the
+// tensor map, where given, describes x (tensor_map.nhwc_box_map). Compiled for sm_90a by
+// kernels.py (wgmma and the TMA have no plain sm_90 form), not through CuPy.
 
 #define WG_THREADS 128  // one warpgroup
 #define WG_STAGES 2     // halo buffers: this tile's and the next one's
@@ -75,6 +86,7 @@ struct WgTile {
     static constexpr int PLANE_PIXELS = (PIXELS + 7) / 8 * 8;
     static constexpr int PLANE_BYTES = PLANE_PIXELS * 16;
     static constexpr int HALO_BYTES = GROUPS * PLANE_BYTES;  // one stage
+    static constexpr int BOX_BYTES = PIXELS * 16;             // what one group's TMA box brings
     static constexpr int B_BYTES = 9 * GROUPS * BN * 16;
     static constexpr int BARRIER_BYTES = WG_STAGES * 8;  // one transaction barrier per stage
     static constexpr int SHARED_BYTES = WG_STAGES * HALO_BYTES + B_BYTES + BARRIER_BYTES;
@@ -160,13 +172,30 @@ __device__ __forceinline__ void wg_barrier_expect(unsigned long long* barrier, i
 }
 
 // Waits until the barrier's phase `parity` (0, 1, 0, ... for its successive uses) completed.
+// A copy that never completes (a tensor map that does not describe x, say) traps after
+// WG_WAIT_NS of waiting, failing the launch with an error instead of hanging the GPU.
+#define WG_WAIT_NS 2000000000ull  // 2 s: a halo's copy takes microseconds
+__device__ __forceinline__ bool wg_barrier_done(unsigned address, int parity) {
+    unsigned done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(address), "r"(parity)
+                 : "memory");
+    return done != 0;
+}
+
+__device__ __forceinline__ unsigned long long wg_nanoseconds() {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+    return now;
+}
+
 __device__ __forceinline__ void wg_barrier_wait(unsigned long long* barrier, int parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(wg_shared_address(barrier)),
-        "r"(parity)
-        : "memory");
+    const unsigned address = wg_shared_address(barrier);
+    if (wg_barrier_done(address, parity)) return;
+    const unsigned long long start = wg_nanoseconds();
+    while (!wg_barrier_done(address, parity))
+        if (wg_nanoseconds() - start > WG_WAIT_NS) __trap();
 }
 
 // The box of the 4-d tensor `map` (a CUtensorMap in global memory) at coordinates (c0..c3,
@@ -195,7 +224,7 @@ __device__ __forceinline__ void wg_load_halo(unsigned char* stage, unsigned long
     using T = WgTile<CIN, BN, ROWS, COLS>;
     if (halo_map != nullptr) {
         if (threadIdx.x == 0) {
-            wg_barrier_expect(barrier, T::HALO_BYTES);
+            wg_barrier_expect(barrier, T::GROUPS * T::BOX_BYTES);  // the boxes, not the padded planes
 #pragma unroll
             for (int group = 0; group < T::GROUPS; ++group)
                 wg_tma_load(stage + group * T::PLANE_BYTES, halo_map, group * 8, ow0 - 1, oh0 - 1, image, barrier);
@@ -392,7 +421,8 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
 }  // namespace
 
 // Entry points: conv_wgmma_c<CIN>_n<BN>_<ROWS>x<COLS>, 3x3 stride 1 only; conv_f16.cu's
-// arguments and then `images`, the batch. grid (min(tiles, BLOCKS x SMs), cout / BN) where
+// arguments, then `images`, the batch, and `halo_map`, the address of x's tensor map in
+// device memory (boxes of 8 channels x (COLS + 2) x (ROWS + 2) x 1 image) or null. grid (min(tiles, BLOCKS x SMs), cout / BN) where
 // tiles = images * ceil(ho / ROWS) * ceil(wo / COLS)
 // (igemm.wgmma_grid), block 128, dynamic shared memory WgTile<CIN, BN, ROWS, COLS>::SHARED_BYTES
 // (igemm.wgmma_shared_bytes computes the same); residual may be null. BLOCKS: the blocks
