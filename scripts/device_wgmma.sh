@@ -1,7 +1,8 @@
 #!/bin/bash
 # conv_wgmma.cu on the device: its tests (REQUIRE_GPU=1), the FP16 bench with PyTorch in the
 # same run (BENCH=0 skips it), the builds of scripts/time_wgmma_variants.py timed
-# (BASELINE=FILE adds another version of the file; VARIANTS=0 skips them), then Nsight
+# (BASELINE=FILE adds another version of the file, VARIANT_BUILDS="a b" names the builds;
+# VARIANTS=0 skips them), then Nsight
 # Compute's view of the engine build's layer1 kernels where the machine's profiler reads
 # counters (NCU=1).
 set -o pipefail
@@ -13,7 +14,7 @@ if [ "${BENCH:-1}" = 1 ]; then
   TESTS=0 TABLE_BATCHES="${TABLE_BATCHES:-1 32}" BENCH_S=${BENCH_S:-200} bash scripts/device_fp16.sh | grep -E '"kind": "(ours|ratio)"|layer[12]|rc ' | cut -c1-240
 fi
 if [ "${VARIANTS:-1}" = 1 ]; then
-  timeout ${VARIANTS_S:-150} python3 scripts/time_wgmma_variants.py ${BASELINE:+--baseline $BASELINE} > $OUT/wgmma-variants.jsonl 2> $OUT/wgmma-variants.err
+  timeout ${VARIANTS_S:-150} python3 scripts/time_wgmma_variants.py ${BASELINE:+--baseline $BASELINE} ${VARIANT_BUILDS:+--builds $VARIANT_BUILDS} > $OUT/wgmma-variants.jsonl 2> $OUT/wgmma-variants.err
   echo "variants rc $? at $SECONDS s"; grep -v '^{' $OUT/wgmma-variants.jsonl; tail -3 $OUT/wgmma-variants.err
 fi
 if [ "${NCU:-0}" = 1 ]; then
