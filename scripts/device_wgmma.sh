@@ -2,9 +2,8 @@
 # conv_wgmma.cu on the device: its tests (REQUIRE_GPU=1), the FP16 bench with PyTorch in the
 # same run (BENCH=0 skips it), the builds of scripts/time_wgmma_variants.py timed
 # (BASELINE=FILE adds another version of the file, VARIANT_BUILDS="a b" names the builds;
-# VARIANTS=0 skips them), then Nsight
-# Compute's view of the engine build's layer1 kernels where the machine's profiler reads
-# counters (NCU=1).
+# VARIANTS=0 skips them), then Nsight Compute's view of the engine build's layer1 kernels
+# where the machine's profiler reads counters (NCU=1).
 set -o pipefail
 source scripts/device_env.sh
 REQUIRE_GPU=1 timeout ${TEST_S:-90} python3 -m pytest -q -s tests/test_gpu_fp16.py -k wgmma > $OUT/wgmma-tests.log 2>&1
