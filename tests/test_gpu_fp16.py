@@ -226,51 +226,6 @@ def test_wgmma_kernels_match_float64(shape, capsys) -> None:
     assert not failures, failures
 
 
-#: layer1, layer2 and the ragged small image of WGMMA_SHAPES
-TMA_SHAPES = [*WGMMA_SHAPES[:2], WGMMA_SHAPES[3]]
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: f"{s[0]}-{s[1]}_{s[2]}x{s[3]}_b{s[4]}")
-def test_wgmma_halo_by_tma_and_by_copies_agree(shape, capsys) -> None:
-    """conv_wgmma.cu loads each tile's halo by the TMA when given the input's tensor map (the
-    engine's way: igemm binds one) and by every thread's cp.async when the map is null. Both
-    must give the same bits, residual epilogue included, on whole and ragged tiles."""
-    import dataclasses
-
-    import cupy
-
-    from speakerd.engine.gpu import igemm
-
-    cin, cout, h, w, batch, _ = shape
-    spec = ConvSpec("test", "test", cin, cout, 3, 1, h, w)
-    capability = str(cupy.cuda.Device().compute_capability)
-    why = igemm.wgmma_why_not(spec, Math.FP16, capability)
-    if why:
-        pytest.skip(why)
-    x, weight, bias, residual = _f16_inputs(spec, batch)
-    y = cupy.empty((batch * h * w, cout), dtype=cupy.float16)
-    flag = cupy.zeros((1,), dtype=cupy.int32)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    sm_count = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-    add = residual if cin == cout else None
-    epilogue = "bias_add_relu" if add is not None else "bias_relu"
-    for variant in igemm.wgmma_candidates_for(spec, Math.FP16, capability):
-        by_tma = igemm.IgemmConv.of(variant, spec, batch, Math.FP16, epilogue, x, weight, bias, add, y, flag,
-                                    sm_count=sm_count)  # fmt: skip
-        halo_map = by_tma.args[-1]
-        assert isinstance(halo_map, cupy.ndarray) and halo_map.nbytes == 128, f"no tensor map: {halo_map!r}"
-        by_copies = dataclasses.replace(by_tma, args=(*by_tma.args[:-1], np.uint64(0)))
-        assert _run(by_tma, y, flag, stream) == 0
-        tma = y.copy()
-        assert _run(by_copies, y, flag, stream) == 0
-        same = bool((y == tma).all())
-        with capsys.disabled():
-            print(f"\n{cin}->{cout} {h}x{w} b{batch} {by_tma.name} {epilogue} TMA == copies: {same}", end="")
-        assert same, f"{by_tma.name}: the TMA's halo and the copies' give different outputs"
-
-
 @pytest.mark.gpu
 @needs_gpu
 def test_f16_kernel_flags_values_out_of_half_range() -> None:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from speakerd.engine.gpu import kernels, maths, tensor_map
+from speakerd.engine.gpu import kernels, maths
 from speakerd.engine.gpu.context import SplitScratch
 from speakerd.engine.gpu.convs import ConvKey
 from speakerd.engine.gpu.timing import OwnKernel
@@ -217,11 +217,9 @@ def wgmma_candidates_for(spec: ConvSpec | ConvKey, math: Math, capability: str) 
 
 def wgmma_shared_bytes(entry: WgmmaEntry) -> int:
     """conv_wgmma.cu's WgTile<cin, tile, rows, cols>::SHARED_BYTES: WGMMA_STAGES halos (all
-    input channels, [channel group][pixel], 16 bytes each, each group's plane rounded up to
-    8 pixels), the block's weights and a transaction barrier (8 bytes) per stage."""
+    input channels, [channel group][pixel], 16 bytes each) and the block's weights."""
     groups, (rows, cols) = entry.cin // 8, entry.pixels
-    plane_pixels = -(-(rows + 2) * (cols + 2) // 8) * 8  # a group's plane, 128-byte aligned for the TMA
-    return WGMMA_STAGES * groups * plane_pixels * 16 + 9 * groups * entry.tile * 16 + WGMMA_STAGES * 8
+    return WGMMA_STAGES * groups * (rows + 2) * (cols + 2) * 16 + 9 * groups * entry.tile * 16
 
 
 def wgmma_grid(spec: ConvSpec, batch: int, entry: WgmmaEntry, sm_count: int) -> tuple[int, int, int]:
@@ -386,12 +384,8 @@ class IgemmConv(OwnKernel):
                 entry = wgmma_entry(spec.cin, tile, pixels)
                 assert split == 1 and sm_count, f"{spec.name}: wgmma kernels need the SM count and no split"
                 grid = wgmma_grid(spec, batch, entry, sm_count)
-                # the input's tensor map, boxes of one tile's halo: the kernel's TMA loads
-                halo = (pixels[0] + 2, pixels[1] + 2)
-                halo_map = tensor_map.nhwc_box_map(x, (batch, spec.h_in, spec.w_in, spec.cin), halo)
-                args = (*args, np.int32(batch), halo_map)
-                return cls(spec, batch, math, tile, pixels, epilogue, args, grid, WGMMA_THREADS,
-                           wgmma_shared_bytes(entry), WGMMA_SOURCE, wgmma=True)  # fmt: skip
+                return cls(spec, batch, math, tile, pixels, epilogue, (*args, np.int32(batch)), grid,
+                           WGMMA_THREADS, wgmma_shared_bytes(entry), WGMMA_SOURCE, wgmma=True)  # fmt: skip
             grid = f16_grid(spec, batch, tile, *pixels, split)
             assert tile in tiles_for(spec, math), f"{spec.name}: tile {tile} not in {tiles_for(spec, math)}"
             assert pixels in pixel_tiles_for(spec, math, tile), (

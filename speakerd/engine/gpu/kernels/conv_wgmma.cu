@@ -15,21 +15,19 @@
 //   - the grid is BLOCKS blocks per SM (igemm.wgmma_grid), each walking the output tiles
 //     of one channel tile (blockIdx.y) with a stride of gridDim.x;
 //   - the block's weights (all nine taps, all input channels, BN outputs) are copied once;
-//   - the halo has two stages: while the MMAs of tile t run (asynchronously), tile t + 1's
-//     halo is loaded into the other stage, by the TMA (one thread asks for one box per
-//     channel group; a transaction barrier per stage says when it landed) or, without a
-//     tensor map, by every thread's cp.async;
+//   - the halo has two stages: while the MMAs of tile t run (asynchronously), the same
+//     threads issue the copies of tile t + 1's halo into the other stage;
 //   - the residual a thread adds is loaded into registers while the MMAs run, where the
 //     registers allow (RESIDUAL_EARLY);
 //   - the epilogue reads the accumulators from registers (bias, residual, ReLU, range
 //     check, 16-byte loads and stores of 8 channels: wg_channel), so no shared memory is
 //     staged and another block's MMAs use the tensor cores meanwhile (BLOCKS per SM: 2 or 3).
 //
-// What the stages cost (scripts/time_wgmma_variants.py leaves each out; H100, 3e02174,
-// before the TMA): layer1's 8 x 64 bias + ReLU took 0.182 ms, 0.175 without the MMAs, 0.128
-// without the epilogue's loads and stores, 0.131 without the halo copy, 0.015 with the MMAs
-// alone. The tensor cores are not what bounds it; the memory instructions and their latency
-// with 8 warps per SM are.
+// What the stages cost (scripts/time_wgmma_variants.py leaves each out; H100, 3e02174):
+// layer1's 8 x 64 bias + ReLU took 0.182 ms, 0.175 without the MMAs, 0.128 without the
+// epilogue's loads and stores, 0.131 without the halo copy, 0.015 with the MMAs alone. The
+// tensor cores are not what bounds it; the memory instructions and their latency with 8
+// warps per SM are (Nsight Compute: an instruction issued on 35% of cycles).
 //
 // Tiling: one warpgroup (128 threads) per block computes ROWS output rows x COLS output
 // columns of one image for BN output channels: ROWS * COLS / 64 m64 tiles of 64 consecutive
@@ -43,8 +41,7 @@
 // scripts/probe_wgmma.py):
 //   halo    [channel group of 8][pixel] 16 bytes each: a run of 8 pixels of one halo row is
 //           a core matrix wherever it starts, so the shift by dw (one pixel, 16 bytes) is a
-//           start address (16-byte granular), SBO = 128 bytes, LBO = a group's plane (its
-//           pixels rounded up to 8, so that every plane is a 128-byte aligned TMA box).
+//           start address (16-byte granular), SBO = 128 bytes, LBO = pixels * 16.
 //   weights [tap][channel group][n] 16 bytes each: SBO = 128 bytes, LBO = BN * 16.
 // Every wgmma of a tile is issued back to back, then one commit and one wait.
 //
@@ -52,10 +49,11 @@
 // steps in one fixed order, in one thread's accumulator), so a replayed graph gives the
 // eager launch's bits.
 //
-// Requirements (checked on the host): a compute capability 9.0 device (sm_90a code), 3x3
-// stride 1 pad 1, cin == CIN, cout % BN == 0, 16-byte aligned x, w, y and residual; the
-// tensor map, where given, describes x (tensor_map.nhwc_box_map). Compiled for sm_90a by
-// kernels.py (wgmma and the TMA have no plain sm_90 form), not through CuPy.
+// Requirements: a compute capability 9.0 device (sm_90a code), 3x3 stride 1 pad 1, cin ==
+// CIN, cout % BN == 0 (the host checks these); 16-byte aligned x, w, y and residual (they
+// hold: every buffer is a CuPy allocation, 256-byte aligned, and a pixel's channels are 64
+// bytes or more). Compiled for sm_90a by kernels.py (wgmma has no plain sm_90 form), not through
+// CuPy.
 
 #define WG_THREADS 128  // one warpgroup
 #define WG_STAGES 2     // halo buffers: this tile's and the next one's
@@ -81,15 +79,9 @@ struct WgTile {
     static constexpr int HALO_COLS = COLS + 2;
     static constexpr int PIXELS = HALO_ROWS * HALO_COLS;
     static constexpr int GROUPS = CIN / 8;
-    // a channel group's plane of the halo, its pixels rounded up to 8: 128-byte aligned, as
-    // the tensor memory accelerator's destinations must be
-    static constexpr int PLANE_PIXELS = (PIXELS + 7) / 8 * 8;
-    static constexpr int PLANE_BYTES = PLANE_PIXELS * 16;
-    static constexpr int HALO_BYTES = GROUPS * PLANE_BYTES;  // one stage
-    static constexpr int BOX_BYTES = PIXELS * 16;             // what one group's TMA box brings
+    static constexpr int HALO_BYTES = GROUPS * PIXELS * 16;  // one stage
     static constexpr int B_BYTES = 9 * GROUPS * BN * 16;
-    static constexpr int BARRIER_BYTES = WG_STAGES * 8;  // one transaction barrier per stage
-    static constexpr int SHARED_BYTES = WG_STAGES * HALO_BYTES + B_BYTES + BARRIER_BYTES;
+    static constexpr int SHARED_BYTES = WG_STAGES * HALO_BYTES + B_BYTES;
     static constexpr int M_TILES = ROWS * COLS / 64;
     static_assert(COLS % 64 == 0, "an m64 tile is 64 pixels of one output row");
     static_assert(CIN % 16 == 0, "a k step is 16 input channels");
@@ -153,84 +145,13 @@ __device__ __forceinline__ void wg_pin(float (&acc)[M][N]) {
         for (int j = 0; j < N; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
 }
 
-// Hopper's tensor memory accelerator (TMA) and the transaction barriers it completes on
-// (mbarrier): one thread asks for a whole box of a tensor; the hardware copies it into shared
-// memory, zero-filling what lies outside the tensor, and counts the bytes on the barrier.
-__device__ __forceinline__ unsigned wg_shared_address(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void wg_barrier_init(unsigned long long* barrier) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(wg_shared_address(barrier)) : "memory");
-}
-
-// The barrier's one arrival, expecting `bytes` of transactions before its phase completes.
-__device__ __forceinline__ void wg_barrier_expect(unsigned long long* barrier, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(wg_shared_address(barrier)),
-                 "r"(bytes)
-                 : "memory");
-}
-
-// Waits until the barrier's phase `parity` (0, 1, 0, ... for its successive uses) completed.
-// A copy that never completes (a tensor map that does not describe x, say) traps after
-// WG_WAIT_NS of waiting, failing the launch with an error instead of hanging the GPU.
-#define WG_WAIT_NS 2000000000ull  // 2 s: a halo's copy takes microseconds
-__device__ __forceinline__ bool wg_barrier_done(unsigned address, int parity) {
-    unsigned done;
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(address), "r"(parity)
-                 : "memory");
-    return done != 0;
-}
-
-__device__ __forceinline__ unsigned long long wg_nanoseconds() {
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
-    return now;
-}
-
-__device__ __forceinline__ void wg_barrier_wait(unsigned long long* barrier, int parity) {
-    const unsigned address = wg_shared_address(barrier);
-    if (wg_barrier_done(address, parity)) return;
-    const unsigned long long start = wg_nanoseconds();
-    while (!wg_barrier_done(address, parity))
-        if (wg_nanoseconds() - start > WG_WAIT_NS) __trap();
-}
-
-// The box of the 4-d tensor `map` (a CUtensorMap in global memory) at coordinates (c0..c3,
-// innermost first, negative allowed) into shared memory at `destination`.
-__device__ __forceinline__ void wg_tma_load(void* destination, const void* map, int c0, int c1, int c2, int c3,
-                                           unsigned long long* barrier) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
-        "%5}], [%6];\n" ::"r"(wg_shared_address(destination)),
-        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(wg_shared_address(barrier))
-        : "memory");
-}
-
-// Loads the halo of the output tile (image, oh0, ow0) into `stage` ([group][pixel] x 16
-// bytes), zeros outside the image.
-//   - With `halo_map` (the input as a tensor map of boxes of 8 channels x HALO_COLS x
-//     HALO_ROWS x 1 image: igemm's halo tensor map): thread 0 asks the TMA for one box per
-//     channel group, completing on `barrier`; no other thread spends an instruction.
-//   - Without: every thread copies 16-byte pieces (cp.async; the caller commits and waits):
-//     a pixel's CIN * 2 bytes read by GROUPS neighbouring threads (coalesced), each landing
-//     in its channel group's plane.
+// Copies the halo of the output tile (image, oh0, ow0) into `stage` ([group][pixel] x 16
+// bytes): a pixel's CIN * 2 bytes are read by GROUPS neighbouring threads (coalesced), each
+// 16 bytes landing in its channel group's plane; zeros outside the image.
 template <int CIN, int BN, int ROWS, int COLS>
-__device__ __forceinline__ void wg_load_halo(unsigned char* stage, unsigned long long* barrier, const void* halo_map,
-                                             const unsigned short* __restrict__ x, int image, int oh0, int ow0, int h,
-                                             int wd) {
+__device__ __forceinline__ void wg_copy_halo(unsigned char* stage, const unsigned short* __restrict__ x, int image,
+                                             int oh0, int ow0, int h, int wd) {
     using T = WgTile<CIN, BN, ROWS, COLS>;
-    if (halo_map != nullptr) {
-        if (threadIdx.x == 0) {
-            wg_barrier_expect(barrier, T::GROUPS * T::BOX_BYTES);  // the boxes, not the padded planes
-#pragma unroll
-            for (int group = 0; group < T::GROUPS; ++group)
-                wg_tma_load(stage + group * T::PLANE_BYTES, halo_map, group * 8, ow0 - 1, oh0 - 1, image, barrier);
-        }
-        return;
-    }
     const long long image_base = static_cast<long long>(image) * h * wd * CIN;
     for (int index = threadIdx.x; index < T::PIXELS * T::GROUPS; index += WG_THREADS) {
         const int pixel = index / T::GROUPS, group = index - pixel * T::GROUPS;
@@ -239,7 +160,7 @@ __device__ __forceinline__ void wg_load_halo(unsigned char* stage, unsigned long
         const bool inside =
             static_cast<unsigned>(ih) < static_cast<unsigned>(h) && static_cast<unsigned>(iw) < static_cast<unsigned>(wd);
         const unsigned short* source = inside ? x + image_base + (static_cast<long long>(ih) * wd + iw) * CIN + group * 8 : x;
-        cp_async16(stage + (group * T::PLANE_PIXELS + pixel) * 16, source, inside);
+        cp_async16(stage + (group * T::PIXELS + pixel) * 16, source, inside);
     }
 }
 
@@ -269,7 +190,7 @@ template <int CIN, int BN, int ROWS, int COLS>
 __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
                                            const float* __restrict__ bias, const unsigned short* __restrict__ residual,
                                            unsigned short* __restrict__ y, int* __restrict__ flag, int h, int wd, int c,
-                                           int ho, int wo, int k, int relu, int images, const void* halo_map) {
+                                           int ho, int wo, int k, int relu, int images) {
     using T = WgTile<CIN, BN, ROWS, COLS>;
     constexpr int COL_TILES = COLS / 64;
     constexpr int CHUNKS = BN / 32;  // 16-byte loads and stores per output pixel and thread
@@ -278,15 +199,8 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
     extern __shared__ float4 shared4[];
     unsigned char* halo_s = reinterpret_cast<unsigned char*>(shared4);  // WG_STAGES x [group][pixel] x 16 bytes
     unsigned char* b_s = halo_s + WG_STAGES * T::HALO_BYTES;            // [tap][group][n] x 16 bytes
-    unsigned long long* barriers = reinterpret_cast<unsigned long long*>(b_s + T::B_BYTES);  // one per stage
     const int tid = threadIdx.x, n0 = blockIdx.y * BN;
     const int all_tiles = ((wo + COLS - 1) / COLS) * ((ho + ROWS - 1) / ROWS) * images;
-    if (halo_map != nullptr && tid == 0) {
-#pragma unroll
-        for (int s = 0; s < WG_STAGES; ++s) wg_barrier_init(&barriers[s]);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();  // the barriers are initialised before the TMA completes on one or a thread waits
 
     // the block's weights, every tap and input channel, MMA column n holding output channel
     // wg_channel(n): (n, tap)'s CIN * 2 bytes read by GROUPS neighbouring threads
@@ -300,7 +214,7 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
     int tile = blockIdx.x;
     if (tile < all_tiles) {
         wg_tile_origin<ROWS, COLS>(tile, ho, wo, image, oh0, ow0);
-        wg_load_halo<CIN, BN, ROWS, COLS>(halo_s, &barriers[0], halo_map, x, image, oh0, ow0, h, wd);
+        wg_copy_halo<CIN, BN, ROWS, COLS>(halo_s, x, image, oh0, ow0, h, wd);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 
@@ -325,12 +239,9 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         // the copies are ordinary (generic-proxy) writes; wgmma reads through the async proxy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        // the TMA's copies (async proxy, as wgmma's reads) are complete once the barrier says
-        // (with WG_OMIT's 4 only the first tile's halo is loaded: nothing else to wait for)
-        if (halo_map != nullptr && !((WG_OMIT & 4) && step > 0)) wg_barrier_wait(&barriers[step & 1], (step >> 1) & 1);
         __syncthreads();
 
-        const unsigned long long a_first = wg_descriptor(stage, T::PLANE_BYTES, 128);
+        const unsigned long long a_first = wg_descriptor(stage, T::PIXELS * 16, 128);
         wg_pin(acc);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
@@ -346,7 +257,7 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
                     const int pixel = (m / COL_TILES + dh) * T::HALO_COLS + (m % COL_TILES) * 64 + dw;
                     // the tile's first MMA overwrites the accumulators (scale-d 0)
                     if (!(WG_OMIT & 1))
-                        wgmma_f16<BN>(acc[m], a_first + 2 * ks * T::PLANE_PIXELS + pixel, b, tap == 0 && ks == 0 ? 0 : 1);
+                        wgmma_f16<BN>(acc[m], a_first + 2 * ks * T::PIXELS + pixel, b, tap == 0 && ks == 0 ? 0 : 1);
                 }
             }
         }
@@ -358,8 +269,7 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
         const int here_image = image, here_oh0 = oh0, here_ow0 = ow0;
         if (next < all_tiles && !(WG_OMIT & 4)) {
             wg_tile_origin<ROWS, COLS>(next, ho, wo, image, oh0, ow0);
-            wg_load_halo<CIN, BN, ROWS, COLS>(halo_s + ((step + 1) & 1) * T::HALO_BYTES, &barriers[(step + 1) & 1],
-                                              halo_map, x, image, oh0, ow0, h, wd);
+            wg_copy_halo<CIN, BN, ROWS, COLS>(halo_s + ((step + 1) & 1) * T::HALO_BYTES, x, image, oh0, ow0, h, wd);
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
 
@@ -421,8 +331,7 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
 }  // namespace
 
 // Entry points: conv_wgmma_c<CIN>_n<BN>_<ROWS>x<COLS>, 3x3 stride 1 only; conv_f16.cu's
-// arguments, then `images`, the batch, and `halo_map`, the address of x's tensor map in
-// device memory (boxes of 8 channels x (COLS + 2) x (ROWS + 2) x 1 image) or null. grid (min(tiles, BLOCKS x SMs), cout / BN) where
+// arguments and then `images`, the batch. grid (min(tiles, BLOCKS x SMs), cout / BN) where
 // tiles = images * ceil(ho / ROWS) * ceil(wo / COLS)
 // (igemm.wgmma_grid), block 128, dynamic shared memory WgTile<CIN, BN, ROWS, COLS>::SHARED_BYTES
 // (igemm.wgmma_shared_bytes computes the same); residual may be null. BLOCKS: the blocks
@@ -435,8 +344,8 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
     extern "C" __global__ __launch_bounds__(WG_THREADS, BLOCKS) void conv_wgmma_c##CIN##_n##BN##_##ROWS##x##COLS( \
         const unsigned short* __restrict__ x, const unsigned short* __restrict__ w, const float* __restrict__ bias, \
         const unsigned short* __restrict__ residual, unsigned short* __restrict__ y, int* __restrict__ flag, int h,  \
-        int wd, int c, int ho, int wo, int k, int relu, int images, const void* halo_map) {                   \
-        conv_wgmma<CIN, BN, ROWS, COLS>(x, w, bias, residual, y, flag, h, wd, c, ho, wo, k, relu, images, halo_map); \
+        int wd, int c, int ho, int wo, int k, int relu, int images) {                                          \
+        conv_wgmma<CIN, BN, ROWS, COLS>(x, w, bias, residual, y, flag, h, wd, c, ho, wo, k, relu, images);  \
     }
 WG_ENTRY(32, 32, 8, 64, 2)
 WG_ENTRY(32, 32, 4, 64, 3)
