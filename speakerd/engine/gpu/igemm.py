@@ -380,6 +380,10 @@ class IgemmConv(OwnKernel):
             sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout)
             args = (x, w, bias, residual, y, flag, *(np.int32(v) for v in sizes), relu)
             assert pixels is not None, f"{spec.name}: FP16 kernels take a pixel tile"
+            # both FP16 families move halves 16 bytes (8 channels) at a time
+            buffers = (x, w, y) if residual is null else (x, w, y, residual)
+            misaligned = [hex(b.data.ptr) for b in buffers if b.data.ptr % 16]
+            assert not misaligned, f"{spec.name}: FP16 kernels need 16-byte aligned buffers, not {misaligned}"
             if wgmma:
                 entry = wgmma_entry(spec.cin, tile, pixels)
                 assert split == 1 and sm_count, f"{spec.name}: wgmma kernels need the SM count and no split"
