@@ -17,6 +17,7 @@ Prints one JSON line per (build, kernel, epilogue), then a table of the times. W
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 from pathlib import Path
@@ -26,6 +27,7 @@ import cupy
 from speakerd.engine.gpu import igemm, kernels
 from speakerd.engine.gpu.timing import fill_random, time_launches
 from speakerd.model.architecture import ConvSpec
+from speakerd.model.numerics import Math
 
 #: build name -> the switches it compiles conv_wgmma.cu with ({} is the engine's build)
 BUILDS: dict[str, dict[str, int]] = {
@@ -80,35 +82,35 @@ def main() -> None:
             y = cupy.empty((pixels, spec.cout), dtype=cupy.float16)
             flag = cupy.zeros((1,), dtype=cupy.int32)
             flops = 2 * pixels * spec.cout * 9 * spec.cin
-            entries = [e for e in igemm.WGMMA_ENTRIES if e.cin == spec.cin]
-            for name, module in modules.items():
-                for entry in entries:
-                    kernel = module.get_function(igemm.wgmma_kernel_name(entry))
-                    shared = igemm.wgmma_shared_bytes(entry)
-                    kernel.max_dynamic_shared_size_bytes = shared
-                    grid = igemm.wgmma_grid(spec, BATCH, entry, sm_count)
-                    for epilogue, add in (("bias_relu", 0), ("bias_add_relu", residual.data.ptr)):
-                        sizes = (spec.h_in, spec.w_in, spec.cin, spec.h_out, spec.w_out, spec.cout, 1, BATCH)
-                        args = (x, w, bias, cupy.uint64(add), y, flag, *(cupy.int32(v) for v in sizes))
+            epilogues = (("bias_relu", None), ("bias_add_relu", residual))
+            variants = igemm.wgmma_candidates_for(spec, Math.FP16, str(device.compute_capability))
+            for variant, (epilogue, add) in itertools.product(variants, epilogues):
+                # the engine's binding (arguments, grid, block, shared memory), each build's
+                # entry point of the same name launched with it
+                conv = igemm.IgemmConv.of(variant, spec, BATCH, Math.FP16, epilogue, x, w, bias, add, y, flag,
+                                          sm_count=sm_count)  # fmt: skip
+                key = (conv.name, epilogue)
+                for name, module in modules.items():
+                    kernel = module.get_function(conv.name)
+                    kernel.max_dynamic_shared_size_bytes = conv.shared
 
-                        def launch(on, kernel=kernel, grid=grid, args=args, shared=shared) -> None:
-                            kernel(grid, (igemm.WGMMA_THREADS, 1, 1), args, shared_mem=shared, stream=on)
+                    def launch(on, kernel=kernel, conv=conv) -> None:
+                        kernel(conv.grid, (conv.threads, 1, 1), conv.args, shared_mem=conv.shared, stream=on)
 
-                        y.fill(cupy.float16("nan"))
-                        launch(stream)
-                        if options.launch_once:
-                            continue
-                        key = (igemm.wgmma_kernel_name(entry), epilogue)
-                        if name == "engine":
-                            engine_bits[key] = y.copy()
-                        exact = not sources[name][1].get("WG_OMIT", 0) and key in engine_bits
-                        same = bool(cupy.array_equal(y, engine_bits[key])) if exact else None
-                        ms = time_launches(launch, stream)
-                        row = {"build": name, "conv": spec.name, "kernel": key[0], "epilogue": epilogue,
-                               "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "grid": list(grid),
-                               "same_bits": same}  # fmt: skip
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                    y.fill(cupy.float16("nan"))
+                    launch(stream)
+                    if options.launch_once:
+                        continue
+                    if name == "engine":
+                        engine_bits[key] = y.copy()
+                    exact = not sources[name][1].get("WG_OMIT", 0) and key in engine_bits
+                    same = bool(cupy.array_equal(y, engine_bits[key])) if exact else None
+                    ms = time_launches(launch, stream)
+                    row = {"build": name, "conv": spec.name, "kernel": conv.name, "epilogue": epilogue,
+                           "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "grid": list(conv.grid),
+                           "same_bits": same}  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
         stream.synchronize()
     if rows:
         print(f"{'kernel':<26} {'epilogue':<14}" + "".join(f"{name[:16]:>17}" for name in modules))
