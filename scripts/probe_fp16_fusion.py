@@ -12,7 +12,13 @@ from bare conv + the epilogue in float32, the reduction against the true max, wh
 reduction overwrites or accumulates into its output (prefilled with 1e30), and, with the
 weights scaled far beyond FP16's range, what the reduction and Y hold.
 
-    python scripts/probe_fp16_fusion.py [--plans 6] [--batches 32,1]
+    python scripts/probe_fp16_fusion.py [--plans 6] [--batches 32,1] [--modes A,FALLBACK]
+        [--variants bare,fused,fused_amax,fused_cmax] [--shapes layer3.conv2,...]
+
+`--modes` names cuDNN's heuristic modes whose plans are listed (the engine asks A and
+FALLBACK: convs.py); B, and more `--plans`, tell whether cuDNN has a faster plan than the
+engine tries, e.g. for b1's layer3 and layer4 convolutions (~11-13 us each, launch- and
+occupancy-bound): `--batches 1 --modes A,B,FALLBACK --plans 40 --variants fused_amax`.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def say(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def build(shape, batch: int, variant: str, handle):
+def build(shape, batch: int, variant: str, handle, modes: tuple[str, ...] = ("A", "FALLBACK")):
     import cudnn
 
     from speakerd.engine.gpu import maths
@@ -82,12 +88,14 @@ def build(shape, batch: int, variant: str, handle):
         tensors["A"] = a
     graph.validate()
     graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.create_execution_plans([getattr(cudnn.heur_mode, mode) for mode in modes])
     graph.deselect_numeric_notes(maths.of(Math.FP16).cudnn_notes())
     return graph, tensors
 
 
-def probe(shape, batch: int, max_plans: int, handle, stream) -> None:
+def probe(
+    shape, batch: int, max_plans: int, handle, stream, modes: tuple[str, ...], variants: tuple[str, ...]
+) -> None:
     import cupy
 
     from speakerd.engine.gpu.convs import _capture_one
@@ -109,10 +117,11 @@ def probe(shape, batch: int, max_plans: int, handle, stream) -> None:
     pointers = {"X": x.data.ptr, "W": weight.data.ptr, "B": bias.data.ptr, "Z": z.data.ptr, "Y": y.data.ptr,
                 "A": a.data.ptr}  # fmt: skip
     reference = None
-    for variant in VARIANTS:
+    # the bare conv's output is every fused variant's reference: it runs first, whatever was asked
+    for variant in ("bare", *(v for v in variants if v != "bare")):
         started = time.perf_counter()
         try:
-            graph, tensors = build(shape, batch, variant, handle)
+            graph, tensors = build(shape, batch, variant, handle, modes)
         except Exception as error:
             why = f"{type(error).__name__}: {error}"[:400]
             say(shape=name, batch=batch, variant=variant, built=False, error=why)
@@ -189,14 +198,29 @@ def probe(shape, batch: int, max_plans: int, handle, stream) -> None:
 
 
 def main() -> None:
-    import cudnn
-    import cupy
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--plans", type=int, default=6)
     parser.add_argument("--batches", default="32,1")
     parser.add_argument("--shapes", default="", help="comma-separated names (default: all)")
+    parser.add_argument(
+        "--modes", default="A,FALLBACK", help="cuDNN heuristic modes, comma-separated (A, B, FALLBACK)"
+    )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+    )
     args = parser.parse_args()
+    modes = tuple(filter(None, args.modes.split(",")))
+    unknown = sorted(set(modes) - {"A", "B", "FALLBACK"})
+    if unknown:
+        parser.error(f"--modes: {', '.join(unknown)} is no cuDNN heuristic mode; use A, B or FALLBACK")
+    variants = tuple(filter(None, args.variants.split(",")))
+    if not variants or set(variants) - set(VARIANTS):
+        parser.error(
+            f"--variants: expected a comma-separated subset of {', '.join(VARIANTS)}, not {args.variants!r}"
+        )
+    import cudnn
+    import cupy
+
     stream = cupy.cuda.Stream(non_blocking=True)
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=stream.ptr)
@@ -206,9 +230,9 @@ def main() -> None:
         for shape in SHAPES:
             if wanted and shape[0] not in wanted:
                 continue
-            if batch == 1 and shape[1] < 128 and shape[0] != "layer4.0.shortcut":
-                continue  # at b1 our kernels already run layers 1-2
-            probe(shape, batch, args.plans, handle, stream)
+            if not wanted and batch == 1 and shape[1] < 128 and shape[0] != "layer4.0.shortcut":
+                continue  # by default b1 probes layers 3-4 (cuDNN's at b1); --shapes names any
+            probe(shape, batch, args.plans, handle, stream, modes, variants)
 
 
 if __name__ == "__main__":
