@@ -1,8 +1,9 @@
 #!/bin/bash
 # The H200 test run: our conv kernels against float64 (FP32/TF32 and FP16), the FP16 range
 # fallback, the GPU engine tests (FP32, TF32, FP16), and fbank on the GPU (kernels against
-# NumPy and kaldi-native-fbank; recordings and waveform chunks through the engine), all with
-# REQUIRE_GPU=1.
+# NumPy and kaldi-native-fbank; recordings and waveform chunks through the engine), the
+# held enqueue, then the one-kernel BasicBlock's tests in the time left of BUDGET_S (560 s:
+# a device call runs at most 600), all with REQUIRE_GPU=1.
 set -o pipefail
 source scripts/device_env.sh
 # KERNEL_TESTS=0: the engine tests only (a short re-run after an engine-only change)
@@ -16,3 +17,13 @@ echo "tests at $SECONDS s"
 REQUIRE_GPU=1 timeout ${FBANK_TEST_S:-200} python3 -m pytest -q -s tests/test_gpu_fbank.py tests/test_gpu_recording.py 2>&1 \
   | tee $OUT/fbank-tests.log | grep -E "[0-9]+ (passed|failed)|FAILED|ERROR|GPU recording|device rows|recording gpu|waveform rows" | cut -c1-240 | head -30
 echo "fbank tests at $SECONDS s"
+REQUIRE_GPU=1 timeout 60 python3 -m pytest -q -s tests/test_gpu_held.py 2>&1 \
+  | tee $OUT/held-tests.log | grep -E "steps|[0-9]+ (passed|failed)|FAILED|ERROR" | cut -c1-220 | head -6
+LEFT=$(( ${BUDGET_S:-560} - SECONDS ))
+if [ "$LEFT" -gt 30 ]; then
+  REQUIRE_GPU=1 timeout $LEFT python3 -m pytest -q -s tests/test_gpu_block.py 2>&1 | tee $OUT/block-tests.log \
+    | grep -E "^block|[0-9]+ (passed|failed)|FAILED|ERROR" | cut -c1-240 | head -20
+else
+  echo "block tests not run: $LEFT s left of BUDGET_S"
+fi
+echo "all tests at $SECONDS s"
