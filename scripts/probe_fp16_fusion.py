@@ -12,11 +12,11 @@ from bare conv + the epilogue in float32, the reduction against the true max, wh
 reduction overwrites or accumulates into its output (prefilled with 1e30), and, with the
 weights scaled far beyond FP16's range, what the reduction and Y hold.
 
-    python scripts/probe_fp16_fusion.py [--plans 6] [--batches 32,1] [--modes A,FALLBACK]
+    python scripts/probe_fp16_fusion.py [--plans 6] [--batches 32,1] [--modes A,B,FALLBACK]
         [--variants bare,fused,fused_amax,fused_cmax] [--shapes layer3.conv2,...]
 
-`--modes` names cuDNN's heuristic modes whose plans are listed (the engine asks A and
-FALLBACK: convs.py); B, and more `--plans`, tell whether cuDNN has a faster plan than the
+`--modes` names cuDNN's heuristic modes whose plans are listed (by default the engine's,
+convs.HEURISTIC_MODES); B, and more `--plans`, tell whether cuDNN has a faster plan than the
 engine tries, e.g. for b1's layer3 and layer4 convolutions (~11-13 us each, launch- and
 occupancy-bound): `--batches 1 --modes A,B,FALLBACK --plans 40 --variants fused_amax`.
 """
@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from speakerd.engine.gpu.convs import HEURISTIC_MODES
 
 #: (name, cin, cout, kernel, stride, h_in, w_in, epilogue): the trunk's cuDNN-run shapes
 SHAPES = (
@@ -51,7 +53,7 @@ def say(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def build(shape, batch: int, variant: str, handle, modes: tuple[str, ...] = ("A", "FALLBACK")):
+def build(shape, batch: int, variant: str, handle, modes: tuple[str, ...]):
     import cudnn
 
     from speakerd.engine.gpu import maths
@@ -203,7 +205,9 @@ def main() -> None:
     parser.add_argument("--batches", default="32,1")
     parser.add_argument("--shapes", default="", help="comma-separated names (default: all)")
     parser.add_argument(
-        "--modes", default="A,FALLBACK", help="cuDNN heuristic modes, comma-separated (A, B, FALLBACK)"
+        "--modes",
+        default=",".join(HEURISTIC_MODES),
+        help="cuDNN heuristic modes, comma-separated (A, B, FALLBACK)",
     )
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"

@@ -58,6 +58,9 @@ MAX_PLANS = 12
 #: the first six was among the first five for all twelve trunk shapes probed
 #: (measurements/2026-12-04-h200-fp16-fusion-probe-97780cc.jsonl).
 MAX_RANGE_FUSED_PLANS = 5
+#: cuDNN's heuristic modes whose execution plans are timed (cudnn.heur_mode names): A's
+#: ranked list and the FALLBACK engines; scripts/probe_fp16_fusion.py --modes asks others.
+HEURISTIC_MODES = ("A", "FALLBACK")
 #: Plans needing more workspace than this are not candidates. Strict FP32's fastest plans
 #: need a lot: eng70 ran layer1's b32 conv in 2.10 ms with 654 MB of workspace where the
 #: best plan without workspace took 4.79 ms, layer2's in 1.40 ms with 327 MB vs 4.68
@@ -233,7 +236,7 @@ def build_graph(key: ConvKey, handle):
         tensors["A"] = amax
     graph.validate()
     graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.create_execution_plans([getattr(cudnn.heur_mode, mode) for mode in HEURISTIC_MODES])
     graph.deselect_numeric_notes(excluded_notes(key.math))
     return graph, tensors
 

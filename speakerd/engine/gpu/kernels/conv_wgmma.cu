@@ -185,6 +185,18 @@ __device__ __forceinline__ void wg_tile_origin(int tile, int ho, int wo, int& im
     oh0 = (z - image * row_blocks) * ROWS;
 }
 
+// The output column of the accumulator fragment's row 16 * warp + group (+ 8 for the second
+// pair of each n8 block: half 1) of m64 tile m, in the tile at column ow0.
+template <int COLS>
+__device__ __forceinline__ int wg_output_column(int ow0, int m, int warp, int group, int half) {
+    return ow0 + (m % (COLS / 64)) * 64 + 16 * warp + group + 8 * half;
+}
+
+// The offset of `channel` at output pixel (image, oh, ow) of the NHWC output (and residual).
+__device__ __forceinline__ long long wg_output_offset(int image, int oh, int ow, int ho, int wo, int k, int channel) {
+    return ((static_cast<long long>(image) * ho + oh) * wo + ow) * k + channel;
+}
+
 // `c` is conv_f16.cu's argument, unread here: the channels are CIN (the host checked c == CIN).
 template <int CIN, int BN, int ROWS, int COLS>
 __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
@@ -276,20 +288,22 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
         // the residual this thread's epilogue adds, loaded while the MMAs run (where the
         // registers allow: RESIDUAL_EARLY), so that no epilogue step waits on memory
         uint4 early[RESIDUAL_EARLY ? T::M_TILES : 1][2][CHUNKS];
-        if (RESIDUAL_EARLY && residual != nullptr && !(WG_OMIT & 2)) {
+        if constexpr (RESIDUAL_EARLY) {
+            if (residual != nullptr && !(WG_OMIT & 2)) {
 #pragma unroll
-            for (int m = 0; m < (RESIDUAL_EARLY ? T::M_TILES : 0); ++m)
+                for (int m = 0; m < T::M_TILES; ++m)
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int oh = here_oh0 + m / COL_TILES;
-                    const int ow = here_ow0 + (m % COL_TILES) * 64 + 16 * warp + group + 8 * half;
-                    const bool inside = oh < ho && ow < wo;
-                    const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 8 * quad;
+                    for (int half = 0; half < 2; ++half) {
+                        const int oh = here_oh0 + m / COL_TILES;
+                        const int ow = wg_output_column<COLS>(here_ow0, m, warp, group, half);
+                        const bool inside = oh < ho && ow < wo;
+                        const long long at = wg_output_offset(here_image, oh, ow, ho, wo, k, n0 + 8 * quad);
 #pragma unroll
-                    for (int chunk = 0; chunk < CHUNKS; ++chunk)
-                        early[m][half][chunk] =
-                            inside ? __ldg(reinterpret_cast<const uint4*>(residual + at + 32 * chunk)) : make_uint4(0, 0, 0, 0);
-                }
+                        for (int chunk = 0; chunk < CHUNKS; ++chunk)
+                            early[m][half][chunk] = inside ? __ldg(reinterpret_cast<const uint4*>(residual + at + 32 * chunk))
+                                                           : make_uint4(0, 0, 0, 0);
+                    }
+            }
         }
 
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -304,9 +318,9 @@ __device__ __forceinline__ void conv_wgmma(const unsigned short* __restrict__ x,
             const int oh = here_oh0 + m / COL_TILES;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int ow = here_ow0 + (m % COL_TILES) * 64 + 16 * warp + group + 8 * half;
+                const int ow = wg_output_column<COLS>(here_ow0, m, warp, group, half);
                 if ((WG_OMIT & 2) || oh >= ho || ow >= wo) continue;
-                const long long at = ((static_cast<long long>(here_image) * ho + oh) * wo + ow) * k + n0 + 8 * quad;
+                const long long at = wg_output_offset(here_image, oh, ow, ho, wo, k, n0 + 8 * quad);
 #pragma unroll
                 for (int chunk = 0; chunk < CHUNKS; ++chunk) {
                     float v[8];
