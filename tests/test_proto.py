@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,40 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
         fresh = (tmp_path / PROTO.parent / name).read_text()
         committed = (ROOT / PROTO.parent / name).read_text()
         assert fresh == committed, f"{PROTO.parent / name} is stale: run `make proto` and commit it"
+
+
+def _requirement(requirements: list[str], name: str) -> str:
+    """The version specifier pyproject.toml gives `name` (exactly one line must name it)."""
+    found = [r for r in requirements if re.match(rf"{re.escape(name)}\s*[<>=!~]", r)]
+    assert len(found) == 1, f"pyproject.toml names {name} {len(found)} times: {found}"
+    return found[0][len(name) :].strip()
+
+
+def test_generator_pin_and_runtime_floors_match_the_stubs() -> None:
+    """The stubs record the grpcio-tools and protobuf versions that wrote them and refuse older
+    runtimes. So the generator is pinned to exactly that version (a new patch release on the
+    registry cannot change `make proto`'s output) and the package's runtime floors are those
+    versions: installing speakerd never gives a grpcio or protobuf the stubs reject at import."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    stubs = ROOT / PROTO.parent
+    grpc_generated = re.search(
+        r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (stubs / "speakerd_pb2_grpc.py").read_text()
+    )
+    protobuf_generated = re.search(
+        r"# Protobuf Python Version: ([0-9.]+)", (stubs / "speakerd_pb2.py").read_text()
+    )
+    assert grpc_generated and protobuf_generated, "the stubs no longer record their generator versions"
+    dev = project["optional-dependencies"]["dev"]
+    assert _requirement(dev, "grpcio-tools") == f"=={grpc_generated[1]}", (
+        f"the dev extra must pin grpcio-tools=={grpc_generated[1]}, the version that wrote the stubs"
+    )
+    runtime = project["dependencies"]
+    for name, floor in (("grpcio", grpc_generated[1]), ("grpcio-status", grpc_generated[1]),
+                        ("protobuf", protobuf_generated[1])):  # fmt: skip
+        assert _requirement(runtime, name).startswith(f">={floor},"), (
+            f"{name}'s floor must be {floor}, what the stubs demand; "
+            f"pyproject.toml says {_requirement(runtime, name)}"
+        )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint8, ">f4"])
