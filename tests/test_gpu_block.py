@@ -24,6 +24,7 @@ import pytest
 
 from speakerd.model.architecture import BLOCKS, EMBEDDING_DIM, MAX_SPEAKERS, TAP_NAMES, BlockSpec, ConvSpec
 from speakerd.model.numerics import BOUNDS, Math, compare
+from tests.gpu_streams import ordered_stream
 from tests.test_gpu_engine import needs_gpu
 from tests.test_gpu_igemm import _reference as conv_reference
 
@@ -59,7 +60,7 @@ def _pair(block: BlockSpec, batch: int, x, w1, b1, w2, b2, flag):
     from speakerd.engine.gpu import igemm
 
     hidden, y = cupy.empty_like(x), cupy.empty_like(x)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     bind, tile = igemm.IgemmConv.bind, (8, 32)
     first = bind(block.conv1, batch, Math.FP16, 32, "bias_relu", x, w1, b1, None, hidden, flag, tile)
     second = bind(block.conv2, batch, Math.FP16, 32, "bias_add_relu", hidden, w2, b2, x, y, flag, tile)
@@ -76,7 +77,7 @@ def _fused(block: BlockSpec, batch: int, variant, x, w1, b1, w2, b2, flag, hidde
     from speakerd.engine.gpu import block as fused
 
     y = cupy.full_like(x, np.nan)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     sm_count = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     kernel = fused.BlockKernel.bind(block, batch, variant, x, w1, b1, w2, b2, y, flag, sm_count, hidden)
     with stream:

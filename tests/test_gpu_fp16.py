@@ -32,6 +32,7 @@ import pytest
 
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, STEM, ConvSpec
 from speakerd.model.numerics import BOUNDS, Math, compare
+from tests.gpu_streams import ordered_stream
 from tests.test_gpu_engine import needs_gpu
 from tests.test_gpu_igemm import _reference, gpu_over_shapes, spec_of
 
@@ -106,7 +107,7 @@ def _f16_kernel_failures(spec: ConvSpec, batch: int, variants, capsys, replay: b
     x, weight, bias, residual = _f16_inputs(spec, batch)
     y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
     flag = cupy.zeros((1,), dtype=cupy.int32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     scratch = SplitScratch(stream)
     sm_count = sm_count or int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
@@ -237,7 +238,7 @@ def test_f16_kernel_flags_values_out_of_half_range() -> None:
     x, weight, bias, _ = _f16_inputs(spec, 2)
     y = cupy.empty((2 * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
     flag = cupy.zeros((1,), dtype=cupy.int32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     pixels = igemm.F16_PIXEL_TILES[(3, 1, 64)][0]  # the range check is the same code in every tile
     normal = igemm.IgemmConv.bind(spec, 2, Math.FP16, 64, "bias_relu", x, weight, bias, None, y, flag, pixels)
     assert _run(normal, y, flag, stream) == 0, "flag raised on normal data"
@@ -278,7 +279,7 @@ def test_fused_cudnn_graph_range_check_raises_the_flag_through_the_pool_kernel(e
     y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float16)
     amax = cupy.zeros((4,), dtype=cupy.float32)
     flag = cupy.zeros((1,), dtype=cupy.int32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=stream.ptr)
     add = residual if epilogue == "bias_add_relu" else None
@@ -343,7 +344,7 @@ def test_stem_kernels_match_float64(capsys) -> None:
     bias = random.standard_normal((STEM.cout,), dtype=cupy.float32)
     reference = _reference(x[..., None], w, bias, None, 3, 1, True)
     flag = cupy.zeros((1,), dtype=cupy.int32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     for math, dtype, bound in (
         (Math.TF32, cupy.float32, STEM_F32_BOUND),
         (Math.FP16, cupy.float16, F16_BOUND),

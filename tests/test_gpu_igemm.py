@@ -17,6 +17,7 @@ import pytest
 
 from speakerd.model.architecture import ConvSpec
 from speakerd.model.numerics import Math
+from tests.gpu_streams import ordered_stream
 from tests.test_gpu_engine import needs_gpu
 from tests.test_kernels_compile import NO_NVRTC
 
@@ -64,7 +65,7 @@ def _cudnn_strict(spec: ConvSpec, batch: int, x, weight):
     from speakerd.engine.gpu.convs import ConvKey, time_plans
 
     handle = cudnn.create_handle()
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     cudnn.set_stream(handle=handle, stream=stream.ptr)
     y = cupy.empty((batch * spec.h_out * spec.w_out, spec.cout), dtype=cupy.float32)
     buffers = {"X": x.data.ptr, "W": weight.data.ptr, "Y": y.data.ptr}
@@ -109,7 +110,7 @@ def test_kernel_matches_float64(shape, capsys) -> None:
     pixels = batch * spec.h_out * spec.w_out
     residual = random.standard_normal((pixels, cout), dtype=cupy.float32)
     y = cupy.empty((pixels, cout), dtype=cupy.float32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = ordered_stream()
     epilogues = ["bias_only", "bias_relu"] + (["bias_add_relu"] if stride == 1 and cin == cout else [])
     errors: dict[tuple[str, int, str], float] = {}
     strict, plan = _cudnn_strict(spec, batch, x, weight)
