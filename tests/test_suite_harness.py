@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,17 +18,29 @@ from pathlib import Path
 import pytest
 
 from speakerd.tools.suite import record as schema
-from speakerd.tools.suite.suites import SUITES, engine_records, gpu_test_files, pyannote_records, pytest_counts
+from speakerd.tools.suite.suites import (
+    SUITES,
+    engine_records,
+    gpu_test_files,
+    pyannote_records,
+    pytest_counts,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_SUITES = [name for name, suite in SUITES.items()]
 
 
-def suite(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def suite(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "speakerd.tools.suite", *args], cwd=REPO, capture_output=True, text=True,
-        timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        [sys.executable, "-m", "speakerd.tools.suite", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_list_names_every_suite_with_its_budget_inside_a_device_call():
@@ -84,8 +95,13 @@ def test_tests_gpu_runs_every_gpu_marked_file_and_the_block_tests_last():
 
 def test_pytest_counts_reads_a_real_pytest_run(tmp_path):
     (tmp_path / "test_two.py").write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2\n")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "test_two.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "test_two.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     counts = pytest_counts(done.stdout)
     assert (counts["passed"], counts["failed"], counts["errors"]) == (1, 1, 0)
     assert counts["failed_tests"] == ["test_two.py::test_bad"]
@@ -99,23 +115,42 @@ def test_an_anchor_ratio_says_how_many_times_better_speakerd_is():
     ms = schema.figure(4.0, "ms", "lower")
     assert schema.anchor("torch", 10.0, "ms", "lower", ms, "x")["ratio"] == 2.5
     rate = schema.figure(6900.0, "chunks/s", "higher")
-    assert schema.anchor("engine", 7300.0, "chunks/s", "higher", rate, "x")["ratio"] == pytest.approx(0.9452, abs=1e-4)
+    assert schema.anchor("engine", 7300.0, "chunks/s", "higher", rate, "x")["ratio"] == pytest.approx(
+        0.9452, abs=1e-4
+    )
     with pytest.raises(ValueError, match="unit 's', the figure's is 'ms'"):
         schema.anchor("torch", 1.0, "s", "lower", ms, "x")
 
 
 def test_validate_names_every_way_a_record_breaks_the_schema():
-    good = schema.make_record(ENV, "engine", "b32 fp16 graph", "python -m speakerd bench",
-                              schema.figure(4.3, "ms", "lower"))  # fmt: skip
+    good = schema.make_record(
+        ENV, "engine", "b32 fp16 graph", "python -m speakerd bench", schema.figure(4.3, "ms", "lower")
+    )
     assert schema.validate(good) == []
-    broken = {**good, "commit": "main", "gpu": 3, "ok": "yes", "figure": {"value": "4.3", "unit": "ms"},
-              "anchors": [{"name": "torch", "value": 9.0, "unit": "ms", "better": "faster", "command": "x",
-                           "ratio": "2x"}], "extra": 1}  # fmt: skip
+    broken = {
+        **good,
+        "commit": "main",
+        "gpu": 3,
+        "ok": "yes",
+        "figure": {"value": "4.3", "unit": "ms"},
+        "anchors": [
+            {"name": "torch", "value": 9.0, "unit": "ms", "better": "faster", "command": "x", "ratio": "2x"}
+        ],
+        "extra": 1,
+    }
     problems = " | ".join(schema.validate(broken))
-    for phrase in ("unknown fields extra", "commit: 'main'", "gpu: 3", "ok: 'yes'", "figure: missing better",
-                   "figure.value: '4.3'", "anchors[0].better: 'faster'", "anchors[0].ratio: '2x'"):  # fmt: skip
+    for phrase in (
+        "unknown fields extra",
+        "commit: 'main'",
+        "gpu: 3",
+        "ok: 'yes'",
+        "figure: missing better",
+        "figure.value: '4.3'",
+        "anchors[0].better: 'faster'",
+        "anchors[0].ratio: '2x'",
+    ):
         assert phrase in problems
-    assert schema.validate({"schema": schema.SCHEMA}) [0].startswith("missing suite, name, commit")
+    assert schema.validate({"schema": schema.SCHEMA})[0].startswith("missing suite, name, commit")
 
 
 def test_every_curated_measurement_is_a_valid_record():
@@ -142,58 +177,114 @@ def test_engine_records_pair_each_graph_plan_with_its_same_run_anchors_and_sum_l
     bench = [
         {"kind": "engine", "math": "fp16", "build_s": 31.5},
         {"kind": "ours", "math": "fp16", "batch": 32, "mode": "eager", "compute_ms_median": 4.9},
-        {"kind": "ours", "math": "fp16", "batch": 32, "mode": "graph", "compute_ms_median": 4.0, "chunks_per_s": 8000},
-        {"kind": "conv", "math": "fp16", "batch": 32, "conv": "layer1.0.conv1", "ms": 0.25, "runs": "ours:wgmma_8x64"},
-        {"kind": "conv", "math": "fp16", "batch": 32, "conv": "layer1.0.conv2", "ms": 0.0,
-         "runs": "ours:block (in layer1.0.conv1's row)"},
-        {"kind": "conv", "math": "fp16", "batch": 32, "conv": "layer1.1.conv1", "ms": 0.5, "runs": "cudnn:eng62"},
+        {
+            "kind": "ours",
+            "math": "fp16",
+            "batch": 32,
+            "mode": "graph",
+            "compute_ms_median": 4.0,
+            "chunks_per_s": 8000,
+        },
+        {
+            "kind": "conv",
+            "math": "fp16",
+            "batch": 32,
+            "conv": "layer1.0.conv1",
+            "ms": 0.25,
+            "runs": "ours:wgmma_8x64",
+        },
+        {
+            "kind": "conv",
+            "math": "fp16",
+            "batch": 32,
+            "conv": "layer1.0.conv2",
+            "ms": 0.0,
+            "runs": "ours:block (in layer1.0.conv1's row)",
+        },
+        {
+            "kind": "conv",
+            "math": "fp16",
+            "batch": 32,
+            "conv": "layer1.1.conv1",
+            "ms": 0.5,
+            "runs": "cudnn:eng62",
+        },
         {"kind": "conv", "math": "fp16", "batch": 32, "conv": "stem", "ms": 0.09, "runs": "ours:stem_f16"},
         {"kind": "torch", "torch": "2.11.0", "math": "fp16", "batch": 32, "ms_median": 10.0},
-    ]  # fmt: skip
+    ]
     compiled = [{"anchor": "torch.compile", "mode": "max-autotune", "batch": 32, "ms_median": 8.0}]
     rows = {row["name"]: row for row in engine_records(bench, "bench", compiled, "compile")}
     assert set(rows) == {"b32 fp16 graph", "b32 fp16 layer1", "b32 fp16 stem"}
     graph = rows["b32 fp16 graph"]
     assert graph["fig"] == {"value": 4.0, "unit": "ms", "better": "lower"}
     assert [(a["name"], a["ratio"], a["command"]) for a in graph["anchors"]] == [
-        ("PyTorch 2.11.0 eager, CUDA graph", 2.5, "bench"), ("torch.compile max-autotune", 2.0, "compile")]
+        ("PyTorch 2.11.0 eager, CUDA graph", 2.5, "bench"),
+        ("torch.compile max-autotune", 2.0, "compile"),
+    ]
     assert graph["detail"]["eager_ms"] == 4.9 and graph["detail"]["build_s"] == 31.5
     layer1 = rows["b32 fp16 layer1"]
-    assert layer1["fig"]["value"] == 0.75 and layer1["detail"]["runs"] == {"ours:wgmma_8x64": 1, "cudnn:eng62": 1}
+    assert layer1["fig"]["value"] == 0.75 and layer1["detail"]["runs"] == {
+        "ours:wgmma_8x64": 1,
+        "cudnn:eng62": 1,
+    }
     for row in rows.values():
-        assert schema.validate(schema.make_record(ENV, "engine", row["name"], row["command"], row["fig"],
-                                                  row["anchors"], row["detail"])) == []  # fmt: skip
+        assert (
+            schema.validate(
+                schema.make_record(
+                    ENV, "engine", row["name"], row["command"], row["fig"], row["anchors"], row["detail"]
+                )
+            )
+            == []
+        )
 
 
 def test_pyannote_records_compare_the_pipeline_and_its_embedding_step_with_pyannote_alone():
-    report = {"audio_seconds": 3600.0, "pyannote_audio": "4.0.7", "pyannote": {"total_s": 28.5, "embeddings_s": 23.5},
-              "speakerd": {"total_s": 6.6, "embeddings_s": 0.96}, "parity": {"der": 0.0}}  # fmt: skip
+    report = {
+        "audio_seconds": 3600.0,
+        "pyannote_audio": "4.0.7",
+        "pyannote": {"total_s": 28.5, "embeddings_s": 23.5},
+        "speakerd": {"total_s": 6.6, "embeddings_s": 0.96},
+        "parity": {"der": 0.0},
+    }
     rows = pyannote_records(report, "python -m speakerd.pyannote.bench")
     assert [(row["name"], row["anchors"][0]["ratio"], row["ok"]) for row in rows] == [
         ("pyannote pipeline, 3600 s of audio", pytest.approx(4.3182, abs=1e-4), True),
-        ("pyannote embedding step, 3600 s of audio", pytest.approx(24.4792, abs=1e-4), True)]
+        ("pyannote embedding step, 3600 s of audio", pytest.approx(24.4792, abs=1e-4), True),
+    ]
     report["parity"]["der"] = 0.01
-    assert not any(row["ok"] for row in pyannote_records(report, "x")), "a diarization that changed is a failure"
+    assert not any(row["ok"] for row in pyannote_records(report, "x")), (
+        "a diarization that changed is a failure"
+    )
 
 
 # ----- a real run: the service suite on the CPU engine -------------------------------------------
 @pytest.mark.slow
 def test_service_suite_serves_verifies_and_loads_on_the_cpu_engine(tmp_path, references_dir):
-    one_case = tmp_path / "refs"  # one b1 case keeps `client verify` short on 2 cores
-    one_case.mkdir()
-    shutil.copy(references_dir / "first_b1.safetensors", one_case)
-    out = tmp_path / "out"
-    done = suite("service", "--engine", "cpu", "--seconds", "6", "--runs", "1", "--references", str(one_case),
-                 "--out", str(out), timeout=400)  # fmt: skip
+    out = tmp_path / "out"  # the session's references: the suite need not make its own
+    done = suite(
+        "service",
+        "--engine",
+        "cpu",
+        "--seconds",
+        "6",
+        "--runs",
+        "1",
+        "--references",
+        str(references_dir),
+        "--out",
+        str(out),
+        timeout=500,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert [record["name"] for record in records] == ["verify fp32", "load 2x1 fp32 receivers=0"]
     assert all(schema.validate(record) == [] and record["ok"] for record in records)
     verify, load = records
-    assert verify["figure"]["value"] == 1 and verify["detail"]["cases"] == 1
+    cases = len(list(references_dir.glob("*.safetensors")))
+    assert verify["figure"]["value"] == cases and verify["detail"]["cases"] == cases
     assert load["figure"]["unit"] == "chunks/s" and load["figure"]["value"] > 0 and load["anchors"] == []
     assert load["command"].startswith("python -m speakerd.client load --target 127.0.0.1:")
     assert "service: recording load skipped: an hour on the CPU engine" in done.stdout
     summary = [line for line in done.stdout.splitlines() if line.startswith("service: 2 records in ")]
-    assert len(summary) == 1 and "verify fp32 1 cases within parity bounds" in summary[0]
+    assert len(summary) == 1 and f"verify fp32 {cases} cases within parity bounds" in summary[0]
     assert (out / "logs.tgz").is_file() and not (out / "logs").exists()

@@ -33,21 +33,39 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m speakerd.tools.suite",
         description=f"Run benchmark suites ({names}) and write one JSON record per result.",
-        epilog="Exit: 0 ran or skipped with a reason, 1 a step failed, 2 usage. Records: docs/performance.md.",
+        epilog="Exit: 0 ran or skipped with a reason, 1 a step failed, 2 usage. See docs/performance.md.",
     )
     parser.add_argument("suites", nargs="*", metavar="NAME", help=f"suites to run, in order ({names})")
     parser.add_argument("--list", action="store_true", help="list the suites with their budgets and exit")
-    parser.add_argument("--check", nargs="+", metavar="FILE", help="validate records files against the schema")
-    parser.add_argument("--out", default=None, help="folder for records.jsonl and logs (default $OUT, else suite-out)")
+    parser.add_argument(
+        "--check", nargs="+", metavar="FILE", help="validate records files against the schema"
+    )
+    parser.add_argument(
+        "--out", default=None, help="folder for records.jsonl and logs (default $OUT, else suite-out)"
+    )
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run's seconds")
-    parser.add_argument("--anchors", default=None, help="folder of the PyTorch anchor scripts [SPEAKERD_ANCHORS]")
-    parser.add_argument("--engine", choices=("gpu", "cpu"), default="gpu", help="service only: cpu runs it on ONNX Runtime")
-    parser.add_argument("--math", default=None, help="engine: maths to bench (all three); serving suites: the math served (fp16)")
-    parser.add_argument("--seconds", type=float, default=DEFAULT_LOAD_SECONDS, help="counted seconds per load run")
+    parser.add_argument(
+        "--anchors", default=None, help="folder of the PyTorch anchor scripts [SPEAKERD_ANCHORS]"
+    )
+    parser.add_argument(
+        "--engine", choices=("gpu", "cpu"), default="gpu", help="service only: cpu runs it on ONNX Runtime"
+    )
+    parser.add_argument(
+        "--math",
+        default=None,
+        help="engine: maths to bench (all three); serving suites: the math served (fp16)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=DEFAULT_LOAD_SECONDS, help="counted seconds per load run"
+    )
     parser.add_argument("--runs", type=int, default=DEFAULT_LOAD_RUNS, help="load runs per server")
-    parser.add_argument("--references", default=None, help="make-references output to use (default: made in --out)")
+    parser.add_argument(
+        "--references", default=None, help="make-references output to use (default: made in --out)"
+    )
     parser.add_argument("--segmentation", default=None, help="pyannote: segmentation-3.0's pytorch_model.bin")
-    parser.add_argument("--require-gpu", action="store_true", help="a suite skipped for want of a GPU fails the run")
+    parser.add_argument(
+        "--require-gpu", action="store_true", help="a suite skipped for want of a GPU fails the run"
+    )
     return parser
 
 
@@ -106,8 +124,11 @@ def run(args: argparse.Namespace, suites: list[Suite]) -> int:
     env = environment(repo)
     started = time.monotonic()
     end = started + args.budget_s
-    print(f"suite: commit {env.commit}, GPU {env.gpu or 'none'} (driver {env.driver}, CUDA {env.cuda}); "
-          f"records to {records_file}", flush=True)  # fmt: skip
+    print(
+        f"suite: commit {env.commit}, GPU {env.gpu or 'none'} (driver {env.driver}, CUDA {env.cuda}); "
+        f"records to {records_file}",
+        flush=True,
+    )
     failed, skipped, written = [], [], 0
     for suite in suites:
         needs_gpu = not (suite.cpu_engine and args.engine == "cpu")
@@ -120,8 +141,11 @@ def run(args: argparse.Namespace, suites: list[Suite]) -> int:
                 failed.append(suite.name)
             continue
         if left < suite.budget_s:
-            print(f"{suite.name}: skipped: its budget is {suite.budget_s} s, {left:.0f} s left of --budget-s "
-                  f"{args.budget_s:g} (run it in a call of its own)", flush=True)  # fmt: skip
+            print(
+                f"{suite.name}: skipped: its budget is {suite.budget_s} s, {left:.0f} s left of --budget-s "
+                f"{args.budget_s:g} (run it in a call of its own)",
+                flush=True,
+            )
             skipped.append(suite.name)
             continue
         ctx = Context(suite.name, env, args, repo, out, time.monotonic() + suite.budget_s, records_file)
@@ -135,14 +159,21 @@ def run(args: argparse.Namespace, suites: list[Suite]) -> int:
         if error or bad:
             failed.append(suite.name)
         written += len(ctx.records)
-        parts = [f"{len(ctx.records)} records in {time.monotonic() - suite_started:.0f} s", *ctx.headlines, *ctx.notes]
+        parts = [
+            f"{len(ctx.records)} records in {time.monotonic() - suite_started:.0f} s",
+            *ctx.headlines,
+            *ctx.notes,
+        ]
         if error:
             parts.append(f"stopped: {error}")
         print(f"{suite.name}: {'; '.join(parts)}", flush=True)
     pack_logs(out)
     verdict = f"FAILED: {', '.join(failed)}" if failed else "ok"
-    print(f"suite: {written} records in {records_file}; skipped: {', '.join(skipped) or 'none'}; "
-          f"{time.monotonic() - started:.0f} s; {verdict}", flush=True)  # fmt: skip
+    print(
+        f"suite: {written} records in {records_file}; skipped: {', '.join(skipped) or 'none'}; "
+        f"{time.monotonic() - started:.0f} s; {verdict}",
+        flush=True,
+    )
     return EXIT_FAILED if failed else EXIT_OK
 
 

@@ -42,8 +42,20 @@ SCHEMA = "speakerd.measurement/1"
 #: comes from this variable; without it records say "unknown" rather than guess.
 COMMIT_ENV = "SPEAKERD_COMMIT"
 BETTER = ("lower", "higher")
-_TOP_FIELDS = ("schema", "suite", "name", "commit", "gpu", "driver", "cuda", "command", "ok", "figure",
-               "anchors", "detail")  # fmt: skip
+_TOP_FIELDS = (
+    "schema",
+    "suite",
+    "name",
+    "commit",
+    "gpu",
+    "driver",
+    "cuda",
+    "command",
+    "ok",
+    "figure",
+    "anchors",
+    "detail",
+)
 _COMMIT = re.compile(r"^([0-9a-f]{7,40}(-dirty)?|unknown)$")
 
 
@@ -64,7 +76,9 @@ def figure(value: float, unit: str, better: str) -> dict[str, Any]:
     return {"value": value, "unit": unit, "better": better}
 
 
-def anchor(name: str, value: float, unit: str, better: str, of: Mapping[str, Any], command: str) -> dict[str, Any]:
+def anchor(
+    name: str, value: float, unit: str, better: str, of: Mapping[str, Any], command: str
+) -> dict[str, Any]:
     """An anchor of figure `of`, with the ratio of the two (same unit required)."""
     if unit != of["unit"]:
         raise ValueError(f"anchor {name}: unit {unit!r}, the figure's is {of['unit']!r}")
@@ -76,14 +90,29 @@ def anchor(name: str, value: float, unit: str, better: str, of: Mapping[str, Any
 
 
 def make_record(
-    env: Environment, suite: str, name: str, command: str, fig: Mapping[str, Any],
-    anchors: Iterable[Mapping[str, Any]] = (), detail: Mapping[str, Any] | None = None, ok: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    env: Environment,
+    suite: str,
+    name: str,
+    command: str,
+    fig: Mapping[str, Any],
+    anchors: Iterable[Mapping[str, Any]] = (),
+    detail: Mapping[str, Any] | None = None,
+    ok: bool = True,
+) -> dict[str, Any]:
     record = {
-        "schema": SCHEMA, "suite": suite, "name": name, "commit": env.commit, "gpu": env.gpu,
-        "driver": env.driver, "cuda": env.cuda, "command": command, "ok": ok, "figure": dict(fig),
-        "anchors": [dict(a) for a in anchors], "detail": dict(detail or {}),
-    }  # fmt: skip
+        "schema": SCHEMA,
+        "suite": suite,
+        "name": name,
+        "commit": env.commit,
+        "gpu": env.gpu,
+        "driver": env.driver,
+        "cuda": env.cuda,
+        "command": command,
+        "ok": ok,
+        "figure": dict(fig),
+        "anchors": [dict(a) for a in anchors],
+        "detail": dict(detail or {}),
+    }
     problems = validate(record)
     if problems:
         raise ValueError(f"record {name!r} breaks the schema: {'; '.join(problems)}")

@@ -95,9 +95,14 @@ class Context:
         return [sys.executable, *args]
 
     def run(
-        self, name: str, argv: Sequence[str], limit_s: float, env: Mapping[str, str] | None = None,
-        check: bool = True, keep_partial: bool = False,
-    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        self,
+        name: str,
+        argv: Sequence[str],
+        limit_s: float,
+        env: Mapping[str, str] | None = None,
+        check: bool = True,
+        keep_partial: bool = False,
+    ) -> subprocess.CompletedProcess[str]:
         """Run `argv` for at most `limit_s` (and what is left of the budget); stdout is
         returned and, with stderr, kept in logs/. check: a non-zero exit is StepFailed.
         keep_partial: running out of time returns what it printed (returncode None) instead
@@ -111,11 +116,18 @@ class Context:
         with log.open("w") as err:
             try:
                 done = subprocess.run(
-                    list(argv), cwd=self.repo, env=child_env, stdout=subprocess.PIPE, stderr=err, text=True,
+                    list(argv),
+                    cwd=self.repo,
+                    env=child_env,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
                     timeout=limit,
-                )  # fmt: skip
+                )
             except subprocess.TimeoutExpired as expired:
-                stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+                stdout = (
+                    expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+                )
                 with log.open("a") as tail:
                     tail.write(f"\n--- stdout ---\n{stdout}")
                 if keep_partial:
@@ -124,16 +136,29 @@ class Context:
                 raise StepFailed(f"{name}: ran out of its {limit:.0f} s ({shown(argv)}); log {log}") from None
         with log.open("a") as tail:
             tail.write(f"\n--- stdout ---\n{done.stdout}")
-        self.say(f"{name}: exit {done.returncode} after {time.monotonic() - started:.0f} s")
+        last = ""
+        if done.returncode != 0:  # the line that says why, where a maintainer looks first
+            last = (log.read_text().split("--- stdout ---")[0].strip().splitlines() or ["(no stderr)"])[-1][
+                :300
+            ]
+        self.say(
+            f"{name}: exit {done.returncode} after {time.monotonic() - started:.0f} s"
+            + (f": {last}" if last else "")
+        )
         if check and done.returncode != 0:
-            last = (log.read_text().split("--- stdout ---")[0].strip().splitlines() or ["(no stderr)"])[-1]
-            raise StepFailed(f"{name}: exit {done.returncode} ({shown(argv)}): {last[:300]}")
+            raise StepFailed(f"{name}: exit {done.returncode} ({shown(argv)}): {last}")
         return done
 
     def record(
-        self, name: str, command: str, fig: Mapping[str, Any], anchors: Sequence[Mapping[str, Any]] = (),
-        detail: Mapping[str, Any] | None = None, ok: bool = True, headline: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        name: str,
+        command: str,
+        fig: Mapping[str, Any],
+        anchors: Sequence[Mapping[str, Any]] = (),
+        detail: Mapping[str, Any] | None = None,
+        ok: bool = True,
+        headline: bool = False,
+    ) -> dict[str, Any]:
         """Validate, keep and append one record to the run's records file."""
         record = make_record(self.env, self.suite, name, command, fig, anchors, detail, ok)
         self.records.append(record)
@@ -151,7 +176,9 @@ class Context:
         """`speakerd serve FLAGS` on free ports until the block ends; yields its target,
         metrics URL and command. Not SERVING in time (or exited): StepFailed."""
         port, metrics = free_port(), free_port()
-        argv = self.python("-m", "speakerd", "serve", "--port", str(port), "--metrics-port", str(metrics), *flags)
+        argv = self.python(
+            "-m", "speakerd", "serve", "--port", str(port), "--metrics-port", str(metrics), *flags
+        )
         log = self.log_path(f"serve-{name}")
         with log.open("w") as out:
             process = subprocess.Popen(argv, cwd=self.repo, stdout=out, stderr=subprocess.STDOUT)
@@ -165,7 +192,11 @@ class Context:
                 tail = " | ".join(log.read_text().strip().splitlines()[-2:])[:300]
                 raise StepFailed(f"server {name} not SERVING after {wait} s ({shown(argv)}): {tail}")
             self.say(f"server {name} SERVING after {time.monotonic() - started:.0f} s")
-            yield {"target": target, "metrics_url": f"http://127.0.0.1:{metrics}/metrics", "command": shown(argv)}
+            yield {
+                "target": target,
+                "metrics_url": f"http://127.0.0.1:{metrics}/metrics",
+                "command": shown(argv),
+            }
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -28,8 +28,10 @@ ANCHOR_DIRS = (".anchors", "../shared/anchors")
 ANCHORS_ENV = "SPEAKERD_ANCHORS"
 #: Where segmentation-3.0's checkpoint is looked for (scripts/pyannote_segmentation.sh and
 #: scripts/prepare_pyannote_wheels.sh write these).
-SEGMENTATION_PATHS = (".cache/pyannote/segmentation-3.0/pytorch_model.bin",
-                      ".whl-pyannote/segmentation-3.0/pytorch_model.bin")  # fmt: skip
+SEGMENTATION_PATHS = (
+    ".cache/pyannote/segmentation-3.0/pytorch_model.bin",
+    ".whl-pyannote/segmentation-3.0/pytorch_model.bin",
+)
 #: The service's load: 16 callers of 32-chunk requests from 4 processes fill the batcher's
 #: queue (the requests, not the server, limited fewer), each call one b32 batch.
 LOAD_STREAMS, LOAD_CHUNKS, LOAD_PROCESSES = 16, 32, 4
@@ -107,16 +109,37 @@ def engine_speed(ctx: Context, math: str, refs: Path) -> dict[str, Any] | None:
     of, as an anchor dict's inputs; None on the CPU engine."""
     if ctx.options.engine == "cpu":
         return None
-    argv = ctx.python("-m", "speakerd", "bench", "--math", math, "--batches", "32", "--no-torch", "--no-profile",
-                      "--references", str(refs))  # fmt: skip
+    argv = ctx.python(
+        "-m",
+        "speakerd",
+        "bench",
+        "--math",
+        math,
+        "--batches",
+        "32",
+        "--no-torch",
+        "--no-profile",
+        "--references",
+        str(refs),
+    )
     done = ctx.run("bench-b32", argv, 300)
-    line = next(row for row in json_lines(done.stdout) if row.get("kind") == "ours" and row["mode"] == "graph")
+    line = next(
+        row for row in json_lines(done.stdout) if row.get("kind") == "ours" and row["mode"] == "graph"
+    )
     return {"value": line["chunks_per_s"], "command": shown(argv), "line": line}
 
 
 def load(ctx: Context, name: str, server: dict[str, str], flags: list[str], limit_s: float) -> dict[str, Any]:
-    argv = ctx.python("-m", "speakerd.client", "load", "--target", server["target"], "--metrics-url",
-                      server["metrics_url"], *flags)  # fmt: skip
+    argv = ctx.python(
+        "-m",
+        "speakerd.client",
+        "load",
+        "--target",
+        server["target"],
+        "--metrics-url",
+        server["metrics_url"],
+        *flags,
+    )
     done = ctx.run(name, argv, limit_s, check=False)  # a failed load still reports what it saw
     results = json_lines(done.stdout)
     if not results:
@@ -127,8 +150,8 @@ def load(ctx: Context, name: str, server: dict[str, str], flags: list[str], limi
 # ----- tests-gpu -----------------------------------------------------------------------------
 #: Run last: its bit-for-bit checks of every one-kernel block entry point take the longest.
 LAST_TEST_FILE = "test_gpu_block.py"
-#: Compiles every kernel and checks the sources against the model; with REQUIRE_GPU=1 on a
-#: GPU machine, as scripts/device_tests.sh always ran it beside the GPU engine's tests.
+#: Not marked `gpu` (it compiles every kernel with NVRTC, no GPU needed) but run here too:
+#: on the device it compiles with the device's own CUDA, beside the GPU engine's tests.
 EXTRA_TEST_FILES = ("test_kernels_compile.py",)
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
@@ -149,7 +172,9 @@ def pytest_counts(text: str) -> dict[str, Any]:
     counts: dict[str, Any] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     for number, kind in _PYTEST_COUNT.findall(summary[-1] if summary else ""):
         counts["errors" if kind.startswith("error") else kind] = int(number)
-    counts["failed_tests"] = [line.split()[1] for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    counts["failed_tests"] = [
+        line.split()[1] for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))
+    ]
     return counts
 
 
@@ -163,7 +188,9 @@ def tests_gpu(ctx: Context) -> None:
         if ctx.left() < 30:
             ctx.skip(path.name, f"{ctx.left():.0f} s left of the suite's budget")
             continue
-        argv = ctx.python("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(path.relative_to(ctx.repo)))
+        argv = ctx.python(
+            "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(path.relative_to(ctx.repo))
+        )
         try:
             done = ctx.run(path.stem, argv, ctx.left(), env={"REQUIRE_GPU": "1"}, check=False)
         except StepFailed as error:
@@ -172,8 +199,13 @@ def tests_gpu(ctx: Context) -> None:
             continue
         counts = pytest_counts(done.stdout)
         ok = done.returncode == 0
-        ctx.record(path.name, shown(argv), figure(counts["passed"], "tests passed", "higher"),
-                   detail={**counts, "exit": done.returncode}, ok=ok)  # fmt: skip
+        ctx.record(
+            path.name,
+            shown(argv),
+            figure(counts["passed"], "tests passed", "higher"),
+            detail={**counts, "exit": done.returncode},
+            ok=ok,
+        )
         if not ok:
             failed.append(path.name)
             for test in counts["failed_tests"]:
@@ -188,16 +220,26 @@ def layer_group(conv: str) -> str:
     return conv.split(".")[0]
 
 
-def engine_records(lines: Iterable[dict[str, Any]], command: str,
-                   compile_lines: Iterable[dict[str, Any]] = (), compile_command: str = "") -> list[dict[str, Any]]:  # fmt: skip
+def engine_records(
+    lines: Iterable[dict[str, Any]],
+    command: str,
+    compile_lines: Iterable[dict[str, Any]] = (),
+    compile_command: str = "",
+) -> list[dict[str, Any]]:
     """`speakerd bench` JSON lines (and the torch.compile anchor's) -> keyword arguments of
     Context.record: one record per (math, batch) graph plan with its same-run anchors, and
     one per (math, batch, layer group) from the per-convolution table."""
     lines = list(lines)
     ours = {(row["math"], row["batch"], row["mode"]): row for row in lines if row.get("kind") == "ours"}
-    torch = {(row["math"], row["batch"]): row for row in lines if row.get("kind") == "torch" and "ms_median" in row}
+    torch = {
+        (row["math"], row["batch"]): row for row in lines if row.get("kind") == "torch" and "ms_median" in row
+    }
     built = {row["math"]: row.get("build_s") for row in lines if row.get("kind") == "engine"}
-    compiled = {row["batch"]: row for row in compile_lines if row.get("anchor") == "torch.compile" and "ms_median" in row}  # fmt: skip
+    compiled = {
+        row["batch"]: row
+        for row in compile_lines
+        if row.get("anchor") == "torch.compile" and "ms_median" in row
+    }
     out: list[dict[str, Any]] = []
     for (math, batch, mode), row in sorted(ours.items()):
         if mode != "graph":
@@ -206,16 +248,45 @@ def engine_records(lines: Iterable[dict[str, Any]], command: str,
         anchors = []
         if (math, batch) in torch:
             theirs = torch[(math, batch)]
-            anchors.append(anchor(f"PyTorch {theirs.get('torch', '')} eager, CUDA graph".replace("  ", " "),
-                                  theirs["ms_median"], "ms", "lower", fig, command))  # fmt: skip
+            anchors.append(
+                anchor(
+                    f"PyTorch {theirs.get('torch', '')} eager, CUDA graph".replace("  ", " "),
+                    theirs["ms_median"],
+                    "ms",
+                    "lower",
+                    fig,
+                    command,
+                )
+            )
         if math == "fp16" and batch in compiled:
-            anchors.append(anchor(f"torch.compile {compiled[batch].get('mode', 'max-autotune')}",
-                                  compiled[batch]["ms_median"], "ms", "lower", fig, compile_command))  # fmt: skip
+            anchors.append(
+                anchor(
+                    f"torch.compile {compiled[batch].get('mode', 'max-autotune')}",
+                    compiled[batch]["ms_median"],
+                    "ms",
+                    "lower",
+                    fig,
+                    compile_command,
+                )
+            )
         eager = ours.get((math, batch, "eager"))
-        detail = {"ours": row, "torch": torch.get((math, batch)), "torch_compile": compiled.get(batch) if math == "fp16" else None,
-                  "eager_ms": eager["compute_ms_median"] if eager else None, "build_s": built.get(math)}  # fmt: skip
-        out.append({"name": f"b{batch} {math} graph", "command": command, "fig": fig, "anchors": anchors,
-                    "detail": detail, "headline": True})  # fmt: skip
+        detail = {
+            "ours": row,
+            "torch": torch.get((math, batch)),
+            "torch_compile": compiled.get(batch) if math == "fp16" else None,
+            "eager_ms": eager["compute_ms_median"] if eager else None,
+            "build_s": built.get(math),
+        }
+        out.append(
+            {
+                "name": f"b{batch} {math} graph",
+                "command": command,
+                "fig": fig,
+                "anchors": anchors,
+                "detail": detail,
+                "headline": True,
+            }
+        )
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
     for row in lines:
         if row.get("kind") == "conv":
@@ -223,11 +294,24 @@ def engine_records(lines: Iterable[dict[str, Any]], command: str,
     for (math, batch, group), rows in sorted(groups.items()):
         total = round(sum(row["ms"] for row in rows), 4)
         runners = Counter(row["runs"].split(" ")[0] for row in rows if row["ms"] > 0)
-        detail = {"convs": len(rows), "runs": dict(runners),
-                  "rows": [{"conv": row["conv"], "ms": row["ms"], "runs": row["runs"], "tflops": row.get("tflops")}
-                           for row in rows]}  # fmt: skip
-        out.append({"name": f"b{batch} {math} {group}", "command": command, "fig": figure(total, "ms", "lower"),
-                    "anchors": [], "detail": detail, "headline": False})  # fmt: skip
+        detail = {
+            "convs": len(rows),
+            "runs": dict(runners),
+            "rows": [
+                {"conv": row["conv"], "ms": row["ms"], "runs": row["runs"], "tflops": row.get("tflops")}
+                for row in rows
+            ],
+        }
+        out.append(
+            {
+                "name": f"b{batch} {math} {group}",
+                "command": command,
+                "fig": figure(total, "ms", "lower"),
+                "anchors": [],
+                "detail": detail,
+                "headline": False,
+            }
+        )
     return out
 
 
@@ -236,8 +320,19 @@ def engine(ctx: Context) -> None:
     maths = ctx.options.math or ALL_MATHS
     compile_script = anchor_script(ctx, "torch_compile_resnet34.py")
     reserve = COMPILE_RESERVE_S if compile_script else 0
-    argv = ctx.python("-m", "speakerd", "bench", "--math", maths, "--batches", "1,32", "--convs", "--no-profile",
-                      "--references", str(refs))  # fmt: skip
+    argv = ctx.python(
+        "-m",
+        "speakerd",
+        "bench",
+        "--math",
+        maths,
+        "--batches",
+        "1,32",
+        "--convs",
+        "--no-profile",
+        "--references",
+        str(refs),
+    )
     bench = ctx.run("bench", argv, ctx.left() - reserve)
     compile_lines: list[dict[str, Any]] = []
     compile_command = ""
@@ -255,13 +350,20 @@ def engine(ctx: Context) -> None:
 
 # ----- service -------------------------------------------------------------------------------
 def verify_record(ctx: Context, server: dict[str, str], refs: Path, math: str) -> None:
-    argv = ctx.python("-m", "speakerd.client", "verify", "--references", str(refs), "--target", server["target"])
+    argv = ctx.python(
+        "-m", "speakerd.client", "verify", "--references", str(refs), "--target", server["target"]
+    )
     done = ctx.run("verify", argv, 180, check=False)
     found = re.search(r"(\d+)/(\d+) cases", done.stdout)
     passed, total = (int(found.group(1)), int(found.group(2))) if found else (0, 0)
-    ctx.record(f"verify {math}", shown(argv), figure(passed, "cases within parity bounds", "higher"),
-               detail={"cases": total, "exit": done.returncode, "server": server["command"]},
-               ok=done.returncode == 0 and total > 0, headline=True)  # fmt: skip
+    ctx.record(
+        f"verify {math}",
+        shown(argv),
+        figure(passed, "cases within parity bounds", "higher"),
+        detail={"cases": total, "exit": done.returncode, "server": server["command"]},
+        ok=done.returncode == 0 and total > 0,
+        headline=True,
+    )
 
 
 def service(ctx: Context) -> None:
@@ -271,28 +373,97 @@ def service(ctx: Context) -> None:
     ceiling = engine_speed(ctx, math, refs)
     receivers = 0 if cpu else RECEIVERS
     flags = ["--engine", ctx.options.engine, "--math", math, "--receivers", str(receivers)]
-    streams, chunks, processes = (CPU_LOAD_STREAMS, CPU_LOAD_CHUNKS, 1) if cpu else (LOAD_STREAMS, LOAD_CHUNKS, LOAD_PROCESSES)  # fmt: skip
+    streams, chunks, processes = (
+        (CPU_LOAD_STREAMS, CPU_LOAD_CHUNKS, 1) if cpu else (LOAD_STREAMS, LOAD_CHUNKS, LOAD_PROCESSES)
+    )
     seconds = ctx.options.seconds
     with ctx.server("service", flags) as server:
         verify_record(ctx, server, refs, math)
         for run in range(1, ctx.options.runs + 1):
-            result = load(ctx, f"load-{run}", server, ["--streams", str(streams), "--chunks", str(chunks),
-                          "--processes", str(processes), "--seconds", str(seconds)], seconds + 120)  # fmt: skip
+            result = load(
+                ctx,
+                f"load-{run}",
+                server,
+                [
+                    "--streams",
+                    str(streams),
+                    "--chunks",
+                    str(chunks),
+                    "--processes",
+                    str(processes),
+                    "--seconds",
+                    str(seconds),
+                ],
+                seconds + 120,
+            )
             fig = figure(result["chunks_per_s"], "chunks/s", "higher")
-            anchors = [anchor("the engine alone, bench b32 graph", ceiling["value"], "chunks/s", "higher", fig,
-                              ceiling["command"])] if ceiling else []  # fmt: skip
-            ctx.record(f"load {streams}x{chunks} {math} receivers={receivers}", result.pop("_command"), fig, anchors,
-                       detail={**result, "server": server["command"]}, ok=bool(result.get("ok")), headline=run == 1)  # fmt: skip
+            anchors = (
+                [
+                    anchor(
+                        "the engine alone, bench b32 graph",
+                        ceiling["value"],
+                        "chunks/s",
+                        "higher",
+                        fig,
+                        ceiling["command"],
+                    )
+                ]
+                if ceiling
+                else []
+            )
+            ctx.record(
+                f"load {streams}x{chunks} {math} receivers={receivers}",
+                result.pop("_command"),
+                fig,
+                anchors,
+                detail={**result, "server": server["command"]},
+                ok=bool(result.get("ok")),
+                headline=run == 1,
+            )
         if cpu:
             ctx.skip("recording load", "an hour on the CPU engine takes longer than any budget")
             return
-        result = load(ctx, "load-recording", server, ["--recording", str(HOUR_S), "--streams", "2", "--warmup", "2",
-                      "--seconds", str(max(seconds, 20)), "--timeout", "100"], max(seconds, 20) + 150)  # fmt: skip
+        result = load(
+            ctx,
+            "load-recording",
+            server,
+            [
+                "--recording",
+                str(HOUR_S),
+                "--streams",
+                "2",
+                "--warmup",
+                "2",
+                "--seconds",
+                str(max(seconds, 20)),
+                "--timeout",
+                "100",
+            ],
+            max(seconds, 20) + 150,
+        )
         fig = figure(result["windows_per_s"], "windows/s", "higher")
-        anchors = [anchor("the engine alone, bench b32 graph", ceiling["value"], "windows/s", "higher", fig,
-                          ceiling["command"])] if ceiling else []  # fmt: skip
-        ctx.record(f"load recording 2x{HOUR_S}s {math} receivers={receivers}", result.pop("_command"), fig, anchors,
-                   detail={**result, "server": server["command"]}, ok=bool(result.get("ok")))  # fmt: skip
+        anchors = (
+            [
+                anchor(
+                    "the engine alone, bench b32 graph",
+                    ceiling["value"],
+                    "windows/s",
+                    "higher",
+                    fig,
+                    ceiling["command"],
+                )
+            ]
+            if ceiling
+            else []
+        )
+        ctx.record(
+            f"load recording 2x{HOUR_S}s {math} receivers={receivers}",
+            result.pop("_command"),
+            fig,
+            anchors,
+            detail={**result, "server": server["command"]},
+            ok=bool(result.get("ok")),
+        )
 
 
 # ----- recording -----------------------------------------------------------------------------
@@ -307,32 +478,81 @@ def hour_anchors(ctx: Context) -> dict[str, dict[str, Any]]:
     except StepFailed as error:
         ctx.skip("anchor torch_hour_embedding.py", str(error))
         return {}
-    return {row["way"]: {**row, "command": shown(argv)} for row in json_lines(done.stdout) if row.get("kind") == "anchor_hour"}  # fmt: skip
+    return {
+        row["way"]: {**row, "command": shown(argv)}
+        for row in json_lines(done.stdout)
+        if row.get("kind") == "anchor_hour"
+    }
 
 
 def recording(ctx: Context) -> None:
     math = serving_math(ctx)
     ways = hour_anchors(ctx)
-    names = {"best": "PyTorch at its best (fbank on the GPU, multi-mask, FP16)",
-             "pyannote": "PyTorch the way pyannote 4.0.7 does it"}  # fmt: skip
+    names = {
+        "best": "PyTorch at its best (fbank on the GPU, multi-mask, FP16)",
+        "pyannote": "PyTorch the way pyannote 4.0.7 does it",
+    }
     for rate, channels in RECORDING_FORMATS:
-        argv = ctx.python("-m", "speakerd", "bench", "--math", math, "--recording", str(HOUR_S), "--runs", "3",
-                          "--sample-rate", str(rate), "--channels", str(channels))  # fmt: skip
+        argv = ctx.python(
+            "-m",
+            "speakerd",
+            "bench",
+            "--math",
+            math,
+            "--recording",
+            str(HOUR_S),
+            "--runs",
+            "3",
+            "--sample-rate",
+            str(rate),
+            "--channels",
+            str(channels),
+        )
         done = ctx.run(f"bench-recording-{rate}x{channels}", argv, 240)
         line = next(row for row in json_lines(done.stdout) if row.get("kind") == "recording")
-        ctx.record(f"hour {rate} Hz x{channels} {math} in process", shown(argv), figure(line["total_s"], "s", "lower"),
-                   detail=line)  # fmt: skip
+        ctx.record(
+            f"hour {rate} Hz x{channels} {math} in process",
+            shown(argv),
+            figure(line["total_s"], "s", "lower"),
+            detail=line,
+        )
     with ctx.server("recording", ["--engine", "gpu", "--math", math]) as server:
         for rate, channels in RECORDING_FORMATS:
-            result = load(ctx, f"load-{rate}x{channels}", server, ["--recording", str(HOUR_S), "--sample-rate",
-                          str(rate), "--channels", str(channels), "--streams", "1", "--seconds", "15",
-                          "--timeout", "100"], 150)  # fmt: skip
+            result = load(
+                ctx,
+                f"load-{rate}x{channels}",
+                server,
+                [
+                    "--recording",
+                    str(HOUR_S),
+                    "--sample-rate",
+                    str(rate),
+                    "--channels",
+                    str(channels),
+                    "--streams",
+                    "1",
+                    "--seconds",
+                    "15",
+                    "--timeout",
+                    "100",
+                ],
+                150,
+            )
             fig = figure(round(result["latency_p50_ms"] / 1e3, 4), "s", "lower")
-            anchors = [anchor(names[way], ways[way]["wall_s"], "s", "lower", fig, ways[way]["command"])
-                       for way in ("best", "pyannote") if way in ways]  # fmt: skip
-            ctx.record(f"hour {rate} Hz x{channels} {math} through the server, p50", result.pop("_command"), fig,
-                       anchors, detail={**result, "anchors": ways, "server": server["command"]},
-                       ok=bool(result.get("ok")), headline=True)  # fmt: skip
+            anchors = [
+                anchor(names[way], ways[way]["wall_s"], "s", "lower", fig, ways[way]["command"])
+                for way in ("best", "pyannote")
+                if way in ways
+            ]
+            ctx.record(
+                f"hour {rate} Hz x{channels} {math} through the server, p50",
+                result.pop("_command"),
+                fig,
+                anchors,
+                detail={**result, "anchors": ways, "server": server["command"]},
+                ok=bool(result.get("ok")),
+                headline=True,
+            )
 
 
 # ----- pyannote ------------------------------------------------------------------------------
@@ -344,18 +564,35 @@ def segmentation_path(ctx: Context) -> Path | None:
 
 def pyannote(ctx: Context) -> None:
     if importlib.util.find_spec("pyannote") is None or importlib.util.find_spec("pyannote.audio") is None:
-        ctx.skip("pyannote", "pyannote.audio is not importable (scripts/device_pyannote.sh installs it on a device)")
+        ctx.skip(
+            "pyannote",
+            "pyannote.audio is not importable (scripts/device_pyannote.sh installs it on a device)",
+        )
         return
     checkpoint = segmentation_path(ctx)
     if checkpoint is None:
-        ctx.skip("pyannote", "no segmentation-3.0 checkpoint (scripts/pyannote_segmentation.sh; or --segmentation)")
+        ctx.skip(
+            "pyannote", "no segmentation-3.0 checkpoint (scripts/pyannote_segmentation.sh; or --segmentation)"
+        )
         return
     math = serving_math(ctx)
     output = ctx.out / "pyannote-bench.json"
     with ctx.server("pyannote", ["--engine", "gpu", "--math", math]) as server:
-        argv = ctx.python("-m", "speakerd.pyannote.bench", "--target", server["target"], "--device", "cuda",
-                          "--audio-seconds", str(HOUR_S), "--segmentation", str(checkpoint), "--exclude-overlap",
-                          "--output", str(output))  # fmt: skip
+        argv = ctx.python(
+            "-m",
+            "speakerd.pyannote.bench",
+            "--target",
+            server["target"],
+            "--device",
+            "cuda",
+            "--audio-seconds",
+            str(HOUR_S),
+            "--segmentation",
+            str(checkpoint),
+            "--exclude-overlap",
+            "--output",
+            str(output),
+        )
         ctx.run("pyannote-bench", argv, ctx.left() - 10, env={"PYANNOTE_METRICS_ENABLED": "false"})
     for kwargs in pyannote_records(json.loads(output.read_text()), shown(argv)):
         ctx.record(**kwargs)
@@ -370,10 +607,27 @@ def pyannote_records(report: dict[str, Any], command: str) -> list[dict[str, Any
         fig = figure(report["speakerd"][key], "s", "lower")
         anchors = []
         if "pyannote" in report:
-            anchors.append(anchor(f"pyannote.audio {report.get('pyannote_audio', '')} alone".replace("  ", " "),
-                                  report["pyannote"][key], "s", "lower", fig, command))  # fmt: skip
-        out.append({"name": f"pyannote {what}, {report['audio_seconds']:g} s of audio", "command": command,
-                    "fig": fig, "anchors": anchors, "detail": report, "ok": ok, "headline": True})  # fmt: skip
+            anchors.append(
+                anchor(
+                    f"pyannote.audio {report.get('pyannote_audio', '')} alone".replace("  ", " "),
+                    report["pyannote"][key],
+                    "s",
+                    "lower",
+                    fig,
+                    command,
+                )
+            )
+        out.append(
+            {
+                "name": f"pyannote {what}, {report['audio_seconds']:g} s of audio",
+                "command": command,
+                "fig": fig,
+                "anchors": anchors,
+                "detail": report,
+                "ok": ok,
+                "headline": True,
+            }
+        )
     return out
 
 
@@ -384,40 +638,91 @@ def devices(ctx: Context) -> None:
         return
     math = serving_math(ctx)
     refs = references(ctx)
-    flags = ["--streams", str(LOAD_STREAMS), "--chunks", str(LOAD_CHUNKS), "--processes", str(LOAD_PROCESSES),
-             "--seconds", str(ctx.options.seconds)]  # fmt: skip
+    flags = [
+        "--streams",
+        str(LOAD_STREAMS),
+        "--chunks",
+        str(LOAD_CHUNKS),
+        "--processes",
+        str(LOAD_PROCESSES),
+        "--seconds",
+        str(ctx.options.seconds),
+    ]
     speeds: dict[str, list[dict[str, Any]]] = {}
     for devices_flag in ("0", "all"):
-        with ctx.server(f"devices-{devices_flag}", ["--engine", "gpu", "--math", math, "--devices", devices_flag]) as server:
+        with ctx.server(
+            f"devices-{devices_flag}", ["--engine", "gpu", "--math", math, "--devices", devices_flag]
+        ) as server:
             if devices_flag == "all":
                 verify_record(ctx, server, refs, math)
-            speeds[devices_flag] = [load(ctx, f"load-devices-{devices_flag}-{run}", server, flags, ctx.options.seconds + 120)
-                                    for run in range(1, ctx.options.runs + 1)]  # fmt: skip
+            speeds[devices_flag] = [
+                load(ctx, f"load-devices-{devices_flag}-{run}", server, flags, ctx.options.seconds + 120)
+                for run in range(1, ctx.options.runs + 1)
+            ]
             for result in speeds[devices_flag]:
                 result["server"] = server["command"]
     one = speeds["0"]
     baseline = sum(result["chunks_per_s"] for result in one) / len(one)
     for index, result in enumerate(speeds["all"]):
         fig = figure(result["chunks_per_s"], "chunks/s", "higher")
-        anchors = [anchor("the same load on --devices 0 (mean)", round(baseline, 1), "chunks/s", "higher", fig,
-                          one[0]["_command"])]  # fmt: skip
-        ctx.record(f"load {LOAD_STREAMS}x{LOAD_CHUNKS} {math} devices=all ({ctx.env.gpu_count} GPUs)", result.pop("_command"),
-                   fig, anchors, detail={**result, "devices_0": [r["chunks_per_s"] for r in one]},
-                   ok=bool(result.get("ok")), headline=index == 0)  # fmt: skip
+        anchors = [
+            anchor(
+                "the same load on --devices 0 (mean)",
+                round(baseline, 1),
+                "chunks/s",
+                "higher",
+                fig,
+                one[0]["_command"],
+            )
+        ]
+        ctx.record(
+            f"load {LOAD_STREAMS}x{LOAD_CHUNKS} {math} devices=all ({ctx.env.gpu_count} GPUs)",
+            result.pop("_command"),
+            fig,
+            anchors,
+            detail={**result, "devices_0": [r["chunks_per_s"] for r in one]},
+            ok=bool(result.get("ok")),
+            headline=index == 0,
+        )
 
 
 SUITES: dict[str, Suite] = {
     suite.name: suite
     for suite in (
         Suite("tests-gpu", "every GPU test file with REQUIRE_GPU=1 (a skip is a failure)", 560, tests_gpu),
-        Suite("engine", "bench of every math, b1 and b32, per-layer times; PyTorch eager and torch.compile "
-              "max-autotune anchors in the same call", 560, engine),  # fmt: skip
-        Suite("service", "a server checked by `client verify`, then 32-chunk and hour-recording loads against "
-              "the engine's own bench in the same call (--engine cpu: briefly, on the CPU engine)", 420, service,
-              cpu_engine=True),  # fmt: skip
-        Suite("recording", "an hour of 16 kHz mono and 48 kHz stereo, in process and through a server, against "
-              "the PyTorch hour anchors", 420, recording),  # fmt: skip
-        Suite("pyannote", "pyannote.audio's whole pipeline on an hour, alone and with a speakerd server", 540, pyannote),  # fmt: skip
-        Suite("devices", "32-chunk load on `serve --devices all` against `--devices 0` (2 GPUs or more)", 480, devices),  # fmt: skip
+        Suite(
+            "engine",
+            "bench of every math, b1 and b32, per-layer times; PyTorch eager and torch.compile "
+            "max-autotune anchors in the same call",
+            560,
+            engine,
+        ),
+        Suite(
+            "service",
+            "a server checked by `client verify`, then 32-chunk and hour-recording loads against "
+            "the engine's own bench in the same call (--engine cpu: briefly, on the CPU engine)",
+            420,
+            service,
+            cpu_engine=True,
+        ),
+        Suite(
+            "recording",
+            "an hour of 16 kHz mono and 48 kHz stereo, in process and through a server, against "
+            "the PyTorch hour anchors",
+            420,
+            recording,
+        ),
+        Suite(
+            "pyannote",
+            "pyannote.audio's whole pipeline on an hour, alone and with a speakerd server",
+            420,
+            pyannote,
+        ),
+        Suite(
+            "devices",
+            "32-chunk load on `serve --devices all` against `--devices 0` (2 GPUs or more)",
+            480,
+            devices,
+        ),
     )
 }
