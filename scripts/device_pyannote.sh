@@ -37,7 +37,7 @@ manifest=.whl-pyannote/wheels.txt  # every wheel of every part (prepare_pyannote
 [ -f $manifest ] || { echo "carry .whl-pyannote/wheels.txt too (see the header)" >&2; exit 2; }
 # The image's transformers requires huggingface_hub < 2, and torchmetrics (via lightning)
 # imports transformers whenever it is installed: a stashed huggingface_hub 2.x shadowing the
-# image's made `import pyannote.audio` fail on the H200. pyannote.audio 4.0.7 runs with the
+# image's made `import pyannote.audio` fail on the device. pyannote.audio 4.0.7 runs with the
 # image's (1.33), so that wheel is left out when the image has one.
 keep_image=""
 python3 -c "import huggingface_hub" 2>/dev/null && keep_image="huggingface_hub-"
