@@ -59,6 +59,7 @@ def test_list_names_every_suite_with_its_budget_inside_a_device_call():
         ([], "name at least one suite"),
         (["engine", "--engine", "cpu"], "--engine cpu: only the service suite runs on the CPU engine"),
         (["service", "--runs", "0"], "--runs, --seconds and --budget-s must be positive"),
+        (["service", "--math", "fp16,tf32"], "--math fp16,tf32: only the engine suite takes several maths"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(args, expected):

@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         return usage_error(f"unknown suite {', '.join(unknown)}; the suites are {', '.join(SUITES)}")
     if args.engine == "cpu" and any(not SUITES[name].cpu_engine for name in args.suites):
         return usage_error("--engine cpu: only the service suite runs on the CPU engine")
+    if args.math and "," in args.math and any(name != "engine" for name in args.suites):
+        return usage_error(
+            f"--math {args.math}: only the engine suite takes several maths; the others serve one"
+        )
     if args.runs < 1 or args.seconds <= 0 or args.budget_s <= 0:
         return usage_error("--runs, --seconds and --budget-s must be positive")
     return run(args, [SUITES[name] for name in dict.fromkeys(args.suites)])

@@ -98,10 +98,7 @@ def references(ctx: Context) -> Path:
 
 
 def serving_math(ctx: Context) -> str:
-    math = ctx.options.math or ("fp32" if ctx.options.engine == "cpu" else "fp16")
-    if "," in math:
-        raise StepFailed(f"--math {math}: a serving suite serves one math")
-    return math
+    return ctx.options.math or ("fp32" if ctx.options.engine == "cpu" else "fp16")
 
 
 def engine_speed(ctx: Context, math: str, refs: Path) -> dict[str, Any] | None:
@@ -109,19 +106,8 @@ def engine_speed(ctx: Context, math: str, refs: Path) -> dict[str, Any] | None:
     of, as an anchor dict's inputs; None on the CPU engine."""
     if ctx.options.engine == "cpu":
         return None
-    argv = ctx.python(
-        "-m",
-        "speakerd",
-        "bench",
-        "--math",
-        math,
-        "--batches",
-        "32",
-        "--no-torch",
-        "--no-profile",
-        "--references",
-        str(refs),
-    )
+    flags = f"--math {math} --batches 32 --no-torch --no-profile".split()
+    argv = ctx.python("-m", "speakerd", "bench", *flags, "--references", str(refs))
     done = ctx.run("bench-b32", argv, 300)
     line = next(
         row for row in json_lines(done.stdout) if row.get("kind") == "ours" and row["mode"] == "graph"
@@ -130,16 +116,8 @@ def engine_speed(ctx: Context, math: str, refs: Path) -> dict[str, Any] | None:
 
 
 def load(ctx: Context, name: str, server: dict[str, str], flags: list[str], limit_s: float) -> dict[str, Any]:
-    argv = ctx.python(
-        "-m",
-        "speakerd.client",
-        "load",
-        "--target",
-        server["target"],
-        "--metrics-url",
-        server["metrics_url"],
-        *flags,
-    )
+    where = ["--target", server["target"], "--metrics-url", server["metrics_url"]]
+    argv = ctx.python("-m", "speakerd.client", "load", *where, *flags)
     done = ctx.run(name, argv, limit_s, check=False)  # a failed load still reports what it saw
     results = json_lines(done.stdout)
     if not results:
@@ -205,6 +183,7 @@ def tests_gpu(ctx: Context) -> None:
             figure(counts["passed"], "tests passed", "higher"),
             detail={**counts, "exit": done.returncode},
             ok=ok,
+            headline=True,
         )
         if not ok:
             failed.append(path.name)
@@ -320,19 +299,8 @@ def engine(ctx: Context) -> None:
     maths = ctx.options.math or ALL_MATHS
     compile_script = anchor_script(ctx, "torch_compile_resnet34.py")
     reserve = COMPILE_RESERVE_S if compile_script else 0
-    argv = ctx.python(
-        "-m",
-        "speakerd",
-        "bench",
-        "--math",
-        maths,
-        "--batches",
-        "1,32",
-        "--convs",
-        "--no-profile",
-        "--references",
-        str(refs),
-    )
+    flags = f"--math {maths} --batches 1,32 --convs --no-profile".split()
+    argv = ctx.python("-m", "speakerd", "bench", *flags, "--references", str(refs))
     bench = ctx.run("bench", argv, ctx.left() - reserve)
     compile_lines: list[dict[str, Any]] = []
     compile_command = ""
@@ -366,104 +334,56 @@ def verify_record(ctx: Context, server: dict[str, str], refs: Path, math: str) -
     )
 
 
+def against_engine(ceiling: dict[str, Any] | None, fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engine's own b32 speed as the anchor of a load's figure (none on the CPU engine)."""
+    if ceiling is None:
+        return []
+    name = "the engine alone, bench b32 graph"
+    return [anchor(name, ceiling["value"], fig["unit"], "higher", fig, ceiling["command"])]
+
+
+def load_record(
+    ctx: Context,
+    step: str,
+    server: dict[str, str],
+    flags: str,
+    limit_s: float,
+    name: str,
+    unit: str,
+    ceiling: dict[str, Any] | None,
+    headline: bool = False,
+) -> None:
+    """One `client load` (FLAGS) against `server`, recorded as `name` in `unit` per second."""
+    result = load(ctx, step, server, flags.split(), limit_s)
+    fig = figure(result[unit.replace("/s", "_per_s")], unit, "higher")
+    command = result.pop("_command")
+    detail = {**result, "server": server["command"]}
+    ctx.record(name, command, fig, against_engine(ceiling, fig), detail, bool(result.get("ok")), headline)
+
+
 def service(ctx: Context) -> None:
     math = serving_math(ctx)
     cpu = ctx.options.engine == "cpu"
     refs = references(ctx)
     ceiling = engine_speed(ctx, math, refs)
     receivers = 0 if cpu else RECEIVERS
-    flags = ["--engine", ctx.options.engine, "--math", math, "--receivers", str(receivers)]
-    streams, chunks, processes = (
-        (CPU_LOAD_STREAMS, CPU_LOAD_CHUNKS, 1) if cpu else (LOAD_STREAMS, LOAD_CHUNKS, LOAD_PROCESSES)
-    )
+    shape = (CPU_LOAD_STREAMS, CPU_LOAD_CHUNKS, 1) if cpu else (LOAD_STREAMS, LOAD_CHUNKS, LOAD_PROCESSES)
+    streams, chunks, processes = shape
     seconds = ctx.options.seconds
-    with ctx.server("service", flags) as server:
+    serve = f"--engine {ctx.options.engine} --math {math} --receivers {receivers}"
+    with ctx.server("service", serve.split()) as server:
         verify_record(ctx, server, refs, math)
+        flags = f"--streams {streams} --chunks {chunks} --processes {processes} --seconds {seconds:g}"
+        name = f"load {streams}x{chunks} {math} receivers={receivers}"
         for run in range(1, ctx.options.runs + 1):
-            result = load(
-                ctx,
-                f"load-{run}",
-                server,
-                [
-                    "--streams",
-                    str(streams),
-                    "--chunks",
-                    str(chunks),
-                    "--processes",
-                    str(processes),
-                    "--seconds",
-                    str(seconds),
-                ],
-                seconds + 120,
-            )
-            fig = figure(result["chunks_per_s"], "chunks/s", "higher")
-            anchors = (
-                [
-                    anchor(
-                        "the engine alone, bench b32 graph",
-                        ceiling["value"],
-                        "chunks/s",
-                        "higher",
-                        fig,
-                        ceiling["command"],
-                    )
-                ]
-                if ceiling
-                else []
-            )
-            ctx.record(
-                f"load {streams}x{chunks} {math} receivers={receivers}",
-                result.pop("_command"),
-                fig,
-                anchors,
-                detail={**result, "server": server["command"]},
-                ok=bool(result.get("ok")),
-                headline=run == 1,
-            )
+            load_record(ctx, f"load-{run}", server, flags, seconds + 120, name, "chunks/s", ceiling, run == 1)
         if cpu:
             ctx.skip("recording load", "an hour on the CPU engine takes longer than any budget")
             return
-        result = load(
-            ctx,
-            "load-recording",
-            server,
-            [
-                "--recording",
-                str(HOUR_S),
-                "--streams",
-                "2",
-                "--warmup",
-                "2",
-                "--seconds",
-                str(max(seconds, 20)),
-                "--timeout",
-                "100",
-            ],
-            max(seconds, 20) + 150,
-        )
-        fig = figure(result["windows_per_s"], "windows/s", "higher")
-        anchors = (
-            [
-                anchor(
-                    "the engine alone, bench b32 graph",
-                    ceiling["value"],
-                    "windows/s",
-                    "higher",
-                    fig,
-                    ceiling["command"],
-                )
-            ]
-            if ceiling
-            else []
-        )
-        ctx.record(
-            f"load recording 2x{HOUR_S}s {math} receivers={receivers}",
-            result.pop("_command"),
-            fig,
-            anchors,
-            detail={**result, "server": server["command"]},
-            ok=bool(result.get("ok")),
-        )
+        counted = max(seconds, 20)
+        flags = f"--recording {HOUR_S} --streams 2 --warmup 2 --seconds {counted:g} --timeout 100"
+        name = f"load recording 2x{HOUR_S}s {math} receivers={receivers}"
+        load_record(ctx, "load-recording", server, flags, counted + 150, name, "windows/s", ceiling)
 
 
 # ----- recording -----------------------------------------------------------------------------
@@ -493,21 +413,8 @@ def recording(ctx: Context) -> None:
         "pyannote": "PyTorch the way pyannote 4.0.7 does it",
     }
     for rate, channels in RECORDING_FORMATS:
-        argv = ctx.python(
-            "-m",
-            "speakerd",
-            "bench",
-            "--math",
-            math,
-            "--recording",
-            str(HOUR_S),
-            "--runs",
-            "3",
-            "--sample-rate",
-            str(rate),
-            "--channels",
-            str(channels),
-        )
+        flags = f"--math {math} --recording {HOUR_S} --runs 3 --sample-rate {rate} --channels {channels}"
+        argv = ctx.python("-m", "speakerd", "bench", *flags.split())
         done = ctx.run(f"bench-recording-{rate}x{channels}", argv, 240)
         line = next(row for row in json_lines(done.stdout) if row.get("kind") == "recording")
         ctx.record(
@@ -518,26 +425,10 @@ def recording(ctx: Context) -> None:
         )
     with ctx.server("recording", ["--engine", "gpu", "--math", math]) as server:
         for rate, channels in RECORDING_FORMATS:
-            result = load(
-                ctx,
-                f"load-{rate}x{channels}",
-                server,
-                [
-                    "--recording",
-                    str(HOUR_S),
-                    "--sample-rate",
-                    str(rate),
-                    "--channels",
-                    str(channels),
-                    "--streams",
-                    "1",
-                    "--seconds",
-                    "15",
-                    "--timeout",
-                    "100",
-                ],
-                150,
+            flags = (
+                f"--recording {HOUR_S} --sample-rate {rate} --channels {channels} --streams 1 --seconds 15"
             )
+            result = load(ctx, f"load-{rate}x{channels}", server, [*flags.split(), "--timeout", "100"], 150)
             fig = figure(round(result["latency_p50_ms"] / 1e3, 4), "s", "lower")
             anchors = [
                 anchor(names[way], ways[way]["wall_s"], "s", "lower", fig, ways[way]["command"])
@@ -578,21 +469,9 @@ def pyannote(ctx: Context) -> None:
     math = serving_math(ctx)
     output = ctx.out / "pyannote-bench.json"
     with ctx.server("pyannote", ["--engine", "gpu", "--math", math]) as server:
-        argv = ctx.python(
-            "-m",
-            "speakerd.pyannote.bench",
-            "--target",
-            server["target"],
-            "--device",
-            "cuda",
-            "--audio-seconds",
-            str(HOUR_S),
-            "--segmentation",
-            str(checkpoint),
-            "--exclude-overlap",
-            "--output",
-            str(output),
-        )
+        flags = f"--target {server['target']} --device cuda --audio-seconds {HOUR_S} --exclude-overlap"
+        files = ["--segmentation", str(checkpoint), "--output", str(output)]
+        argv = ctx.python("-m", "speakerd.pyannote.bench", *flags.split(), *files)
         ctx.run("pyannote-bench", argv, ctx.left() - 10, env={"PYANNOTE_METRICS_ENABLED": "false"})
     for kwargs in pyannote_records(json.loads(output.read_text()), shown(argv)):
         ctx.record(**kwargs)
@@ -606,17 +485,9 @@ def pyannote_records(report: dict[str, Any], command: str) -> list[dict[str, Any
     for key, what in (("total_s", "pipeline"), ("embeddings_s", "embedding step")):
         fig = figure(report["speakerd"][key], "s", "lower")
         anchors = []
-        if "pyannote" in report:
-            anchors.append(
-                anchor(
-                    f"pyannote.audio {report.get('pyannote_audio', '')} alone".replace("  ", " "),
-                    report["pyannote"][key],
-                    "s",
-                    "lower",
-                    fig,
-                    command,
-                )
-            )
+        if "pyannote" in report:  # absent with --skip-local
+            alone = f"pyannote.audio {report.get('pyannote_audio', '')} alone".replace("  ", " ")
+            anchors.append(anchor(alone, report["pyannote"][key], "s", "lower", fig, command))
         out.append(
             {
                 "name": f"pyannote {what}, {report['audio_seconds']:g} s of audio",
@@ -638,16 +509,8 @@ def devices(ctx: Context) -> None:
         return
     math = serving_math(ctx)
     refs = references(ctx)
-    flags = [
-        "--streams",
-        str(LOAD_STREAMS),
-        "--chunks",
-        str(LOAD_CHUNKS),
-        "--processes",
-        str(LOAD_PROCESSES),
-        "--seconds",
-        str(ctx.options.seconds),
-    ]
+    shape = f"--streams {LOAD_STREAMS} --chunks {LOAD_CHUNKS} --processes {LOAD_PROCESSES}"
+    flags = f"{shape} --seconds {ctx.options.seconds:g}".split()
     speeds: dict[str, list[dict[str, Any]]] = {}
     for devices_flag in ("0", "all"):
         with ctx.server(
