@@ -18,16 +18,13 @@ from pathlib import Path
 import pytest
 
 from speakerd.tools.suite import record as schema
-from speakerd.tools.suite.suites import (
-    SUITES,
-    engine_records,
-    gpu_test_files,
-    pyannote_records,
-    pytest_counts,
-)
+from speakerd.tools.suite.engine import engine_records
+from speakerd.tools.suite.pyannote import pyannote_records
+from speakerd.tools.suite.suites import SUITES
+from speakerd.tools.suite.tests_gpu import gpu_test_files, pytest_counts
 
 REPO = Path(__file__).resolve().parent.parent
-GPU_SUITES = [name for name, suite in SUITES.items()]
+GPU_SUITES = list(SUITES)  # every suite needs a GPU unless told --engine cpu
 
 
 def suite(

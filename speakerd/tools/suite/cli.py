@@ -18,7 +18,8 @@ from pathlib import Path
 
 from speakerd.tools.suite.record import environment, validate_file
 from speakerd.tools.suite.run import Context, StepFailed
-from speakerd.tools.suite.suites import SUITES, Suite, gpu_problem
+from speakerd.tools.suite.steps import gpu_problem
+from speakerd.tools.suite.suites import SUITES, Suite
 
 #: A device call runs at most 600 s; the harness keeps 30 of them for starting and packing.
 DEFAULT_BUDGET_S = 570
