@@ -9,10 +9,12 @@ on the CPU engine, writing valid records.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ import pytest
 from speakerd.tools.suite import record as schema
 from speakerd.tools.suite.engine import engine_records
 from speakerd.tools.suite.pyannote import pyannote_records
+from speakerd.tools.suite.run import Context, StepFailed
 from speakerd.tools.suite.suites import SUITES
 from speakerd.tools.suite.tests_gpu import gpu_test_files, pytest_counts
 
@@ -103,6 +106,36 @@ def test_pytest_counts_reads_a_real_pytest_run(tmp_path):
     counts = pytest_counts(done.stdout)
     assert (counts["passed"], counts["failed"], counts["errors"]) == (1, 1, 0)
     assert counts["failed_tests"] == ["test_two.py::test_bad"]
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie waiting for its new parent to reap it)."""
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "State:\tZ" in status.read_text()
+    except FileNotFoundError:
+        return True
+
+
+def test_a_step_out_of_time_fails_and_ends_its_children_too(tmp_path):
+    ctx = Context("t", ENV, argparse.Namespace(), REPO, tmp_path, time.monotonic() + 60, tmp_path / "r.jsonl")
+    pidfile = tmp_path / "child.pid"
+    parent = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+        "print('{\"line\": 1}', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    with pytest.raises(StepFailed, match="sleeper: ran out of its 3 s"):
+        ctx.run("sleeper", [sys.executable, "-c", parent], 3)
+    child = int(pidfile.read_text())
+    until = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < until:
+        time.sleep(0.1)
+    assert _gone(child), "the step's child outlived it"
+    kept = ctx.run("sleeper-partial", [sys.executable, "-c", parent], 3, keep_partial=True)
+    assert kept.stdout.strip() == '{"line": 1}'
 
 
 # ----- the schema ----------------------------------------------------------------------------

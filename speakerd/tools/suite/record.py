@@ -9,7 +9,8 @@ FILE` validates files against it.
 Fields (all present in every record):
 
 - `schema`: "speakerd.measurement/1".
-- `suite`: the suite that wrote it (`engine`, `service`, ...).
+- `suite`: the suite that wrote it (`engine`, `service`, ...; `kernel-stages` for the
+  timings of scripts/time_wgmma_variants.py kept in measurements/).
 - `name`: what was measured, e.g. "b32 fp16 graph" or "load 16x32 fp16 receivers=4".
 - `commit`: the git commit measured (12 hex digits, "-dirty" when the tree differed from it),
   or "unknown" where the run had no git checkout and no SPEAKERD_COMMIT.

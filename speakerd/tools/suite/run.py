@@ -55,6 +55,12 @@ def json_lines(text: str) -> list[dict[str, Any]]:
     return objects
 
 
+def last_stderr_line(log: Path) -> str:
+    """The last line a failed step wrote to stderr: where a maintainer looks first."""
+    lines = log.read_text().split("\n--- stdout ---\n")[0].strip().splitlines()
+    return lines[-1][:300] if lines else "(nothing on stderr)"
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -105,7 +111,7 @@ class Context:
     ) -> subprocess.CompletedProcess[str]:
         """Run `argv` for at most `limit_s` (and what is left of the budget); stdout is
         returned and, with stderr, kept in logs/. check: a non-zero exit is StepFailed.
-        keep_partial: running out of time returns what it printed (returncode None) instead
+        keep_partial: running out of time returns what it printed (returncode -9) instead
         of failing, for a step whose every line is a result of its own (an anchor script)."""
         limit = min(limit_s, self.left())
         if limit < 1:
@@ -114,40 +120,31 @@ class Context:
         log = self.log_path(name)
         started = time.monotonic()
         with log.open("w") as err:
+            # a session of its own, so that running out of time ends the step's children too
+            # (`client load`'s worker processes, a test's server)
+            process = subprocess.Popen(
+                list(argv), cwd=self.repo, env=child_env, stdout=subprocess.PIPE, stderr=err, text=True,
+                start_new_session=True,
+            )  # fmt: skip
             try:
-                done = subprocess.run(
-                    list(argv),
-                    cwd=self.repo,
-                    env=child_env,
-                    stdout=subprocess.PIPE,
-                    stderr=err,
-                    text=True,
-                    timeout=limit,
-                )
-            except subprocess.TimeoutExpired as expired:
-                stdout = (
-                    expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-                )
+                stdout, _ = process.communicate(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                stdout, _ = process.communicate()
                 with log.open("a") as tail:
                     tail.write(f"\n--- stdout ---\n{stdout}")
                 if keep_partial:
                     self.say(f"{name}: cut off at {limit:.0f} s, its lines so far kept")
-                    return subprocess.CompletedProcess(list(argv), None, stdout, "")  # type: ignore[arg-type]
+                    return subprocess.CompletedProcess(list(argv), -signal.SIGKILL, stdout, "")
                 raise StepFailed(f"{name}: ran out of its {limit:.0f} s ({shown(argv)}); log {log}") from None
         with log.open("a") as tail:
-            tail.write(f"\n--- stdout ---\n{done.stdout}")
-        last = ""
-        if done.returncode != 0:  # the line that says why, where a maintainer looks first
-            last = (log.read_text().split("--- stdout ---")[0].strip().splitlines() or ["(no stderr)"])[-1][
-                :300
-            ]
-        self.say(
-            f"{name}: exit {done.returncode} after {time.monotonic() - started:.0f} s"
-            + (f": {last}" if last else "")
-        )
-        if check and done.returncode != 0:
-            raise StepFailed(f"{name}: exit {done.returncode} ({shown(argv)}): {last}")
-        return done
+            tail.write(f"\n--- stdout ---\n{stdout}")
+        code = process.returncode
+        why = f": {last_stderr_line(log)}" if code != 0 else ""
+        self.say(f"{name}: exit {code} after {time.monotonic() - started:.0f} s{why}")
+        if check and code != 0:
+            raise StepFailed(f"{name}: exit {code} ({shown(argv)}){why}")
+        return subprocess.CompletedProcess(list(argv), code, stdout, "")
 
     def record(
         self,
