@@ -1,7 +1,7 @@
 #!/bin/bash
-# The pyannote benchmark on the H200: the whole pyannote.audio 4.0.7 diarization pipeline on
-# an hour of audio (sample.wav tiled), pyannote alone vs pyannote + an FP16 GPU speakerd
-# server, as JSON in $OUT/pyannote-bench.json (python -m speakerd.pyannote.bench).
+# The harness's pyannote suite on a device machine (`python -m speakerd.tools.suite pyannote`:
+# the whole pyannote.audio 4.0.7 diarization pipeline on an hour of audio, alone and with an
+# FP16 GPU speakerd server), after installing the wheels it needs.
 #
 # The image lacks pyannote.audio and its dependencies (about 90 MiB of wheels, listed in
 # scripts/prepare_pyannote_wheels.sh's header), more than one `run` may carry next to .whl/.
@@ -18,9 +18,7 @@
 #   run  carry [".whl", ".whl-pyannote/segmentation-3.0", ".whl-pyannote/wheels.txt"]
 #        bash scripts/device_pyannote.sh bench
 #
-# bench's variables: AUDIO_S (3600), SERVE_MATH (fp16), EXCLUDE_OVERLAP (1: the pipeline's
-# embedding_exclude_overlap, as community-1 sets it), SKIP_LOCAL (1: pyannote + speakerd only),
-# BENCH_S (420: the benchmark's own time limit within the call's 600 s).
+# bench passes its further arguments to the suite (e.g. --math fp16).
 set -o pipefail
 stash=/tmp/pyannote-wheels
 case "${1:-}" in
@@ -39,7 +37,7 @@ manifest=.whl-pyannote/wheels.txt  # every wheel of every part (prepare_pyannote
 [ -f $manifest ] || { echo "carry .whl-pyannote/wheels.txt too (see the header)" >&2; exit 2; }
 # The image's transformers requires huggingface_hub < 2, and torchmetrics (via lightning)
 # imports transformers whenever it is installed: a stashed huggingface_hub 2.x shadowing the
-# image's made `import pyannote.audio` fail on the H200. pyannote.audio 4.0.7 runs with the
+# image's made `import pyannote.audio` fail on the device. pyannote.audio 4.0.7 runs with the
 # image's (1.33), so that wheel is left out when the image has one.
 keep_image=""
 python3 -c "import huggingface_hub" 2>/dev/null && keep_image="huggingface_hub-"
@@ -60,20 +58,6 @@ export PYTHONPATH=$PYTHONPATH:/tmp/pyannote-site PYANNOTE_METRICS_ENABLED=false
 python3 -c "import pyannote.audio, scipy, sklearn, pandas, matplotlib; print('pyannote.audio', pyannote.audio.__version__)" \
   2>&1 | grep -v -i "torchcodec\|warn\|^$" | tail -3
 echo "installed at $SECONDS s"
-
-python3 -m speakerd serve --engine gpu --math ${SERVE_MATH:-fp16} --port 50051 --metrics-port 9100 > $OUT/serve.log 2>&1 &
-SPID=$!
-timeout 200 python3 -m speakerd.client health --wait 190 > $OUT/health.log 2>&1; echo "health rc $? at $SECONDS s"
-if kill -0 $SPID 2>/dev/null; then
-  flags=()
-  [ "${EXCLUDE_OVERLAP:-1}" = 1 ] && flags+=(--exclude-overlap)
-  [ "${SKIP_LOCAL:-0}" = 1 ] && flags+=(--skip-local)
-  timeout ${BENCH_S:-420} python3 -m speakerd.pyannote.bench --target 127.0.0.1:50051 --device cuda \
-    --audio-seconds ${AUDIO_S:-3600} --segmentation .whl-pyannote/segmentation-3.0/pytorch_model.bin \
-    --output $OUT/pyannote-bench.json "${flags[@]}" > $OUT/pyannote-bench.log 2>&1
-  echo "bench rc $? at $SECONDS s"
-  grep -v -i "warn\|torchcodec\|^$" $OUT/pyannote-bench.log | tail -60
-  kill $SPID; wait $SPID
-fi
-grep -E "SERVING|self-check|ERROR|Traceback|Error" $OUT/serve.log | cut -c1-300 | head -12
-echo "all done at $SECONDS s"
+# what is left of the call's 600 s (with a margin for the server's stop) is the run's budget
+exec python3 -m speakerd.tools.suite pyannote --budget-s $((580 - SECONDS)) \
+  --segmentation .whl-pyannote/segmentation-3.0/pytorch_model.bin "${@:2}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads into .whl-pyannote/ (ignored by git) what scripts/device_pyannote.sh needs on the
-# H200 image, which has Python 3.12, torch 2.11 + CUDA, numpy, grpcio, protobuf, safetensors
+# device image, which has Python 3.12, torch 2.11 + CUDA, numpy, grpcio, protobuf, safetensors
 # and onnxruntime but not pyannote.audio nor its dependencies. Run from the project root:
 #
 #   scripts/prepare_pyannote_wheels.sh        # then see scripts/device_pyannote.sh's header

@@ -11,7 +11,7 @@ Why re-choose rather than give up: on the H200 (cuDNN 9.19) the TF32 b1 forward 
 first at layer3.0.shortcut's output whichever plan the shortcut ran, fused or bare (16
 plans), yet the same bare plan replayed exactly inside a forward with no fused
 convolution: the divergence showed at one convolution and came from a fused one before it
-(measurements/README.md, 2026-12-03 graph probe). Hence the walk back to the nearest fused
+(a graph probe at ea614f9, in git history under measurements/). Hence the walk back to the nearest fused
 convolution.
 """
 

@@ -49,14 +49,14 @@ TIMED_RUNS = 5
 HOPELESS = 3.0
 #: Execution plans that build and are timed per graph, in heuristic order (deselected ones
 #: do not count: in strict FP32 the first dozen are all tensor-core plans). The best of every
-#: trunk shape (measured on an H200 on 2026-12-02: docs/performance.md) was within the first 12, and
+#: trunk shape (measured on an H200: the specification's cuDNN anchors) was within the first 12, and
 #: each runtime-compiled plan costs an NVRTC build at start-up.
 MAX_PLANS = 12
 #: The same for an FP16 fused graph (conv, epilogue and its AMAX range check): every plan
 #: of those is runtime-compiled by cuDNN (eng4), ~3 s of start-up per graph at 12 plans
 #: (an FP16 engine took 129 s to build, 28 s before fusion). On the H200 the fastest of
 #: the first six was among the first five for all twelve trunk shapes probed
-#: (measurements/2026-12-04-h200-fp16-fusion-probe-97780cc.jsonl).
+#: (scripts/probe_fp16_fusion.py at 97780cc; its output is in git history under measurements/).
 MAX_RANGE_FUSED_PLANS = 5
 #: cuDNN's heuristic modes whose execution plans are timed (cudnn.heur_mode names): A's
 #: ranked list and the FALLBACK engines; scripts/probe_fp16_fusion.py --modes asks others.
@@ -64,9 +64,10 @@ HEURISTIC_MODES = ("A", "FALLBACK")
 #: Plans needing more workspace than this are not candidates. Strict FP32's fastest plans
 #: need a lot: eng70 ran layer1's b32 conv in 2.10 ms with 654 MB of workspace where the
 #: best plan without workspace took 4.79 ms, layer2's in 1.40 ms with 327 MB vs 4.68
-#: (H200 probe 2026-12-03, measurements/). One workspace of the largest need is shared by
-#: every convolution, so 1 GiB is the most it costs on a 141 GB device; larger is
-#: refused, so a pathological plan cannot take gigabytes.
+#: (an H200 probe of every strict plan at ea614f9, in git history under measurements/).
+#: One workspace of the largest need is shared by every convolution, so 1 GiB is the most
+#: it costs on a 141 GB device; larger is refused, so a pathological plan cannot take
+#: gigabytes.
 MAX_WORKSPACE_BYTES = 1 << 30
 
 

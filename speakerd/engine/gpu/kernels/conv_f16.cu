@@ -16,7 +16,7 @@
 // weights of the chunk (all taps) sit beside it. One stage: two blocks per SM overlap one's
 // copy with the other's MMAs. (A persistent grid with two stages, the next chunk copied
 // while this one computes, ran slower on the H200: 0.344 vs 0.288 ms for layer1's b32 conv,
-// at one block of 168-182 registers per SM; measurements/2026-12-03-h200-bench-fp16-afc55b1.jsonl.)
+// at one block of 168-182 registers per SM: afc55b1, in git history under measurements/.)
 //
 // Pixel tiles (template ROWS x COLS, entry points below; the autotuner times each): always
 // 256 threads, 8 warps, each warp PX = ROWS * COLS / 8 consecutive pixels of one output row
@@ -60,7 +60,7 @@
 #define F16_BLOCKS_PER_SM 2  // caps registers at 128 a thread: two blocks share an SM
 // The 3x3 stride-2 halo of a 2 x 128 tile (5 x 257 pixels, 158 KB with 64 channels' weights)
 // fits one block per SM: no register cap there (at 128 its 64-channel variant spilled 8
-// bytes, H200 2026-12-03). Its 1 x 128 tiles keep the bound: uncapped, the registers they
+// bytes). Its 1 x 128 tiles keep the bound: uncapped, the registers they
 // use decide whether two blocks share an SM.
 #define F16_BLOCKS_PER_SM_WIDE 1
 #define F16_CHUNK 32   // input channels per K chunk

@@ -37,8 +37,8 @@
 //
 // Shared-memory layouts (wgmma's K-major layout without swizzle: a core matrix is 8 rows of
 // 16 bytes, 128 contiguous bytes; the descriptor's LBO steps between core matrices along K,
-// its SBO between core matrices along M or N; both readings confirmed on the H200 by
-// scripts/probe_wgmma.py):
+// its SBO between core matrices along M or N; both readings confirmed on an H200 by one
+// wgmma against NumPy, and tests/test_gpu_fp16.py checks every entry point against float64):
 //   halo    [channel group of 8][pixel] 16 bytes each: a run of 8 pixels of one halo row is
 //           a core matrix wherever it starts, so the shift by dw (one pixel, 16 bytes) is a
 //           start address (16-byte granular), SBO = 128 bytes, LBO = pixels * 16.

@@ -1,0 +1,75 @@
+"""The `pyannote` suite: pyannote.audio's whole pipeline on an hour, alone and with a
+speakerd server, from `speakerd.pyannote.bench`'s report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from speakerd.tools.suite.record import anchor, figure
+from speakerd.tools.suite.run import Context, shown
+from speakerd.tools.suite.steps import HOUR_S, serving_math
+
+#: Where segmentation-3.0's checkpoint is looked for (scripts/pyannote_segmentation.sh and
+#: scripts/prepare_pyannote_wheels.sh write these).
+SEGMENTATION_PATHS = (
+    ".cache/pyannote/segmentation-3.0/pytorch_model.bin",
+    ".whl-pyannote/segmentation-3.0/pytorch_model.bin",
+)
+
+
+def segmentation_path(ctx: Context) -> Path | None:
+    given = ctx.options.segmentation
+    candidates = [Path(given)] if given else [ctx.repo / path for path in SEGMENTATION_PATHS]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def pyannote(ctx: Context) -> None:
+    if importlib.util.find_spec("pyannote") is None or importlib.util.find_spec("pyannote.audio") is None:
+        ctx.skip(
+            "pyannote",
+            "pyannote.audio is not importable (scripts/device_pyannote.sh installs it on a device)",
+        )
+        return
+    checkpoint = segmentation_path(ctx)
+    if checkpoint is None:
+        ctx.skip(
+            "pyannote", "no segmentation-3.0 checkpoint (scripts/pyannote_segmentation.sh; or --segmentation)"
+        )
+        return
+    math = serving_math(ctx)
+    output = ctx.out / "pyannote-bench.json"
+    with ctx.server("pyannote", ["--engine", "gpu", "--math", math]) as server:
+        flags = f"--target {server['target']} --device cuda --audio-seconds {HOUR_S} --exclude-overlap"
+        files = ["--segmentation", str(checkpoint), "--output", str(output)]
+        argv = ctx.python("-m", "speakerd.pyannote.bench", *flags.split(), *files)
+        ctx.run("pyannote-bench", argv, ctx.left() - 10, env={"PYANNOTE_METRICS_ENABLED": "false"})
+    for kwargs in pyannote_records(json.loads(output.read_text()), shown(argv)):
+        ctx.record(**kwargs)
+
+
+def pyannote_records(report: dict[str, Any], command: str) -> list[dict[str, Any]]:
+    """speakerd.pyannote.bench's JSON -> Context.record keyword arguments: the whole
+    pipeline and its embedding step, each against pyannote alone in the same run."""
+    ok = report.get("parity", {}).get("der", 0.0) == 0.0
+    out = []
+    for key, what in (("total_s", "pipeline"), ("embeddings_s", "embedding step")):
+        fig = figure(report["speakerd"][key], "s", "lower")
+        anchors = []
+        if "pyannote" in report:  # absent with --skip-local
+            alone = f"pyannote.audio {report.get('pyannote_audio', '')} alone".replace("  ", " ")
+            anchors.append(anchor(alone, report["pyannote"][key], "s", "lower", fig, command))
+        out.append(
+            {
+                "name": f"pyannote {what}, {report['audio_seconds']:g} s of audio",
+                "command": command,
+                "fig": fig,
+                "anchors": anchors,
+                "detail": report,
+                "ok": ok,
+                "headline": True,
+            }
+        )
+    return out

@@ -1,0 +1,98 @@
+"""The `service` and `devices` suites: servers verified and loaded with 32-chunk requests and
+hour-long recordings, each load against the engine's own speed (or one device's) in the same run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speakerd.tools.suite.record import anchor, figure
+from speakerd.tools.suite.run import Context
+from speakerd.tools.suite.steps import (
+    HOUR_S,
+    engine_speed,
+    load,
+    load_record,
+    references,
+    serving_math,
+    verify_record,
+)
+
+#: The service's load: 16 callers of 32-chunk requests from 4 processes fill the batcher's
+#: queue (the requests, not the server, limited fewer), each call one b32 batch.
+LOAD_STREAMS, LOAD_CHUNKS, LOAD_PROCESSES = 16, 32, 4
+#: On the CPU engine (~8 chunks/s on 2 cores) a load of single chunks shows the service
+#: works end to end; its throughput is not a figure anyone quotes.
+CPU_LOAD_STREAMS, CPU_LOAD_CHUNKS = 2, 1
+#: Receiver processes for the GPU service (docs/service.md: 4 lift FP16 throughput).
+RECEIVERS = 4
+
+
+def service(ctx: Context) -> None:
+    math = serving_math(ctx)
+    cpu = ctx.options.engine == "cpu"
+    refs = references(ctx)
+    ceiling = engine_speed(ctx, math, refs)
+    receivers = 0 if cpu else RECEIVERS
+    shape = (CPU_LOAD_STREAMS, CPU_LOAD_CHUNKS, 1) if cpu else (LOAD_STREAMS, LOAD_CHUNKS, LOAD_PROCESSES)
+    streams, chunks, processes = shape
+    seconds = ctx.options.seconds
+    serve = f"--engine {ctx.options.engine} --math {math} --receivers {receivers}"
+    with ctx.server("service", serve.split()) as server:
+        verify_record(ctx, server, refs, math)
+        flags = f"--streams {streams} --chunks {chunks} --processes {processes} --seconds {seconds:g}"
+        name = f"load {streams}x{chunks} {math} receivers={receivers}"
+        for run in range(1, ctx.options.runs + 1):
+            load_record(ctx, f"load-{run}", server, flags, seconds + 120, name, "chunks/s", ceiling, run == 1)
+        if cpu:
+            ctx.skip("recording load", "an hour on the CPU engine takes longer than any budget")
+            return
+        counted = max(seconds, 20)
+        flags = f"--recording {HOUR_S} --streams 2 --warmup 2 --seconds {counted:g} --timeout 100"
+        name = f"load recording 2x{HOUR_S}s {math} receivers={receivers}"
+        load_record(ctx, "load-recording", server, flags, counted + 150, name, "windows/s", ceiling)
+
+
+def devices(ctx: Context) -> None:
+    if ctx.env.gpu_count < 2:
+        ctx.skip("devices", f"needs 2 GPUs or more, nvidia-smi lists {ctx.env.gpu_count}")
+        return
+    math = serving_math(ctx)
+    refs = references(ctx)
+    shape = f"--streams {LOAD_STREAMS} --chunks {LOAD_CHUNKS} --processes {LOAD_PROCESSES}"
+    flags = f"{shape} --seconds {ctx.options.seconds:g}".split()
+    speeds: dict[str, list[dict[str, Any]]] = {}
+    for devices_flag in ("0", "all"):
+        with ctx.server(
+            f"devices-{devices_flag}", ["--engine", "gpu", "--math", math, "--devices", devices_flag]
+        ) as server:
+            if devices_flag == "all":
+                verify_record(ctx, server, refs, math)
+            speeds[devices_flag] = [
+                load(ctx, f"load-devices-{devices_flag}-{run}", server, flags, ctx.options.seconds + 120)
+                for run in range(1, ctx.options.runs + 1)
+            ]
+            for result in speeds[devices_flag]:
+                result["server"] = server["command"]
+    one = speeds["0"]
+    baseline = sum(result["chunks_per_s"] for result in one) / len(one)
+    for index, result in enumerate(speeds["all"]):
+        fig = figure(result["chunks_per_s"], "chunks/s", "higher")
+        anchors = [
+            anchor(
+                "the same load on --devices 0 (mean)",
+                round(baseline, 1),
+                "chunks/s",
+                "higher",
+                fig,
+                one[0]["_command"],
+            )
+        ]
+        ctx.record(
+            f"load {LOAD_STREAMS}x{LOAD_CHUNKS} {math} devices=all ({ctx.env.gpu_count} GPUs)",
+            result.pop("_command"),
+            fig,
+            anchors,
+            detail={**result, "devices_0": [r["chunks_per_s"] for r in one]},
+            ok=bool(result.get("ok")),
+            headline=index == 0,
+        )

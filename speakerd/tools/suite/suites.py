@@ -1,0 +1,70 @@
+"""The suites: what each one runs, what it needs, its time budget, and its records.
+
+Budgets are what one suite may take of a device call's ten minutes, measured from the
+longest step seen (a fresh machine builds an FP16 engine's cuDNN graphs in up to ~120 s);
+a run of several suites takes each whose budget still fits and skips the rest, saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from speakerd.tools.suite.engine import engine
+from speakerd.tools.suite.pyannote import pyannote
+from speakerd.tools.suite.recording import recording
+from speakerd.tools.suite.run import Context
+from speakerd.tools.suite.service import devices, service
+from speakerd.tools.suite.tests_gpu import tests_gpu
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    purpose: str
+    budget_s: int
+    run: Callable[[Context], None]
+    #: True: `--engine cpu` runs it on the CPU engine, without a GPU
+    cpu_engine: bool = False
+
+
+SUITES: dict[str, Suite] = {
+    suite.name: suite
+    for suite in (
+        Suite("tests-gpu", "every GPU test file with REQUIRE_GPU=1 (a skip is a failure)", 560, tests_gpu),
+        Suite(
+            "engine",
+            "bench of every math, b1 and b32, per-layer times; PyTorch eager and torch.compile "
+            "max-autotune anchors in the same call",
+            560,
+            engine,
+        ),
+        Suite(
+            "service",
+            "a server checked by `client verify`, then 32-chunk and hour-recording loads against "
+            "the engine's own bench in the same call (--engine cpu: briefly, on the CPU engine)",
+            420,
+            service,
+            cpu_engine=True,
+        ),
+        Suite(
+            "recording",
+            "an hour of 16 kHz mono and 48 kHz stereo, in process and through a server, against "
+            "the PyTorch hour anchors",
+            420,
+            recording,
+        ),
+        Suite(
+            "pyannote",
+            "pyannote.audio's whole pipeline on an hour, alone and with a speakerd server",
+            420,
+            pyannote,
+        ),
+        Suite(
+            "devices",
+            "32-chunk load on `serve --devices all` against `--devices 0` (2 GPUs or more)",
+            480,
+            devices,
+        ),
+    )
+}
