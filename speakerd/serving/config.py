@@ -116,6 +116,10 @@ class ServeConfig:
     #: Processes that receive gRPC calls on the port and hand them over through shared
     #: memory (receiver_link.py); 0: this process receives them itself.
     receivers: int = 0
+    #: Where the server keeps its files (the SQLite voiceprint store).
+    data_dir: Path = Path("speakerd-data")
+    #: Voiceprint store: "sqlite" (a file in data_dir), a postgresql:// URL, or "off".
+    voiceprints: str = "sqlite"
 
     @property
     def max_message_bytes(self) -> int:
@@ -242,6 +246,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "through shared memory (0: this process receives them)",
         type=_receivers,
     )
+    add("data-dir", default_data_dir(), "directory of the server's files: the SQLite voiceprint store")
+    add(
+        "voiceprints",
+        "sqlite",
+        "voiceprint store: sqlite (a file in --data-dir), a postgresql:// URL (a fleet), or off",
+    )
+
+
+def default_data_dir() -> str:
+    """$XDG_DATA_HOME/speakerd, else ~/.local/share/speakerd (the XDG default)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "speakerd")
+
+
+def _voiceprints(args: argparse.Namespace) -> str:
+    value = str(args.voiceprints)
+    if value in ("sqlite", "off") or value.startswith(("postgresql://", "postgres://")):
+        return value
+    raise UsageError(
+        f"--voiceprints: expected sqlite, off or a postgresql:// URL [{env_name('voiceprints')}]"
+    )
 
 
 def env_name(flag: str) -> str:
@@ -316,4 +341,6 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         auth_tokens=_readable_file(args, "auth-tokens"),
         devices=devices,
         receivers=int(args.receivers),
+        data_dir=Path(args.data_dir),
+        voiceprints=_voiceprints(args),
     )
