@@ -52,6 +52,8 @@ ALL_DEVICES = "all"
 #: GPU they only add memory (docs/service.md: 4 took an H200's FP16 server past 90% of its
 #: engine).
 MAX_RECEIVERS = 32
+#: The server's files (the SQLite voiceprint store): the XDG data directory of its user.
+DEFAULT_DATA_DIR = "~/.local/share/speakerd"
 #: Log lines of the server and of its receiver processes.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -117,7 +119,7 @@ class ServeConfig:
     #: memory (receiver_link.py); 0: this process receives them itself.
     receivers: int = 0
     #: Where the server keeps its files (the SQLite voiceprint store).
-    data_dir: Path = Path("speakerd-data")
+    data_dir: Path = Path.home() / ".local" / "share" / "speakerd"  # DEFAULT_DATA_DIR, expanded
     #: Voiceprint store: "sqlite" (a file in data_dir), a postgresql:// URL, or "off".
     voiceprints: str = "sqlite"
 
@@ -246,18 +248,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "through shared memory (0: this process receives them)",
         type=_receivers,
     )
-    add("data-dir", default_data_dir(), "directory of the server's files: the SQLite voiceprint store")
+    add("data-dir", DEFAULT_DATA_DIR, "directory of the server's files: the SQLite voiceprint store")
     add(
         "voiceprints",
         "sqlite",
         "voiceprint store: sqlite (a file in --data-dir), a postgresql:// URL (a fleet), or off",
     )
-
-
-def default_data_dir() -> str:
-    """$XDG_DATA_HOME/speakerd, else ~/.local/share/speakerd (the XDG default)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return os.path.join(base, "speakerd")
 
 
 def _voiceprints(args: argparse.Namespace) -> str:
@@ -341,6 +337,6 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         auth_tokens=_readable_file(args, "auth-tokens"),
         devices=devices,
         receivers=int(args.receivers),
-        data_dir=Path(args.data_dir),
+        data_dir=Path(args.data_dir).expanduser(),
         voiceprints=_voiceprints(args),
     )

@@ -430,16 +430,13 @@ class SpeakerServer:
         self._warm_up = asyncio.ensure_future(self._warm())
 
     async def _open_voiceprints(self, voiceprints: VoiceprintService) -> None:
-        """Open the voiceprint store: a database that is down now is tried again by each
-        call (UNAVAILABLE until it is up); a data directory that cannot be used is a usage error."""
+        """Open the voiceprint store. One that cannot be opened now (a database that is
+        down, a read-only --data-dir) does not stop the embedding service: each voiceprint
+        call tries again, UNAVAILABLE with the reason until it opens."""
         try:
             await asyncio.to_thread(voiceprints.open)
         except StoreUnavailable as error:
-            if self.settings.voiceprints == "sqlite":
-                raise config.UsageError(f"--data-dir {self.settings.data_dir}: {error}") from error
-            log.warning("voiceprints: %s; their calls get UNAVAILABLE until it answers", error)
-        except OSError as error:
-            raise config.UsageError(f"--data-dir {self.settings.data_dir}: {error}") from error
+            log.warning("voiceprints: %s; their calls get UNAVAILABLE until it opens", error)
 
     def _bind_port(self) -> int:
         """Listen on --host:--port in this process; the port bound."""

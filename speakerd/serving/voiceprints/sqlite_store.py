@@ -51,17 +51,17 @@ class SqliteStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.description = f"SQLite {path}"
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = threading.Lock()
         try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             for pragma in ("journal_mode=WAL", "synchronous=FULL", "secure_delete=ON",
                            f"busy_timeout={BUSY_TIMEOUT_MS}"):  # fmt: skip
                 self._db.execute(f"PRAGMA {pragma}")
             self._db.execute(SCHEMA)
-        except sqlite3.Error as error:
+            path.chmod(0o600)  # biometric data: this user only
+        except (sqlite3.Error, OSError) as error:
             raise StoreUnavailable(f"{self.description}: {error}") from error
-        path.chmod(0o600)  # biometric data: this user only
 
     def _run(self, work: Callable[[sqlite3.Connection], object]) -> object:
         """`work` in one transaction (rolled back on any error); StoreUnavailable for
