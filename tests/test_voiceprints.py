@@ -352,7 +352,7 @@ def test_a_diarizations_speakers_get_their_enrolled_names(enrolled, server: Serv
 
     import speakerd.pyannote
     from speakerd.model.recording import window_count
-    from speakerd.model.voiceprint import pool
+    from speakerd.model.voiceprint import pool, segment_masks
 
     diarization = Annotation(uri="meeting")
     for start, label in ((0, "SPEAKER_00"), (12, "SPEAKER_01"), (24, "SPEAKER_02")):
@@ -362,7 +362,10 @@ def test_a_diarizations_speakers_get_their_enrolled_names(enrolled, server: Serv
         for row, seed in ((0, 11), (1, 12)):  # the centroids a pipeline on this server computes
             samples = voice(seed)
             windows = window_count(samples.shape[0], int(STEP_S * 16000))
-            served = a.embed_recording(samples, 16000, np.ones((windows, 1, 589), np.uint8), step_s=STEP_S)
+            masks = segment_masks(
+                [(0.0, SECONDS)], windows, STEP_S
+            )  # the masks Enroll made of the whole audio
+            served = a.embed_recording(samples, 16000, masks, step_s=STEP_S)
             pooled = pool(served.embeddings[:, 0], served.active_frames[:, 0])
             assert pooled is not None
             rows[row] = 3.0 * pooled.vector  # pyannote's centroids are not unit length
@@ -371,3 +374,59 @@ def test_a_diarizations_speakers_get_their_enrolled_names(enrolled, server: Serv
     assert named.speaker_diarization.labels() == ["SPEAKER_02", "s11", "s12"]
     assert named.exclusive_speaker_diarization.labels() == ["SPEAKER_02", "s11", "s12"]
     assert output.speaker_diarization.labels() == ["SPEAKER_00", "SPEAKER_01", "SPEAKER_02"]  # a copy
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def test_the_command_line_enrolls_and_identifies_from_a_file_and_its_masks(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Quick start's flow (docs/voiceprints.md) on a two-speaker file: each speaker is a
+    mask column; enrolled by column, identified by column."""
+    import json
+
+    import soundfile
+
+    from speakerd.client.cli import main
+    from speakerd.model.recording import window_count
+
+    first, second = voice(31), voice(32)
+    samples = np.concatenate([first, second])
+    audio, masks_file, token = tmp_path / "two.wav", tmp_path / "two-masks.npy", tmp_path / "token"
+    soundfile.write(audio, samples, 16000, subtype="FLOAT")
+    step = int(STEP_S * 16000)
+    windows = window_count(samples.shape[0], step)
+    starts = np.arange(windows)[:, None] * STEP_S + (np.arange(589)[None, :] + 0.5) * 10 / 589
+    masks = np.stack([starts < SECONDS, (starts >= SECONDS) & (starts < 2 * SECONDS)], axis=1)
+    np.save(masks_file, masks.astype(np.uint8))
+    token.write_text(TOKENS[1] + "\n")  # tenant B: nothing else enrolled there but its own s11
+    common = ["--target", server.target, "--token-file", str(token)]
+    speech = ["--audio", str(audio), "--masks", str(masks_file), "--step", str(STEP_S)]
+
+    def run(*argv: str) -> dict:
+        assert main([*argv, *common]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    ids = {}
+    for column, name in ((0, "first"), (1, "second")):
+        ids[name] = run("enroll", "--speaker-id", name, *speech, "--column", str(column))["voiceprint"][
+            "voiceprint_id"
+        ]
+    for column, name in ((0, "first"), (1, "second")):
+        found = run(
+            "identify",
+            *speech,
+            "--column",
+            str(column),
+            "--top-k",
+            "2",
+            "--threshold",
+            str(SAME_AUDIO_COSINE),
+        )
+        (row,) = found["rows"]
+        assert row["speaker_id"] == name and row["matches"][0]["voiceprint_id"] == ids[name]
+    listed = run("voiceprints", "list")
+    assert {v["speaker_id"] for v in listed["voiceprints"]} >= {"first", "second"}
+    for voiceprint_id in ids.values():
+        run("voiceprints", "delete", voiceprint_id)

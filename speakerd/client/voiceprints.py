@@ -141,10 +141,9 @@ def speech_parts(
     """("header", SpeechHeader) then ("masks", RecordingMasks) and ("audio", bytes) parts of a
     recording, cut as EmbedRecording's messages are (recording.recording_requests)."""
     if masks is None:  # the server builds them from the segments: the audio alone
-        pcm, _ = recording._pcm(samples)
         placeholder = np.zeros((1, 1, 1), np.uint8)  # masks of no window: never sent
         messages = recording.recording_requests(
-            pcm, sample_rate, placeholder, step_s=step_s, masks_first=False
+            samples, sample_rate, placeholder, step_s=step_s, masks_first=False
         )
     else:
         messages = recording.recording_requests(samples, sample_rate, masks, step_s=step_s)
