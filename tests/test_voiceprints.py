@@ -121,6 +121,7 @@ def test_a_speaker_is_identified_by_their_own_recording(enrolled, server: Server
     assert [m.speaker_id for m in row.matches] == ["s11", "s12"]
     assert row.matches[0].score >= SAME_AUDIO_COSINE and row.matches[0].score >= row.matches[1].score
     assert found.threshold == 0.5 and found.other_model_voiceprints == 0
+    assert len(found.request_id) == 16  # the client's x-request-id, echoed
 
 
 def test_identify_takes_embeddings_and_a_threshold(enrolled, server: ServerProcess) -> None:

@@ -138,8 +138,10 @@ class VoiceprintIndex:
 def top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """[m, N] -> [m, min(k, N)] column indices of each row's largest scores, best first."""
     k = min(k, scores.shape[1])
-    if k < scores.shape[1]:
-        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    if (
+        k < scores.shape[1]
+    ):  # the k largest, partitioned in place of a negated copy (400 MB at 1,000 x 100,000)
+        part = np.argpartition(scores, scores.shape[1] - k, axis=1)[:, -k:]
     else:
         part = np.broadcast_to(np.arange(scores.shape[1]), scores.shape).copy()
     order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")

@@ -30,7 +30,8 @@ import numpy as np
 from speakerd.model.inputs import InputError
 from speakerd.model.voiceprint import MIN_ENROLL_SPEECH_S, MIN_QUERY_SPEECH_S, check_threshold
 from speakerd.serving.errors import Rejection, abort, cancellation
-from speakerd.serving.recording import Host, RecordingService
+from speakerd.serving.recording import REQUEST_ID_KEY, Host, RecordingService
+from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.voiceprints.index import VoiceprintIndex
 from speakerd.serving.voiceprints.records import DuplicateSpeaker, StoreUnavailable, VoiceprintRecord
 from speakerd.serving.voiceprints.speech import Speech, collect
@@ -236,7 +237,7 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
                       work: Callable[[str], Awaitable[T]]) -> T:  # fmt: skip
         """Run `work(tenant)` with the call's metrics and log line; every failure becomes its
         code (module doc), never UNKNOWN."""
-        started, code = time.perf_counter(), grpc.StatusCode.OK
+        started, code, request_id = time.perf_counter(), grpc.StatusCode.OK, ""
         metrics = self.host.metrics
         self.host._enter()
         try:
@@ -244,12 +245,16 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
                 raise Rejection(
                     grpc.StatusCode.UNAVAILABLE, "draining", "the server is draining; retry elsewhere"
                 )
-            return await work(tenant_of(context.invocation_metadata(), self.authenticated))
+            request_id = _request_id(context)
+            response = await work(tenant_of(context.invocation_metadata(), self.authenticated))
+            if "request_id" in response.DESCRIPTOR.fields_by_name:  # type: ignore[attr-defined]
+                response.request_id = request_id  # type: ignore[attr-defined]
+            return response
         except (Rejection, InputError, DuplicateSpeaker, StoreUnavailable) as error:
             rejection = _rejection(error)
             code = rejection.code
             metrics.rejected.labels(reason=rejection.reason).inc()
-            log.info("%s: %s %s", method, code.name, rejection.message)
+            log.info("%s %s: %s %s", method, request_id, code.name, rejection.message)
             await abort(context, rejection)
             raise AssertionError("unreachable: abort raises") from error
         except asyncio.CancelledError:
@@ -261,7 +266,7 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
         except Exception as error:  # a server bug: INTERNAL, not UNKNOWN
             code = grpc.StatusCode.INTERNAL
             metrics.rejected.labels(reason="internal").inc()
-            log.exception("%s: INTERNAL unexpected %s", method, type(error).__name__)
+            log.exception("%s %s: INTERNAL unexpected %s", method, request_id, type(error).__name__)
             await abort(
                 context,
                 Rejection(code, "internal", f"internal error ({type(error).__name__}); see the server log"),
@@ -293,6 +298,17 @@ async def _header(requests: AsyncIterator[object]) -> tuple[object, AsyncIterato
             yield part, getattr(message, part)
 
     return first.header, rest()  # type: ignore[attr-defined]
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    """The x-request-id metadata when usable, else a fresh id: echoed in the response."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and value:
+            try:
+                return check_request_id(str(value), REQUEST_ID_KEY)
+            except RequestIdError as error:
+                raise InputError(error.field, error.message) from error
+    return fresh_request_id()
 
 
 def _speaker_id(speaker_id: str) -> str:
