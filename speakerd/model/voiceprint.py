@@ -35,9 +35,9 @@ SPEECH_LEVEL = 0.5
 #: mask frame (17 ms for segmentation-3.0's 589 per window).
 SPEECH_GRID_S = 0.01
 #: Least speech an enrollment takes. An embedding of a few seconds of speech varies with
-#: what was said more than with who said it; 3 s is the shortest enrollment that speaker
-#: verification systems commonly accept (pyannoteAI's and sherpa-onnx's guidance is
-#: "a few seconds" to 30 s). More is better: quality reports how consistent it was.
+#: what was said more than with who said it, so a shorter enrollment would be a poor
+#: reference; 3 s is a floor, not a target: 10-30 s of clean speech makes a better one, and
+#: the voiceprint's quality says how consistent its windows were.
 MIN_ENROLL_SPEECH_S = 3.0
 #: Least speech of one query column (Identify, Verify from a recording): less is reported
 #: as unknown with its speech seconds rather than compared.

@@ -45,8 +45,8 @@ T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Voiceprints"].full_name
 #: Cosine at or above which Identify names a speaker and Verify accepts, when the caller
-#: sets no threshold. WeSpeaker ResNet34's same-speaker cosines on VoxCeleb lie mostly
-#: above 0.5 and different speakers' below 0.3; callers should calibrate on their own data.
+#: sets no threshold: halfway between unrelated vectors (0) and the same voice (1). Not
+#: calibrated on real speakers (docs/voiceprints.md): callers should calibrate on their data.
 DEFAULT_THRESHOLD = 0.5
 MAX_TOP_K = 100
 #: Query rows of one Identify call: 1,000 centroids or windows x 100,000 voiceprints is a
