@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from speakerd.client import loadgen, recording, verify
+from speakerd.client import loadgen, recording, verify, voiceprints
 from speakerd.client.client import SpeakerClient
 from speakerd.client.options import add_connection_flags, client_kwargs
 
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("verify", help="parity (docs/parity.md) of a server against reference cases")
     verify.configure(check)
     check.set_defaults(func=verify.run)
+    voiceprints.configure(sub)
     return parser
 
 

@@ -17,13 +17,17 @@ from speakerd.pyannote.server import (
     SpeakerdFallbackWarning,
     use_server,
 )
+from speakerd.pyannote.voiceprints import SpeakerName, identify_speakers, name_speakers
 
 __all__ = [
     "ModelMismatchError",
     "ServerEmbeddings",
     "ServerRequestError",
     "ServerUnavailableError",
+    "SpeakerName",
     "SpeakerdError",
     "SpeakerdFallbackWarning",
+    "identify_speakers",
+    "name_speakers",
     "use_server",
 ]

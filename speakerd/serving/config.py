@@ -52,6 +52,8 @@ ALL_DEVICES = "all"
 #: GPU they only add memory (docs/service.md: 4 took an H200's FP16 server past 90% of its
 #: engine).
 MAX_RECEIVERS = 32
+#: The server's files (the SQLite voiceprint store): the XDG data directory of its user.
+DEFAULT_DATA_DIR = "~/.local/share/speakerd"
 #: Log lines of the server and of its receiver processes.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -116,6 +118,10 @@ class ServeConfig:
     #: Processes that receive gRPC calls on the port and hand them over through shared
     #: memory (receiver_link.py); 0: this process receives them itself.
     receivers: int = 0
+    #: Where the server keeps its files (the SQLite voiceprint store).
+    data_dir: Path = Path.home() / ".local" / "share" / "speakerd"  # DEFAULT_DATA_DIR, expanded
+    #: Voiceprint store: "sqlite" (a file in data_dir), a postgresql:// URL, or "off".
+    voiceprints: str = "sqlite"
 
     @property
     def max_message_bytes(self) -> int:
@@ -242,6 +248,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "through shared memory (0: this process receives them)",
         type=_receivers,
     )
+    add("data-dir", DEFAULT_DATA_DIR, "directory of the server's files: the SQLite voiceprint store")
+    add(
+        "voiceprints",
+        "sqlite",
+        "voiceprint store: sqlite (a file in --data-dir), a postgresql:// URL (a fleet), or off",
+    )
+
+
+def _voiceprints(args: argparse.Namespace) -> str:
+    value = str(args.voiceprints)
+    if value in ("sqlite", "off") or value.startswith(("postgresql://", "postgres://")):
+        return value
+    raise UsageError(
+        f"--voiceprints: expected sqlite, off or a postgresql:// URL [{env_name('voiceprints')}]"
+    )
 
 
 def env_name(flag: str) -> str:
@@ -316,4 +337,6 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         auth_tokens=_readable_file(args, "auth-tokens"),
         devices=devices,
         receivers=int(args.receivers),
+        data_dir=Path(args.data_dir).expanduser(),
+        voiceprints=_voiceprints(args),
     )

@@ -131,6 +131,14 @@ class RecordingService:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def windows(
+        self, requests: AsyncIterator[pb.EmbedRecordingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.EmbedRecordingResponse]:
+        """A call's responses without EmbedRecording's metrics and log line: for methods
+        built on the recording path (voiceprints), which account for their calls themselves.
+        Failures raise Rejection."""
+        return _Call(self, context).run(requests)
+
     async def EmbedRecording(
         self, requests: AsyncIterator[pb.EmbedRecordingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:

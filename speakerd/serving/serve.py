@@ -69,6 +69,9 @@ from speakerd.serving.service import (
     register,
 )
 from speakerd.serving.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
+from speakerd.serving.voiceprints.records import StoreUnavailable
+from speakerd.serving.voiceprints.service import VoiceprintService
+from speakerd.serving.voiceprints.service import register as register_voiceprints
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +356,10 @@ class SpeakerServer:
         self.metrics = Metrics()
         self.health = health.aio.HealthServicer()
         self.service = SpeakerEmbeddingService(self.metrics, settings.max_message_bytes)
+        self.voiceprints: VoiceprintService | None = None
+        if settings.voiceprints != "off":
+            self.voiceprints = VoiceprintService(self.service, self.service.recordings, settings.voiceprints,
+                                                 settings.data_dir, prepared.tokens is not None)  # fmt: skip
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
         self.port = 0
@@ -383,6 +390,9 @@ class SpeakerServer:
         interceptors = [] if self.prepared.tokens is None else [TokenAuthInterceptor(self.prepared.tokens)]
         self._server = grpc.aio.server(options=options, interceptors=interceptors)
         register(self.service, self._server)
+        if self.voiceprints is not None:
+            register_voiceprints(self.voiceprints, self._server)
+            await self._open_voiceprints(self.voiceprints)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (
@@ -418,6 +428,15 @@ class SpeakerServer:
                  self.metrics_port, self._transport(), "" if self.prepared.tokens is None else
                  ", bearer tokens required (health open)")  # fmt: skip
         self._warm_up = asyncio.ensure_future(self._warm())
+
+    async def _open_voiceprints(self, voiceprints: VoiceprintService) -> None:
+        """Open the voiceprint store. One that cannot be opened now (a database that is
+        down, a read-only --data-dir) does not stop the embedding service: each voiceprint
+        call tries again, UNAVAILABLE with the reason until it opens."""
+        try:
+            await asyncio.to_thread(voiceprints.open)
+        except StoreUnavailable as error:
+            log.warning("voiceprints: %s; their calls get UNAVAILABLE until it opens", error)
 
     def _bind_port(self) -> int:
         """Listen on --host:--port in this process; the port bound."""
@@ -478,6 +497,8 @@ class SpeakerServer:
         if self._server is not None:
             await self._server.stop(None)
         self.service.close()
+        if self.voiceprints is not None:
+            self.voiceprints.close()
         self.metrics.close()
 
     async def _warm(self) -> None:
@@ -561,6 +582,8 @@ class SpeakerServer:
             await self._stop_receivers(0.0)
             await self._server.stop(None)
         self.service.close()
+        if self.voiceprints is not None:
+            self.voiceprints.close()
         self.metrics.close()
         log.info("stopped after %.2f s %s", time.monotonic() - started,
                  "of draining" if served else "(it never served: nothing to drain)")  # fmt: skip

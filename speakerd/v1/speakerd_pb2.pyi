@@ -168,3 +168,185 @@ class ModelInfo(_message.Message):
     waveform_supported: bool
     max_message_bytes: int
     def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class SpeechSegment(_message.Message):
+    __slots__ = ("start_s", "end_s")
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
+    start_s: float
+    end_s: float
+    def __init__(self, start_s: _Optional[float] = ..., end_s: _Optional[float] = ...) -> None: ...
+
+class SpeechHeader(_message.Message):
+    __slots__ = ("recording", "embeddings", "segments")
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    recording: RecordingHeader
+    embeddings: Tensor
+    segments: _containers.RepeatedCompositeFieldContainer[SpeechSegment]
+    def __init__(self, recording: _Optional[_Union[RecordingHeader, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[SpeechSegment, _Mapping]]] = ...) -> None: ...
+
+class EnrollHeader(_message.Message):
+    __slots__ = ("speaker_id", "speech", "replace")
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    speaker_id: str
+    speech: SpeechHeader
+    replace: bool
+    def __init__(self, speaker_id: _Optional[str] = ..., speech: _Optional[_Union[SpeechHeader, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class EnrollRequest(_message.Message):
+    __slots__ = ("header", "audio", "masks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    header: EnrollHeader
+    audio: bytes
+    masks: RecordingMasks
+    def __init__(self, header: _Optional[_Union[EnrollHeader, _Mapping]] = ..., audio: _Optional[bytes] = ..., masks: _Optional[_Union[RecordingMasks, _Mapping]] = ...) -> None: ...
+
+class Voiceprint(_message.Message):
+    __slots__ = ("voiceprint_id", "speaker_id", "speech_s", "quality", "windows", "model_id", "created_unix_ms")
+    VOICEPRINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_S_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    voiceprint_id: str
+    speaker_id: str
+    speech_s: float
+    quality: float
+    windows: int
+    model_id: str
+    created_unix_ms: int
+    def __init__(self, voiceprint_id: _Optional[str] = ..., speaker_id: _Optional[str] = ..., speech_s: _Optional[float] = ..., quality: _Optional[float] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+
+class EnrollResponse(_message.Message):
+    __slots__ = ("voiceprint", "replaced_voiceprint_id", "request_id")
+    VOICEPRINT_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_VOICEPRINT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    voiceprint: Voiceprint
+    replaced_voiceprint_id: str
+    request_id: str
+    def __init__(self, voiceprint: _Optional[_Union[Voiceprint, _Mapping]] = ..., replaced_voiceprint_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class IdentifyHeader(_message.Message):
+    __slots__ = ("speech", "top_k", "threshold")
+    SPEECH_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    speech: SpeechHeader
+    top_k: int
+    threshold: float
+    def __init__(self, speech: _Optional[_Union[SpeechHeader, _Mapping]] = ..., top_k: _Optional[int] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class IdentifyRequest(_message.Message):
+    __slots__ = ("header", "audio", "masks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    header: IdentifyHeader
+    audio: bytes
+    masks: RecordingMasks
+    def __init__(self, header: _Optional[_Union[IdentifyHeader, _Mapping]] = ..., audio: _Optional[bytes] = ..., masks: _Optional[_Union[RecordingMasks, _Mapping]] = ...) -> None: ...
+
+class VoiceprintMatch(_message.Message):
+    __slots__ = ("voiceprint_id", "speaker_id", "score")
+    VOICEPRINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    voiceprint_id: str
+    speaker_id: str
+    score: float
+    def __init__(self, voiceprint_id: _Optional[str] = ..., speaker_id: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class Identification(_message.Message):
+    __slots__ = ("matches", "unknown", "speaker_id", "speech_s")
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_S_FIELD_NUMBER: _ClassVar[int]
+    matches: _containers.RepeatedCompositeFieldContainer[VoiceprintMatch]
+    unknown: bool
+    speaker_id: str
+    speech_s: float
+    def __init__(self, matches: _Optional[_Iterable[_Union[VoiceprintMatch, _Mapping]]] = ..., unknown: _Optional[bool] = ..., speaker_id: _Optional[str] = ..., speech_s: _Optional[float] = ...) -> None: ...
+
+class IdentifyResponse(_message.Message):
+    __slots__ = ("rows", "threshold", "model_id", "other_model_voiceprints", "request_id")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    OTHER_MODEL_VOICEPRINTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[Identification]
+    threshold: float
+    model_id: str
+    other_model_voiceprints: int
+    request_id: str
+    def __init__(self, rows: _Optional[_Iterable[_Union[Identification, _Mapping]]] = ..., threshold: _Optional[float] = ..., model_id: _Optional[str] = ..., other_model_voiceprints: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class VerifyHeader(_message.Message):
+    __slots__ = ("voiceprint_id", "speech", "threshold")
+    VOICEPRINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    voiceprint_id: str
+    speech: SpeechHeader
+    threshold: float
+    def __init__(self, voiceprint_id: _Optional[str] = ..., speech: _Optional[_Union[SpeechHeader, _Mapping]] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("header", "audio", "masks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    header: VerifyHeader
+    audio: bytes
+    masks: RecordingMasks
+    def __init__(self, header: _Optional[_Union[VerifyHeader, _Mapping]] = ..., audio: _Optional[bytes] = ..., masks: _Optional[_Union[RecordingMasks, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("score", "accepted", "threshold", "speaker_id", "speech_s", "request_id")
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    score: float
+    accepted: bool
+    threshold: float
+    speaker_id: str
+    speech_s: float
+    request_id: str
+    def __init__(self, score: _Optional[float] = ..., accepted: _Optional[bool] = ..., threshold: _Optional[float] = ..., speaker_id: _Optional[str] = ..., speech_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ListVoiceprintsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVoiceprintsResponse(_message.Message):
+    __slots__ = ("voiceprints",)
+    VOICEPRINTS_FIELD_NUMBER: _ClassVar[int]
+    voiceprints: _containers.RepeatedCompositeFieldContainer[Voiceprint]
+    def __init__(self, voiceprints: _Optional[_Iterable[_Union[Voiceprint, _Mapping]]] = ...) -> None: ...
+
+class DeleteVoiceprintRequest(_message.Message):
+    __slots__ = ("voiceprint_id",)
+    VOICEPRINT_ID_FIELD_NUMBER: _ClassVar[int]
+    voiceprint_id: str
+    def __init__(self, voiceprint_id: _Optional[str] = ...) -> None: ...
+
+class DeleteVoiceprintResponse(_message.Message):
+    __slots__ = ("voiceprint_id", "speaker_id")
+    VOICEPRINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    voiceprint_id: str
+    speaker_id: str
+    def __init__(self, voiceprint_id: _Optional[str] = ..., speaker_id: _Optional[str] = ...) -> None: ...

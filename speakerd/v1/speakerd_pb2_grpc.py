@@ -231,3 +231,252 @@ class SpeakerEmbedding:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class VoiceprintsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Enroll = channel.stream_unary(
+                '/speakerd.v1.Voiceprints/Enroll',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.EnrollRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.EnrollResponse.FromString,
+                _registered_method=True)
+        self.Identify = channel.stream_unary(
+                '/speakerd.v1.Voiceprints/Identify',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.IdentifyRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.IdentifyResponse.FromString,
+                _registered_method=True)
+        self.Verify = channel.stream_unary(
+                '/speakerd.v1.Voiceprints/Verify',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.VerifyResponse.FromString,
+                _registered_method=True)
+        self.ListVoiceprints = channel.unary_unary(
+                '/speakerd.v1.Voiceprints/ListVoiceprints',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.ListVoiceprintsRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.ListVoiceprintsResponse.FromString,
+                _registered_method=True)
+        self.DeleteVoiceprint = channel.unary_unary(
+                '/speakerd.v1.Voiceprints/DeleteVoiceprint',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.DeleteVoiceprintRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DeleteVoiceprintResponse.FromString,
+                _registered_method=True)
+
+
+class VoiceprintsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Enroll(self, request_iterator, context):
+        """The header, then the recording's audio pieces and masks (as EmbedRecording's). Too
+        little speech is INVALID_ARGUMENT naming the minimum (field "speech").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Identify(self, request_iterator, context):
+        """Top-k voiceprints of the namespace for each query row, by cosine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request_iterator, context):
+        """One voiceprint against the query: score and decision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVoiceprints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVoiceprint(self, request, context):
+        """Erased from storage and from every replica's index; NOT_FOUND when not the caller's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_VoiceprintsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Enroll': grpc.stream_unary_rpc_method_handler(
+                    servicer.Enroll,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.EnrollRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.EnrollResponse.SerializeToString,
+            ),
+            'Identify': grpc.stream_unary_rpc_method_handler(
+                    servicer.Identify,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.IdentifyRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.IdentifyResponse.SerializeToString,
+            ),
+            'Verify': grpc.stream_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.VerifyRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.VerifyResponse.SerializeToString,
+            ),
+            'ListVoiceprints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVoiceprints,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.ListVoiceprintsRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.ListVoiceprintsResponse.SerializeToString,
+            ),
+            'DeleteVoiceprint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVoiceprint,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DeleteVoiceprintRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.DeleteVoiceprintResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'speakerd.v1.Voiceprints', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('speakerd.v1.Voiceprints', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Voiceprints:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Enroll(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/speakerd.v1.Voiceprints/Enroll',
+            speakerd_dot_v1_dot_speakerd__pb2.EnrollRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.EnrollResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Identify(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/speakerd.v1.Voiceprints/Identify',
+            speakerd_dot_v1_dot_speakerd__pb2.IdentifyRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.IdentifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/speakerd.v1.Voiceprints/Verify',
+            speakerd_dot_v1_dot_speakerd__pb2.VerifyRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVoiceprints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speakerd.v1.Voiceprints/ListVoiceprints',
+            speakerd_dot_v1_dot_speakerd__pb2.ListVoiceprintsRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.ListVoiceprintsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVoiceprint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speakerd.v1.Voiceprints/DeleteVoiceprint',
+            speakerd_dot_v1_dot_speakerd__pb2.DeleteVoiceprintRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.DeleteVoiceprintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

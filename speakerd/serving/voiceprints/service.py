@@ -1,0 +1,363 @@
+"""The `speakerd.v1.Voiceprints` gRPC service: Enroll, Identify, Verify, ListVoiceprints,
+DeleteVoiceprint (docs/voiceprints.md).
+
+Every call works in its caller's tenant (tenants.py): another tenant's voiceprint id is
+answered exactly as an unknown one (NOT_FOUND). Writes go to the store first, then to this
+server's index (other servers' indexes through the store's notifications), so a voiceprint
+that can be found is one that is stored. Logs name the method, the tenant's voiceprint ids
+and codes, never a speaker id, a vector or audio.
+
+Codes: INVALID_ARGUMENT naming the field (with a BadRequest detail) for bad input, too
+little speech and silent audio; NOT_FOUND for an unknown voiceprint id; ALREADY_EXISTS for
+a speaker id enrolled before without `replace`; FAILED_PRECONDITION for a voiceprint made
+by other weights; UNAVAILABLE when the store cannot be reached (retry: nothing was written),
+while the engine warms up, and while draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from speakerd.model.inputs import InputError
+from speakerd.model.voiceprint import MIN_ENROLL_SPEECH_S, MIN_QUERY_SPEECH_S, check_threshold
+from speakerd.serving.errors import Rejection, abort, cancellation
+from speakerd.serving.recording import REQUEST_ID_KEY, Host, RecordingService
+from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
+from speakerd.serving.voiceprints.index import VoiceprintIndex
+from speakerd.serving.voiceprints.records import DuplicateSpeaker, StoreUnavailable, VoiceprintRecord
+from speakerd.serving.voiceprints.speech import Speech, collect
+from speakerd.serving.voiceprints.store import Change, VoiceprintStore, open_store
+from speakerd.serving.voiceprints.tenants import tenant_of
+from speakerd.v1 import speakerd_pb2 as pb
+from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Voiceprints"].full_name
+#: Cosine at or above which Identify names a speaker and Verify accepts, when the caller
+#: sets no threshold: halfway between unrelated vectors (0) and the same voice (1). Not
+#: calibrated on real speakers (docs/voiceprints.md): callers should calibrate on their data.
+DEFAULT_THRESHOLD = 0.5
+MAX_TOP_K = 100
+#: Query rows of one Identify call: 1,000 centroids or windows x 100,000 voiceprints is a
+#: 400 MB score matrix at most 10 times over; larger batches are the client's to split.
+MAX_QUERY_ROWS = 10_000
+MAX_SPEAKER_ID_CHARS = 128
+#: Threads running store transactions (blocking I/O) and searches (NumPy releases the GIL).
+STORE_THREADS = 2
+
+
+class VoiceprintService(pb_grpc.VoiceprintsServicer):
+    """Voiceprints of `spec`'s store (store.open_store), searched in this server's index."""
+
+    def __init__(self, host: Host, recordings: RecordingService, spec: str, data_dir: Path,
+                 authenticated: bool) -> None:  # fmt: skip
+        self.host = host
+        self.recordings = recordings
+        self.spec = spec
+        self.data_dir = data_dir
+        self.authenticated = authenticated
+        self.index = VoiceprintIndex()
+        self.store: VoiceprintStore | None = None
+        self._pool = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="voiceprints")
+        self._opening = asyncio.Lock()
+
+    # --- the store -----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open the store and load the index (blocking); StoreUnavailable when it cannot
+        be reached: calls then try again, so a database that comes up later is used."""
+        store = open_store(self.spec, self.data_dir)
+        try:
+            self.index.reset(store.all())
+            store.watch(self._changed, self._reload)
+        except BaseException:
+            store.close()
+            raise
+        self.store = store
+        log.info("voiceprints: %d in %s", len(self.index), store.description)
+
+    def _changed(self, change: Change) -> None:
+        """Another server wrote (the listener's thread)."""
+        kind, voiceprint_id = change
+        store = self.store
+        if kind == "delete" or store is None:
+            self.index.remove(voiceprint_id)
+            return
+        record = store.get_any(voiceprint_id)
+        if record is not None:
+            self.index.add(record)
+
+    def _reload(self) -> None:
+        if self.store is not None:
+            self.index.reset(self.store.all())
+
+    async def _store(self) -> VoiceprintStore:
+        if self.store is None:
+            async with self._opening:
+                if self.store is None:
+                    await self._blocking(self.open)
+        assert self.store is not None
+        return self.store
+
+    async def _blocking(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            self.store.close()
+
+    # --- calls ---------------------------------------------------------------------------
+
+    async def Enroll(self, requests: AsyncIterator[pb.EnrollRequest], context: grpc.aio.ServicerContext):
+        async def work(tenant: str) -> pb.EnrollResponse:
+            header, rest = await _header(requests)
+            speaker_id = _speaker_id(header.speaker_id)
+            if header.speech.WhichOneof("query") != "recording":
+                raise InputError(
+                    "speech.recording", "Enroll takes a recording of the speaker (then audio, masks)"
+                )
+            model_id = self._model_id()
+            speech = await collect(header.speech, rest, self.recordings, context, 1, model_id)
+            seconds = speech.speech_s[0]
+            vector = speech.rows[0]
+            if vector is None or seconds < MIN_ENROLL_SPEECH_S:
+                raise InputError("speech", f"{seconds:.2f} s of speech under the masks, expected at "
+                                           f"least {MIN_ENROLL_SPEECH_S:g} s to enroll")  # fmt: skip
+            record = VoiceprintRecord.new(tenant, speaker_id, speech.model_id, vector, seconds,
+                                          speech.quality[0], speech.windows[0])  # fmt: skip
+            store = await self._store()
+            replaced = await self._blocking(lambda: store.put(record, header.replace))
+            if replaced:
+                self.index.remove(replaced)
+            self.index.add(record)
+            log.info(
+                "Enroll: voiceprint %s%s", record.voiceprint_id, f" replaced {replaced}" if replaced else ""
+            )
+            return pb.EnrollResponse(voiceprint=_message(record), replaced_voiceprint_id=replaced)
+
+        return await self._served("Enroll", context, work)
+
+    async def Identify(self, requests: AsyncIterator[pb.IdentifyRequest], context: grpc.aio.ServicerContext):
+        async def work(tenant: str) -> pb.IdentifyResponse:
+            header, rest = await _header(requests)
+            top_k = header.top_k or 1
+            if not 1 <= top_k <= MAX_TOP_K:
+                raise InputError("top_k", f"{header.top_k}, expected 1..{MAX_TOP_K} (0: 1)")
+            threshold = _threshold(header)
+            speech = await collect(
+                header.speech, rest, self.recordings, context, MAX_QUERY_ROWS, self._model_id()
+            )
+            await self._store()  # the index is loaded
+            usable = [i for i, row in enumerate(speech.rows) if row is not None and _enough(speech, i)]
+            queries = np.stack([speech.rows[i] for i in usable]) if usable else np.zeros((0, 1), np.float32)
+            found = await self._blocking(lambda: self.index.search(tenant, speech.model_id, queries, top_k))
+            rows = [pb.Identification(unknown=True, speech_s=s) for s in speech.speech_s]
+            for place, i in enumerate(usable):
+                row = rows[i]
+                for voiceprint_id, speaker, score in zip(found.ids[place], found.speakers[place],
+                                                         found.scores[place], strict=True):  # fmt: skip
+                    row.matches.add(voiceprint_id=voiceprint_id, speaker_id=speaker, score=float(score))
+                if row.matches and row.matches[0].score >= threshold:
+                    row.unknown, row.speaker_id = False, row.matches[0].speaker_id
+            return pb.IdentifyResponse(rows=rows, threshold=threshold, model_id=speech.model_id,
+                                       other_model_voiceprints=found.other_model)  # fmt: skip
+
+        return await self._served("Identify", context, work)
+
+    async def Verify(self, requests: AsyncIterator[pb.VerifyRequest], context: grpc.aio.ServicerContext):
+        async def work(tenant: str) -> pb.VerifyResponse:
+            header, rest = await _header(requests)
+            threshold = _threshold(header)
+            store = await self._store()
+            record = await self._blocking(lambda: store.get(tenant, header.voiceprint_id))
+            if record is None:
+                raise _not_found(header.voiceprint_id)
+            model_id = self._model_id()
+            if record.model_id != model_id:
+                raise Rejection(
+                    grpc.StatusCode.FAILED_PRECONDITION, "other_model",
+                    f"voiceprint_id: made by model {record.model_id[:12]}, this server runs {model_id[:12]}: "
+                    "re-enroll the speaker on a server with these weights, or ask one with those",
+                    "voiceprint_id", "a voiceprint of this server's model",
+                )  # fmt: skip
+            speech = await collect(header.speech, rest, self.recordings, context, 1, model_id)
+            query = speech.rows[0]
+            if query is None or not _enough(speech, 0):
+                raise InputError("speech", f"{speech.speech_s[0]:.2f} s of speech under the masks, expected "
+                                           f"at least {MIN_QUERY_SPEECH_S:g} s")  # fmt: skip
+            score = float(query @ record.vector)
+            return pb.VerifyResponse(score=score, accepted=score >= threshold, threshold=threshold,
+                                     speaker_id=record.speaker_id, speech_s=speech.speech_s[0])  # fmt: skip
+
+        return await self._served("Verify", context, work)
+
+    async def ListVoiceprints(self, request: pb.ListVoiceprintsRequest, context: grpc.aio.ServicerContext):
+        async def work(tenant: str) -> pb.ListVoiceprintsResponse:
+            store = await self._store()
+            records = await self._blocking(lambda: store.list(tenant))
+            return pb.ListVoiceprintsResponse(voiceprints=[_message(r) for r in records])
+
+        return await self._served("ListVoiceprints", context, work)
+
+    async def DeleteVoiceprint(self, request: pb.DeleteVoiceprintRequest, context: grpc.aio.ServicerContext):
+        async def work(tenant: str) -> pb.DeleteVoiceprintResponse:
+            store = await self._store()
+            record = await self._blocking(lambda: store.delete(tenant, request.voiceprint_id))
+            if record is None:
+                raise _not_found(request.voiceprint_id)
+            self.index.remove(record.voiceprint_id)
+            log.info("DeleteVoiceprint: voiceprint %s erased", record.voiceprint_id)
+            return pb.DeleteVoiceprintResponse(
+                voiceprint_id=record.voiceprint_id, speaker_id=record.speaker_id
+            )
+
+        return await self._served("DeleteVoiceprint", context, work)
+
+    # --- one call ------------------------------------------------------------------------
+
+    def _model_id(self) -> str:
+        engine = self.host.engine
+        if engine is None:
+            raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
+        return engine.model_id
+
+    async def _served(self, method: str, context: grpc.aio.ServicerContext,
+                      work: Callable[[str], Awaitable[T]]) -> T:  # fmt: skip
+        """Run `work(tenant)` with the call's metrics and log line; every failure becomes its
+        code (module doc), never UNKNOWN."""
+        started, code, request_id = time.perf_counter(), grpc.StatusCode.OK, ""
+        metrics = self.host.metrics
+        self.host._enter()
+        try:
+            if self.host.draining:
+                raise Rejection(
+                    grpc.StatusCode.UNAVAILABLE, "draining", "the server is draining; retry elsewhere"
+                )
+            request_id = _request_id(context)
+            response = await work(tenant_of(context.invocation_metadata(), self.authenticated))
+            if "request_id" in response.DESCRIPTOR.fields_by_name:  # type: ignore[attr-defined]
+                response.request_id = request_id  # type: ignore[attr-defined]
+            return response
+        except (Rejection, InputError, DuplicateSpeaker, StoreUnavailable) as error:
+            rejection = _rejection(error)
+            code = rejection.code
+            metrics.rejected.labels(reason=rejection.reason).inc()
+            log.info("%s %s: %s %s", method, request_id, code.name, rejection.message)
+            await abort(context, rejection)
+            raise AssertionError("unreachable: abort raises") from error
+        except asyncio.CancelledError:
+            code, reason = cancellation(context)
+            metrics.rejected.labels(reason=reason).inc()
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # a server bug: INTERNAL, not UNKNOWN
+            code = grpc.StatusCode.INTERNAL
+            metrics.rejected.labels(reason="internal").inc()
+            log.exception("%s %s: INTERNAL unexpected %s", method, request_id, type(error).__name__)
+            await abort(
+                context,
+                Rejection(code, "internal", f"internal error ({type(error).__name__}); see the server log"),
+            )
+            raise AssertionError("unreachable: abort raises") from error
+        finally:
+            metrics.request_duration.labels(method=method, code=code.name).observe(
+                time.perf_counter() - started
+            )
+            self.host._leave()
+
+
+async def _header(requests: AsyncIterator[object]) -> tuple[object, AsyncIterator[tuple[str, object]]]:
+    """The call's header, and its other parts as (name, value) pairs."""
+    try:
+        first = await anext(requests)
+    except StopAsyncIteration:
+        raise InputError("header", "the call ended before its header") from None
+    if first.WhichOneof("part") != "header":  # type: ignore[attr-defined]
+        raise InputError(
+            "header", f"the first message must be the header, got {first.WhichOneof('part') or 'nothing'}"
+        )  # type: ignore[attr-defined]
+
+    async def rest() -> AsyncIterator[tuple[str, object]]:
+        async for message in requests:
+            part = message.WhichOneof("part")  # type: ignore[attr-defined]
+            if part is None:
+                raise InputError("part", "an empty message; set audio or masks")
+            yield part, getattr(message, part)
+
+    return first.header, rest()  # type: ignore[attr-defined]
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    """The x-request-id metadata when usable, else a fresh id: echoed in the response."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and value:
+            try:
+                return check_request_id(str(value), REQUEST_ID_KEY)
+            except RequestIdError as error:
+                raise InputError(error.field, error.message) from error
+    return fresh_request_id()
+
+
+def _speaker_id(speaker_id: str) -> str:
+    if not 1 <= len(speaker_id) <= MAX_SPEAKER_ID_CHARS or not speaker_id.isprintable():
+        raise InputError("speaker_id", f"expected 1..{MAX_SPEAKER_ID_CHARS} printable characters")
+    return speaker_id
+
+
+def _threshold(header: pb.IdentifyHeader | pb.VerifyHeader) -> float:
+    return check_threshold(header.threshold) if header.HasField("threshold") else DEFAULT_THRESHOLD
+
+
+def _enough(speech: Speech, row: int) -> bool:
+    """Embeddings rows (speech_s 0, windows 0) always; recording columns with enough speech."""
+    return speech.windows[row] == 0 or speech.speech_s[row] >= MIN_QUERY_SPEECH_S
+
+
+def _not_found(voiceprint_id: str) -> Rejection:
+    """The same answer for an unknown id and another tenant's: nothing tells them apart."""
+    shown = voiceprint_id[:64] if voiceprint_id.isprintable() else repr(voiceprint_id[:64])
+    return Rejection(
+        grpc.StatusCode.NOT_FOUND,
+        "not_found",
+        f"voiceprint_id: no voiceprint {shown} in your namespace",
+        "voiceprint_id",
+        "the id of one of your voiceprints (ListVoiceprints)",
+    )
+
+
+def _rejection(error: Exception) -> Rejection:
+    if isinstance(error, Rejection):
+        return error
+    if isinstance(error, InputError):
+        return Rejection.invalid(error.field, error.message)
+    if isinstance(error, DuplicateSpeaker):
+        return Rejection(
+            grpc.StatusCode.ALREADY_EXISTS, "already_exists",
+            f"speaker_id: already enrolled as voiceprint {error.voiceprint_id}; set replace to replace it",
+            "speaker_id", "a speaker id not enrolled yet, or replace = true",
+        )  # fmt: skip
+    return Rejection(grpc.StatusCode.UNAVAILABLE, "store_unavailable",
+                     f"voiceprint store unavailable ({error}); nothing was written, retry")  # fmt: skip
+
+
+def _message(record: VoiceprintRecord) -> pb.Voiceprint:
+    return pb.Voiceprint(voiceprint_id=record.voiceprint_id, speaker_id=record.speaker_id,
+                         speech_s=record.speech_s, quality=record.quality, windows=record.windows,
+                         model_id=record.model_id, created_unix_ms=record.created_ms)  # fmt: skip
+
+
+def register(service: VoiceprintService, server: grpc.aio.Server) -> None:
+    pb_grpc.add_VoiceprintsServicer_to_server(service, server)

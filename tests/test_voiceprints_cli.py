@@ -1,0 +1,54 @@
+"""The client's voiceprint commands (speakerd/client/voiceprints.py): a flag or file that
+cannot be used is one line and exit 2, before any call; the calls themselves are exercised
+against a real server in tests/test_voiceprints.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speakerd.client.cli import main
+from speakerd.client.voiceprints import parse_segments
+
+#: Nothing listens here: a command that got as far as calling would fail with exit 1.
+NOWHERE = "127.0.0.1:9"
+
+
+def one_line_usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main([*argv, "--target", NOWHERE]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_enroll_needs_audio(capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_usage_error(capsys, ["enroll", "--speaker-id", "alice"])
+    assert "give --audio FILE" in err
+
+
+def test_a_column_needs_masks_and_must_exist(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import soundfile
+
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, np.zeros(16000, np.int16), 16000)
+    masks = tmp_path / "m.npy"
+    np.save(masks, np.ones((1, 3, 589), np.uint8))
+    enroll = ["enroll", "--speaker-id", "a", "--audio", str(audio)]
+    assert "--column picks a speaker of --masks" in one_line_usage_error(capsys, [*enroll, "--column", "0"])
+    with_masks = [*enroll, "--masks", str(masks)]
+    assert "--column 3: expected 0..2" in one_line_usage_error(capsys, [*with_masks, "--column", "3"])
+    assert "has 3 speakers: pick one with --column" in one_line_usage_error(capsys, with_masks)
+
+
+def test_segments_parse_or_name_the_flag() -> None:
+    assert parse_segments("0-3.5, 7-9") == [(0.0, 3.5), (7.0, 9.0)]
+    with pytest.raises(ValueError, match="--segments '0-3-4'"):
+        parse_segments("0-3-4")
+
+
+def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["voiceprints", "list", "--target", NOWHERE, "--timeout", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "UNAVAILABLE" in err, err
