@@ -75,10 +75,15 @@ def validate_state_dict(state: dict[str, np.ndarray]) -> None:
     expected = state_dict_shapes()
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise WeightsError(f"missing key {missing[0]!r} ({len(missing)} missing in all)")
+        raise WeightsError(
+            f"missing key {missing[0]!r} of shape {expected[missing[0]]} ({len(missing)} missing in all)"
+        )
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise WeightsError(f"unexpected key {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
+        shape = tuple(np.shape(state[unexpected[0]]))
+        raise WeightsError(
+            f"unexpected key {unexpected[0]!r} of shape {shape} ({len(unexpected)} unexpected in all)"
+        )
     for key, shape in expected.items():
         array = state[key]
         if tuple(array.shape) != shape:
