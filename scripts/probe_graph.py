@@ -123,10 +123,10 @@ def main() -> int:
     out = Path(os.environ.get("OUT", "/tmp"))
 
     from speakerd.engine.gpu.engine import GpuEngine
-    from speakerd.model.store import resolve_weights
+    from speakerd.model.store import default_weights_path
     from speakerd.model.weights import load_model
 
-    engine = GpuEngine(load_model(resolve_weights(None)), args.math, (args.batch,), graphs=False)
+    engine = GpuEngine(load_model(default_weights_path()), args.math, (args.batch,), graphs=False)
     plan, capture = engine.plans[args.batch], engine.captures[args.batch]
     say(
         probe="choices",
@@ -144,7 +144,7 @@ def main() -> int:
     engine.close()
 
     # the engine's own capture path (re-choices, fusion turned off where it replays wrongly)
-    engine = GpuEngine(load_model(resolve_weights(None)), args.math, (args.batch,), graphs=True)
+    engine = GpuEngine(load_model(default_weights_path()), args.math, (args.batch,), graphs=True)
     plan, capture = engine.plans[args.batch], engine.captures[args.batch]
     say(
         probe="engine capture",

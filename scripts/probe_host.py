@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speakerd.engine.gpu.engine import GpuEngine
 from speakerd.model.cases import case_inputs
 from speakerd.model.numerics import Math, pad_speakers
-from speakerd.model.store import resolve_weights
+from speakerd.model.store import default_weights_path
 from speakerd.model.weights import load_model
 from speakerd.tools.bench_batcher import bench
 
@@ -44,7 +44,7 @@ def pressure(rate: float, stop: threading.Event, copies: list[float]) -> None:
 
 def main() -> None:
     rate = float(sys.argv[1]) if len(sys.argv) > 1 else 200.0
-    engine = GpuEngine(load_model(resolve_weights(None)), Math.FP16, (1, 32))
+    engine = GpuEngine(load_model(default_weights_path()), Math.FP16, (1, 32))
     fbank, masks = case_inputs("mixed_b32")
     masks = pad_speakers(masks)
     try:

@@ -708,8 +708,8 @@ def flag_table_rows() -> list[str]:
     """The README's flag table, one row per serve flag, generated from speakerd/serving/config.py."""
     rows = []
     for env, action in serve_flags().items():
-        # flags without a default: --weights takes the synthetic model, the TLS and token files are off
-        unset = "(embedded synthetic model)" if action.dest == "weights" else "(off)"
+        # flags without a default: --model takes the synthetic model, the TLS and token files are off
+        unset = "(embedded synthetic model)" if action.dest == "model" else "(off)"
         default = unset if action.default is None else action.default
         if isinstance(default, tuple):
             default = ",".join(str(size) for size in default)
