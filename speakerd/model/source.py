@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ CONVERTED_DIR = "speakerd-converted-v1"
 SAFETENSORS_SUFFIX = ".safetensors"
 #: A blob in the hub cache named by 64 hex digits is an LFS file named by its sha256.
 SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+#: The HTTP clients under huggingface_hub (it has used each): they log every request at INFO.
+HTTP_LOGGERS = ("httpx2", "httpx", "httpcore")
 #: Read when --model is not given; SPEAKERD_WEIGHTS is its older name, read when it is unset.
 MODEL_ENV = "SPEAKERD_MODEL"
 WEIGHTS_ENV = "SPEAKERD_WEIGHTS"
@@ -136,11 +139,11 @@ def converted(source: Path, digest: str, folder: Path, said: str) -> Path:
                 checkpoint.convert(source, target)
                 target.chmod(0o644)  # mkstemp's 0600 would shut out a replica of another uid
     except torch_pickle.CheckpointError as error:
-        raise ModelError(f"{said}: {error}") from error
+        raise ModelError(f"{said}: {str(error).removeprefix(f'{source}: ')}") from error
     except WeightsError as error:
         raise ModelError(
-            f"{said}: not pyannote's WeSpeaker ResNet34 checkpoint: {error} "
-            "(give pyannote/wespeaker-voxceleb-resnet34-LM's pytorch_model.bin)"
+            f"{said}: not pyannote's WeSpeaker ResNet34 checkpoint: {error}; "
+            "give pyannote/wespeaker-voxceleb-resnet34-LM's pytorch_model.bin"
         ) from error
     except OSError as error:
         if error.errno == errno.ENOSPC:
@@ -173,6 +176,8 @@ def _resolve_hub(repo_id: str, revision: str | None, said: str) -> ResolvedModel
         ) from error
     from huggingface_hub import constants
 
+    for name in HTTP_LOGGERS:  # one INFO line per request otherwise, under serve's INFO logging
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         downloaded = Path(
             huggingface_hub.hf_hub_download(
@@ -218,6 +223,10 @@ def _hub_error(error: Exception, repo_id: str, revision: str | None, said: str, 
 
     endpoint = constants.ENDPOINT
     at = f" at revision {revision}" if revision else ""
+    if isinstance(error, errors.LocalEntryNotFoundError) and isinstance(
+        error.__cause__, errors.HfHubHTTPError
+    ):
+        error = error.__cause__  # an answer the hub gave (a 403 without an error code, a 5xx): say it
     status = getattr(getattr(error, "response", None), "status_code", None)
     if isinstance(error, errors.GatedRepoError):
         return (
