@@ -51,8 +51,8 @@ HTTP_LOGGERS = ("httpx2", "httpx", "httpcore")
 MODEL_ENV = "SPEAKERD_MODEL"
 WEIGHTS_ENV = "SPEAKERD_WEIGHTS"
 MODEL_HELP = (
-    "Hugging Face repo id (org/name or org/name@revision; pyannote's pytorch_model.bin), or a local "
-    ".safetensors, .bin or .ckpt file or a directory holding pytorch_model.bin; default: the synthetic model"
+    "Hugging Face repo id (org/name[@revision]: its pytorch_model.bin) or a local .safetensors, .bin or "
+    ".ckpt file or directory; --weights is the same flag"
 )
 
 
