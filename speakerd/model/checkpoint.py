@@ -26,6 +26,8 @@ from speakerd.model.weights import save_state_dict
 WRAPPER_PREFIXES = ("module.", "model.")
 #: pyannote's embedding model holds the WeSpeaker ResNet under this attribute.
 PYANNOTE_PREFIX = "resnet."
+#: The written file's mode: mkstemp's 0600 would shut out a replica running as another uid.
+READABLE = 0o644
 #: File name endings read as torch checkpoints (pyannote's pytorch_model.bin, Lightning's .ckpt).
 CHECKPOINT_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth")
 
@@ -74,6 +76,7 @@ def convert(checkpoint_path: str | Path, out_path: str | Path) -> None:
     os.close(handle)
     try:
         save_state_dict(state, temporary)
+        os.chmod(temporary, READABLE)
         os.replace(temporary, out)
     finally:
         if os.path.exists(temporary):

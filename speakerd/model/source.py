@@ -137,7 +137,6 @@ def converted(source: Path, digest: str, folder: Path, said: str) -> Path:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not target.is_file():
                 checkpoint.convert(source, target)
-                target.chmod(0o644)  # mkstemp's 0600 would shut out a replica of another uid
     except torch_pickle.CheckpointError as error:
         raise ModelError(f"{said}: {str(error).removeprefix(f'{source}: ')}") from error
     except WeightsError as error:
