@@ -1,11 +1,13 @@
-# speakerd GPU image: CUDA 12 runtime + cuDNN 9, Python 3.12, `pip install .[gpu]`, the
-# project's CUDA kernels (package data of speakerd.engine.gpu), and the synthetic default
-# model made at build time.
+# speakerd GPU image: CUDA 12 runtime + cuDNN 9, Python 3.12, `pip install .[gpu]` (no
+# torch: pyannote's checkpoint is read with NumPy), the project's CUDA kernels (package data
+# of speakerd.engine.gpu), and the synthetic default model made at build time.
 #
 #   docker build -t speakerd:0.1.0 .
 #   docker run --rm --gpus all -p 50051:50051 -p 9100:9100 speakerd:0.1.0
-#   docker run --rm --gpus all -v "$PWD/model.safetensors:/models/model.safetensors:ro" \
-#     -e SPEAKERD_WEIGHTS=/models/model.safetensors -e SPEAKERD_MATH=tf32 -p 50051:50051 speakerd:0.1.0
+# pyannote's real model by name, downloaded and converted once into the volume at /models
+# (HF_HOME is /models/huggingface; add -e HF_TOKEN=hf_... for a gated or private repo):
+#   docker run --rm --gpus all -v speakerd-models:/models -p 50051:50051 \
+#     -e SPEAKERD_MODEL=pyannote/wespeaker-voxceleb-resnet34-LM -e SPEAKERD_MATH=tf32 speakerd:0.1.0
 #
 # Ubuntu 24.04 rather than 22.04: pyproject's requires-python is >= 3.11 and 24.04's python3
 # is 3.12 (22.04 has 3.10). Layers go from least to most often changed: system packages,
@@ -54,19 +56,24 @@ from speakerd.engine.gpu.kernels import kernel_sources; print(default_weights_pa
 FROM base AS runtime
 # The uid/gid deploy/k8s/deployment.yaml's securityContext runs as.
 RUN groupadd --system --gid 10001 speakerd \
-    && useradd --system --uid 10001 --gid speakerd --create-home --home-dir /home/speakerd speakerd
+    && useradd --system --uid 10001 --gid speakerd --create-home --home-dir /home/speakerd speakerd \
+    && install -d -o 10001 -g 10001 /models
 COPY --from=build /opt/speakerd /opt/speakerd
 COPY --from=build /opt/speakerd-cache /opt/speakerd-cache
 # SPEAKERD_HOST: listen on every interface (the server's own default is loopback only).
 # CUPY_CACHE_DIR: CuPy caches compiled kernels under $HOME by default, which is read-only in
 # the Deployment; /tmp is its writable emptyDir.
+# HF_HOME: huggingface_hub's cache for `--model org/name`, and the converted model beside each
+# download, on the /models volume (owned by the server's uid, so a new Docker volume is too).
 ENV VIRTUAL_ENV=/opt/speakerd \
     PATH=/opt/speakerd/bin:$PATH \
     SPEAKERD_HOST=0.0.0.0 \
     SPEAKERD_PORT=50051 \
     SPEAKERD_METRICS_PORT=9100 \
     SPEAKERD_CACHE=/opt/speakerd-cache \
-    CUPY_CACHE_DIR=/tmp/cupy-kernel-cache
+    CUPY_CACHE_DIR=/tmp/cupy-kernel-cache \
+    HF_HOME=/models/huggingface \
+    HF_HUB_DISABLE_PROGRESS_BARS=1
 # numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd
 USER 10001:10001
 WORKDIR /home/speakerd

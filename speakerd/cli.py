@@ -1,7 +1,7 @@
 """`python -m speakerd COMMAND`: one entry point, each command in the module that owns it.
 
-Commands are imported lazily so that `serve` on a CPU machine never imports CuPy and
-`convert` alone needs torch.
+Commands are imported lazily so that `serve` on a CPU machine never imports CuPy. None
+needs torch: `convert` and `--model` read pyannote's checkpoints with NumPy.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("speakerd.model.synthetic", "write the deterministic synthetic default model"),
     "make-references": ("speakerd.reference.references", "write ONNX Runtime CPU reference cases"),
     "convert": ("speakerd.tools.convert", "convert pyannote's pytorch_model.bin to safetensors"),
+    "fetch-model": ("speakerd.tools.fetch_model", "download and convert --model into the caches serve reads"),
     "bench": ("speakerd.tools.bench", "benchmark the engine's plans, print JSON lines"),
 }
 

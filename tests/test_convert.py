@@ -1,173 +1,191 @@
-"""`convert`: checkpoints saved from a torch module with pyannote's exact WeSpeakerResNet34 tree.
+"""`convert` and the torch-free checkpoint reader against torch itself.
 
-The module tree below mirrors pyannote.audio 4.0.7 (`models/embedding/wespeaker/resnet.py`:
-ResNet(BasicBlock, [3, 4, 6, 3], m_channels=32, feat_dim=80, embed_dim=256, two_emb_layer=False)
-held as `self.resnet` by `WeSpeakerResNet34`), so its state-dict keys are pyannote's keys.
+Checkpoints come from pyannote.audio's own `WeSpeakerResNet34` with random weights, saved as
+pyannote saves it (Lightning), as a bare state dict and as a DataParallel one, with FP32 and
+FP16 storages (tests/pyannote_checkpoints.py). The torch-free converter must write the same
+bytes as the torch-based one (tests/torch_converter.py); the reader must give torch.load's
+arrays for any layout torch writes (views: offsets and strides; every dtype; big-endian).
+Skips without torch or pyannote.audio (.ci/run installs both).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
+import io
+import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from speakerd.cli import main
+from speakerd.model import torch_pickle
 from speakerd.model.architecture import state_dict_shapes
 from speakerd.model.weights import file_sha256, load_state_dict
+from tests.pyannote_checkpoints import LAYOUTS, PRECISIONS, PYANNOTE_MISSING, TORCH_MISSING, save_checkpoint
 
-torch = pytest.importorskip("torch", reason="torch is the `convert` extra; install it to test the converter")
-nn = torch.nn
-
-
-class BasicBlock(nn.Module):
-    expansion = 1
-
-    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, planes, kernel_size=3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, stride=1, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, kernel_size=1, stride=stride, bias=False), nn.BatchNorm2d(planes)
-            )
-
-
-class ResNet(nn.Module):
-    def __init__(self, num_blocks: list[int], m_channels: int = 32, feat_dim: int = 80, embed_dim: int = 256):
-        super().__init__()
-        self.in_planes = m_channels
-        self.conv1 = nn.Conv2d(1, m_channels, kernel_size=3, stride=1, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(m_channels)
-        self.layer1 = self._make_layer(m_channels, num_blocks[0], 1)
-        self.layer2 = self._make_layer(m_channels * 2, num_blocks[1], 2)
-        self.layer3 = self._make_layer(m_channels * 4, num_blocks[2], 2)
-        self.layer4 = self._make_layer(m_channels * 8, num_blocks[3], 2)
-        self.seg_1 = nn.Linear(int(feat_dim / 8) * m_channels * 8 * 2, embed_dim)
-        self.seg_bn_1 = nn.Identity()  # two_emb_layer=False
-        self.seg_2 = nn.Identity()
-
-    def _make_layer(self, planes: int, count: int, stride: int) -> nn.Sequential:
-        layers = []
-        for block_stride in [stride] + [1] * (count - 1):
-            layers.append(BasicBlock(self.in_planes, planes, block_stride))
-            self.in_planes = planes
-        return nn.Sequential(*layers)
-
-
-class WeSpeakerResNet34(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.resnet = ResNet([3, 4, 6, 3])
-
-
-class Problem(enum.Enum):  # stands for pyannote's task enums pickled into Lightning checkpoints
-    REPRESENTATION = 3
-
-
-@dataclasses.dataclass
-class Specifications:  # stands for pyannote.audio.core.task.Specifications
-    problem: Problem
-    duration: float
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 
 @pytest.fixture(scope="module")
-def torch_state() -> dict[str, object]:
-    torch.manual_seed(0)
-    model = WeSpeakerResNet34()
-    with torch.no_grad():  # trained-looking BatchNorm statistics, so values are all distinct
-        for module in model.modules():
-            if isinstance(module, nn.BatchNorm2d):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0, 0.1)
-                module.running_mean.normal_(0, 0.2)
-                module.running_var.uniform_(0.5, 2.0)
-                module.num_batches_tracked.fill_(12345)
-    return model.state_dict()
+def model():
+    pytest.importorskip("pyannote.audio", reason=PYANNOTE_MISSING)
+    from tests.pyannote_checkpoints import random_wespeaker
+
+    return random_wespeaker(seed=0)
 
 
-def test_module_tree_keys_are_architecture_keys(torch_state: dict[str, object]) -> None:
-    shapes = {key: tuple(value.shape) for key, value in torch_state.items()}
-    expected = state_dict_shapes()
-    assert set(shapes) == set(expected), (sorted(set(shapes) ^ set(expected)))[:5]
-    for key, shape in expected.items():
-        assert shapes[key] == shape, (key, shapes[key], shape)
+def test_module_tree_keys_are_architecture_keys(model) -> None:
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    assert shapes == state_dict_shapes()
 
 
-def _assert_round_trip(torch_state: dict[str, object], out: Path) -> None:
-    converted = load_state_dict(out)
-    assert set(converted) == set(torch_state)
-    for key, tensor in torch_state.items():
-        np.testing.assert_array_equal(converted[key], tensor.numpy(), err_msg=key)
-        assert converted[key].dtype == tensor.numpy().dtype, (key, converted[key].dtype)
-
-
-@pytest.mark.parametrize("layout", ["bare", "lightning", "dataparallel"])
-def test_convert_round_trips(
-    torch_state: dict[str, object], tmp_path: Path, layout: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_bytes_as_the_torch_converter(
+    model, tmp_path: Path, layout: str, precision: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if layout == "bare":
-        checkpoint: object = torch_state
-    elif layout == "lightning":  # pyannote's layout: pickled non-tensor objects beside "state_dict"
-        checkpoint = {
-            "epoch": 7,
-            "state_dict": torch_state,
-            "hyper_parameters": {"sample_rate": 16000, "num_channels": 1},
-            "pyannote.audio": {
-                "versions": {"torch": torch.__version__, "pyannote.audio": "4.0.7"},
-                "architecture": {"module": "pyannote.audio.models.embedding", "class": "WeSpeakerResNet34"},
-                "specifications": Specifications(Problem.REPRESENTATION, 10.0),
-            },
-        }
-    else:
-        checkpoint = {f"module.{key}": value for key, value in torch_state.items()}
-    source, out = tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors"
-    torch.save(checkpoint, source)
+    from tests.torch_converter import torch_convert
+
+    source = save_checkpoint(model, tmp_path / "pytorch_model.bin", layout, precision)
+    torch_convert(source, tmp_path / "torch.safetensors")
+    out = tmp_path / "speakerd.safetensors"
     assert main(["convert", str(source), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert f"model id {file_sha256(out)}" in printed, printed
-    _assert_round_trip(torch_state, out)
+    assert f"model id {file_sha256(out)}" in capsys.readouterr().out
+    assert out.read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+    converted = load_state_dict(out)
+    for key, tensor in model.state_dict().items():
+        expected = tensor.half().float() if precision == "fp16" and tensor.is_floating_point() else tensor
+        np.testing.assert_array_equal(converted[key], expected.numpy(), err_msg=key)
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
 
 
-def test_lightning_checkpoint_runs_no_pickled_code(tmp_path: Path) -> None:
-    """A pickled callable in the checkpoint is replaced by a placeholder, never called."""
-
-    class Boom:
-        def __reduce__(self) -> tuple[object, tuple[str]]:
-            return (print, ("code from the checkpoint ran",))
-
-    torch.save({"state_dict": {"x": torch.zeros(1)}, "evil": Boom()}, tmp_path / "evil.bin")
-    from speakerd.tools.convert import load_checkpoint
-
-    loaded = load_checkpoint(tmp_path / "evil.bin")
-    assert type(loaded["evil"]).__module__.startswith("server.inert"), type(loaded["evil"])
+def _same_as_torch(path: Path) -> None:
+    expected, read = torch.load(path, weights_only=True), torch_pickle.load(path)
+    assert list(read) == list(expected)
+    for key, tensor in expected.items():
+        reference = tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+        assert read[key].dtype == reference.dtype, (key, read[key].dtype, reference.dtype)
+        assert read[key].shape == reference.shape, key
+        assert read[key].flags.c_contiguous, key
+        np.testing.assert_array_equal(read[key], reference, err_msg=key)
 
 
-def test_bad_checkpoints_name_the_problem(
-    torch_state: dict[str, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    broken = dict(torch_state)
-    del broken["resnet.layer3.2.bn1.running_var"]
-    torch.save(broken, tmp_path / "missing.bin")
-    assert main(["convert", str(tmp_path / "missing.bin"), "--out", str(tmp_path / "a.safetensors")]) == 1
-    assert "resnet.layer3.2.bn1.running_var" in capsys.readouterr().err
+def test_reader_gives_torch_arrays_for_every_layout(tmp_path: Path) -> None:
+    base = torch.arange(120, dtype=torch.float64).reshape(4, 5, 6) / 7
+    tensors = {
+        "transposed_slice": base.transpose(0, 2)[1:, ::2],  # offset and non-contiguous strides
+        "shared_a": base[1],  # two tensors of one storage at different offsets
+        "shared_b": base[2, 1:],
+        "scalar": torch.tensor(12345),
+        "empty": torch.zeros(0, 3),
+    }
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                  torch.int8, torch.uint8, torch.bool):  # fmt: skip
+        tensors[str(dtype)] = (base * 3).to(dtype)[:, 2]
+    torch.save(tensors, tmp_path / "layouts.bin")
+    _same_as_torch(tmp_path / "layouts.bin")
 
-    reshaped = dict(torch_state)
-    reshaped["resnet.seg_1.weight"] = torch.zeros(256, 2560)
-    torch.save(reshaped, tmp_path / "shape.bin")
-    assert main(["convert", str(tmp_path / "shape.bin"), "--out", str(tmp_path / "b.safetensors")]) == 1
+
+class Anything(dict):
+    """Whatever the pickle builds, while only its storages' element sizes are wanted."""
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+
+def _as_big_endian(source: Path, target: Path) -> None:
+    """The same checkpoint as torch writes it on a big-endian machine: storages byte-swapped
+    (element sizes from the pickle's storage types), `byteorder` saying "big"."""
+    with zipfile.ZipFile(source) as archive:
+        prefix = next(name for name in archive.namelist() if name.endswith("data.pkl"))[: -len("data.pkl")]
+        sizes: dict[str, int] = {}
+
+        class Sizes(pickle.Unpickler):
+            def find_class(self, module: str, name: str):  # a dtype code for storages, else a dict
+                return (
+                    torch_pickle.STORAGE_DTYPES.get(name) if module == "torch" else (lambda *args: Anything())
+                )
+
+            def persistent_load(self, pid):
+                sizes[pid[2]] = np.dtype(pid[1]).itemsize
+                return None
+
+        Sizes(io.BytesIO(archive.read(f"{prefix}data.pkl"))).load()
+        with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
+            for name in archive.namelist():
+                data = archive.read(name)
+                if name.startswith(f"{prefix}data/"):
+                    size = sizes[name.rsplit("/", 1)[1]]
+                    data = np.frombuffer(data, dtype=f"<u{size}" if size > 1 else "u1").byteswap().tobytes()
+                elif name == f"{prefix}byteorder":
+                    data = b"big"
+                out.writestr(name, data)
+
+
+def test_reader_reads_big_endian_storages(model, tmp_path: Path) -> None:
+    little = save_checkpoint(model, tmp_path / "little.bin", "bare", "fp16")
+    _as_big_endian(little, tmp_path / "big.bin")
+    expected, read = torch_pickle.load(little), torch_pickle.load(tmp_path / "big.bin")
+    assert set(read) == set(expected)
+    for key in expected:
+        assert read[key].dtype == expected[key].dtype and read[key].dtype.isnative, key
+        np.testing.assert_array_equal(read[key], expected[key], err_msg=key)
+
+
+class RunsCode:
+    """Unpickling this calls os.system: a reader that runs pickled code would create MARKER."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickled_code_is_refused_and_never_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    marker = tmp_path / "code-ran"
+    torch.save({"state_dict": {"x": torch.zeros(1)}, "evil": RunsCode(marker)}, tmp_path / "evil.bin")
+    assert main(["convert", str(tmp_path / "evil.bin"), "--out", str(tmp_path / "out.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert "resnet.seg_1.weight" in err and "(256, 5120)" in err, err
+    assert err.count("\n") == 1 and "asks for posix.system" in err and "refused" in err, err
+    assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
+
+
+def _convert_error(tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", str(source), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert not out.exists() and not any(tmp_path.glob(".out.safetensors.*")), "nothing half-written"
+    return err
+
+
+def test_bad_checkpoints_are_one_line(model, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = model.state_dict()
+    missing = {key: value for key, value in state.items() if key != "resnet.layer3.2.bn1.running_var"}
+    torch.save(missing, tmp_path / "missing.bin")
+    err = _convert_error(tmp_path, tmp_path / "missing.bin", capsys)
+    assert "missing key 'resnet.layer3.2.bn1.running_var' of shape (128,)" in err, err
+
+    torch.save({**state, "resnet.seg_2.weight": torch.zeros(256, 256)}, tmp_path / "extra.bin")
+    err = _convert_error(tmp_path, tmp_path / "extra.bin", capsys)
+    assert "unexpected key 'resnet.seg_2.weight' of shape (256, 256)" in err, err
+
+    torch.save({**state, "resnet.seg_1.weight": torch.zeros(256, 2560)}, tmp_path / "shape.bin")
+    err = _convert_error(tmp_path, tmp_path / "shape.bin", capsys)
+    assert "'resnet.seg_1.weight' has shape (256, 2560), expected (256, 5120)" in err, err
+
+    whole = save_checkpoint(model, tmp_path / "whole.bin", "lightning").read_bytes()
+    (tmp_path / "truncated.bin").write_bytes(whole[: len(whole) // 2])
+    err = _convert_error(tmp_path, tmp_path / "truncated.bin", capsys)
+    assert "truncated.bin: truncated or corrupt checkpoint" in err, err
 
     (tmp_path / "junk.bin").write_bytes(b"not a checkpoint")
-    assert main(["convert", str(tmp_path / "junk.bin"), "--out", str(tmp_path / "c.safetensors")]) == 1
-    assert "junk.bin" in capsys.readouterr().err
+    assert "junk.bin: truncated or corrupt checkpoint" in _convert_error(
+        tmp_path, tmp_path / "junk.bin", capsys
+    )
 
-    assert main(["convert", str(tmp_path / "absent.bin"), "--out", str(tmp_path / "d.safetensors")]) == 1
-    assert "no such file" in capsys.readouterr().err
-    assert not any(tmp_path.glob("*.safetensors")), "a failed conversion must not leave a file"
+    assert "absent.bin: no such file" in _convert_error(tmp_path, tmp_path / "absent.bin", capsys)

@@ -28,6 +28,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from speakerd.model.source import REPO_ID
 from speakerd.serving import config
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE
 from speakerd.serving.metrics import METRIC_NAMES, Metrics
@@ -48,7 +49,7 @@ README = REPO / "README.md"
 #: (validating against 1.28 rejects it), so validating at 1.30 proves the stated minimum.
 K8S_MIN_VERSION = "1.30.0"
 #: Environment variables the image and Deployment may set besides the serve flags'.
-EXTRA_ENV = {"SPEAKERD_CACHE", "CUPY_CACHE_DIR"}
+EXTRA_ENV = {"SPEAKERD_CACHE", "CUPY_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE"}
 #: Labels Prometheus itself attaches to every scraped series.
 PROMETHEUS_TARGET_LABELS = {"job", "instance"}
 #: The alert fires at this fraction of SPEAKERD_QUEUE_CHUNKS (see its comment in alerts.yml).
@@ -267,6 +268,31 @@ def test_deployment_env_values_are_accepted_by_serve(monkeypatch: pytest.MonkeyP
     assert settings.engine == "gpu", (
         f"a GPU pod must fail rather than serve from the CPU, got {settings.engine}"
     )
+
+
+def test_model_by_name_is_fetched_once_per_node_then_served_offline() -> None:
+    """The fetch-model init container fills the node's cache with the model the server serves;
+    the server reads that cache read-only and offline (deployment.yaml's header says why)."""
+    from speakerd.cli import COMMANDS
+
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    fetch = next(init for init in pod["initContainers"] if init["name"] == "fetch-model")
+    assert fetch["args"][0] in COMMANDS, fetch["args"]
+    fetch_env = {item["name"]: item.get("value") for item in fetch["env"]}
+    served = container_env()
+    assert served["SPEAKERD_MODEL"] == fetch_env["SPEAKERD_MODEL"], (served, fetch_env)
+    assert REPO_ID.match(served["SPEAKERD_MODEL"]), "the manifests take the model by name"
+    assert served["HF_HOME"] == fetch_env["HF_HOME"] and served["HF_HUB_OFFLINE"] == "1"
+    token = next(item for item in fetch["env"] if item["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"]["optional"] is True, "the pod must start without a token"
+    assert "HF_TOKEN" not in served, "only the init container holds the token"
+    volume = next(volume for volume in pod["volumes"] if volume["name"] == "models")
+    assert volume["hostPath"]["type"] == "DirectoryOrCreate", "one cache per node"
+    mounts = {mount["name"]: mount for mount in container()["volumeMounts"]}
+    assert mounts["models"].get("readOnly") is True
+    assert served["HF_HOME"].startswith(mounts["models"]["mountPath"] + "/"), (served, mounts["models"])
+    fetch_mounts = {mount["name"]: mount["mountPath"] for mount in fetch["volumeMounts"]}
+    assert fetch_mounts["models"] == mounts["models"]["mountPath"] and not fetch.get("readOnly")
 
 
 def test_probes_and_scrape_annotations_use_the_container_ports() -> None:
@@ -708,8 +734,8 @@ def flag_table_rows() -> list[str]:
     """The README's flag table, one row per serve flag, generated from speakerd/serving/config.py."""
     rows = []
     for env, action in serve_flags().items():
-        # flags without a default: --weights takes the synthetic model, the TLS and token files are off
-        unset = "(embedded synthetic model)" if action.dest == "weights" else "(off)"
+        # flags without a default: --model takes the synthetic model, the TLS and token files are off
+        unset = "(embedded synthetic model)" if action.dest == "model" else "(off)"
         default = unset if action.default is None else action.default
         if isinstance(default, tuple):
             default = ",".join(str(size) for size in default)

@@ -170,8 +170,8 @@ def test_cpu_engine_refuses_fp16(
     assert not out.exists()
 
 
-def test_missing_weights_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_model_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     arrays = {"fbank": np.zeros((1, 998, 80), np.float32), "masks": np.ones((1, 1, 589), np.float32)}
-    code, _ = _embed(tmp_path, arrays, "--engine", "cpu", "--weights", str(tmp_path / "nope.safetensors"))
+    code, _ = _embed(tmp_path, arrays, "--engine", "cpu", "--model", str(tmp_path / "nope.safetensors"))
     err = capsys.readouterr().err
-    assert code == 1 and "nope.safetensors" in err, (code, err)
+    assert code == 2 and "nope.safetensors: no such file" in err, (code, err)

@@ -74,7 +74,7 @@ def assert_one_line_usage_error(done: subprocess.CompletedProcess[str], *expecte
     ("flags", "expected"),
     [
         (["--engine", "cpu", "--math", "fp16"], ["--math fp16", "fp32 only", "use --math fp32"]),
-        (["--weights", "/nonexistent/model.safetensors"], ["--weights /nonexistent", "no such file"]),
+        (["--model", "/nonexistent/model.safetensors"], ["--model /nonexistent", "no such file"]),
         (["--host", "192.0.2.1"], ["--host 192.0.2.1", "cannot listen"]),  # TEST-NET: never local
         (["--plans", "1,64"], ["--plans", "64 exceeds 32"]),
         (["--tls-cert", "/etc/hostname"], ["--tls-cert and --tls-key go together"]),
@@ -103,7 +103,7 @@ def test_garbage_weights_are_one_line(tmp_path: Path) -> None:
     garbage = tmp_path / "model.safetensors"
     garbage.write_bytes(np.random.default_rng(0).bytes(4096))
     assert_one_line_usage_error(
-        serve("--engine", "cpu", "--weights", str(garbage)), "--weights", "not usable"
+        serve("--engine", "cpu", "--model", str(garbage)), "--model", "not usable"
     )
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Server-side packages the client must never load: the CPU engine's and the GPU engine's.
 #: (grpc_reflection is a server extra too, but `import grpc` itself loads it when it is
 #: installed, so only the base-install test below can speak for it.)
-SERVER_ONLY = ("onnx", "onnxruntime", "cupy", "cudnn", "torch")
+SERVER_ONLY = ("onnx", "onnxruntime", "cupy", "cudnn", "torch", "huggingface_hub")
 CLIENT_MODULES = (
     "speakerd.client",
     "speakerd.client.client",
@@ -100,7 +100,22 @@ def test_the_base_install_requires_no_server_package() -> None:
         "cupy-cuda13x",
         "torch",
         "grpcio-reflection",
+        "huggingface_hub",
     }
     assert not base & server_distributions, f"base dependencies include {sorted(base & server_distributions)}"
     server = " ".join(project["optional-dependencies"]["server"])
     assert "onnxruntime" in server and "onnx>" in server, server
+
+
+def test_no_install_of_speakerd_requires_torch() -> None:
+    """pyannote's checkpoints are read with NumPy: neither the base install nor the server or
+    GPU extras name torch (only `pyannote`, which is pyannote.audio's own requirement, does)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for name in ("server", "gpu", "gpu-cuda13"):
+        requirements = project["dependencies"] + extras[name]
+        assert not [r for r in requirements if r.lower().startswith(("torch", "pyannote"))], (
+            name,
+            requirements,
+        )
+    assert any(r.startswith("huggingface_hub") for r in extras["server"]), "--model org/name needs it"

@@ -1,4 +1,5 @@
-"""Where the served weights come from: a user's file, or the synthetic default made on first use.
+"""The synthetic default model, made on first use in speakerd's cache directory (source.py
+resolves `--model`, and takes this model when none is given).
 
 The default model is generated (never committed, never downloaded) into a cache directory
 the first time anything needs it. Several processes may start at once (server replicas,
@@ -55,15 +56,3 @@ def ensure_synthetic_model(path: Path, seed: int = DEFAULT_SEED) -> Path:
 def default_weights_path() -> Path:
     """The synthetic default model in the cache directory, made on first use."""
     return ensure_synthetic_model(cache_dir() / default_model_name())
-
-
-def resolve_weights(path: str | Path | None) -> Path:
-    """The weights to serve: `path` when given (it must exist), else the default model."""
-    if path is None or str(path) == "":
-        return default_weights_path()
-    resolved = Path(path).expanduser()
-    if not resolved.is_file():
-        raise FileNotFoundError(
-            f"weights: no file at {resolved} (give a safetensors file, or omit for the default)"
-        )
-    return resolved

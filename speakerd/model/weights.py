@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 from speakerd.model.architecture import (
     BLOCKS,
@@ -75,10 +75,15 @@ def validate_state_dict(state: dict[str, np.ndarray]) -> None:
     expected = state_dict_shapes()
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise WeightsError(f"missing key {missing[0]!r} ({len(missing)} missing in all)")
+        raise WeightsError(
+            f"missing key {missing[0]!r} of shape {expected[missing[0]]} ({len(missing)} missing in all)"
+        )
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise WeightsError(f"unexpected key {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
+        shape = tuple(np.shape(state[unexpected[0]]))
+        raise WeightsError(
+            f"unexpected key {unexpected[0]!r} of shape {shape} ({len(unexpected)} unexpected in all)"
+        )
     for key, shape in expected.items():
         array = state[key]
         if tuple(array.shape) != shape:
@@ -145,7 +150,10 @@ def load_model(path: str | Path) -> FoldedModel:
 
 
 def save_state_dict(state: dict[str, np.ndarray], path: str | Path) -> None:
-    """Validate, then write with pyannote's keys (contiguous float32, int64 counters)."""
+    """Validate, then write with pyannote's keys (contiguous float32, int64 counters).
+
+    The bytes are made in memory and written by Python (not safetensors' own file writer),
+    so a full disk is an OSError (ENOSPC) that callers can name, not a serializer error."""
     validate_state_dict(state)
     # np.asarray(order="C"), not np.ascontiguousarray: the latter turns the 0-d
     # num_batches_tracked counters into shape (1,), which pyannote's keys do not have.
@@ -153,4 +161,6 @@ def save_state_dict(state: dict[str, np.ndarray], path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     # one metadata key only: safetensors writes metadata from a hash map, so with two keys
     # their order (and the file's bytes, and the model id) could differ between runs
-    save_file(clean, str(path), metadata={"format": "pt"})
+    data = save(clean, metadata={"format": "pt"})
+    with open(path, "wb") as handle:
+        handle.write(data)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from speakerd.model.cases import (
     load_case,
     mixed_rows,
 )
-from speakerd.model.store import resolve_weights
+from speakerd.model.source import ModelError, add_model_flag, resolve_model
 from speakerd.model.weights import load_model
 from speakerd.onnx.runtime import OnnxReference
 
@@ -38,7 +39,7 @@ def make_references(out_dir: str | Path, weights_path: str | Path | None = None)
     """Run ORT CPU (one thread) on every case and write `<out_dir>/<case>.safetensors`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = load_model(resolve_weights(weights_path))
+    model = load_model(resolve_model(weights_path).path)
     with_taps = OnnxReference(model, taps=True)
     output_only = OnnxReference(model, taps=False)
     rows = mixed_rows()
@@ -67,9 +68,11 @@ def make_references(out_dir: str | Path, weights_path: str | Path | None = None)
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory to write the case files into")
-    parser.add_argument("--weights", type=Path, default=None, help="safetensors weights (default: synthetic)")
+    add_model_flag(parser)
 
 
+#: A --model that cannot be had is a usage error (argparse's code).
+USAGE_EXIT = 2
 #: What a full set takes on disk (every b1 case keeps every tap): said before writing it.
 REFERENCE_SET_MB = 930
 
@@ -78,7 +81,12 @@ def run(args: argparse.Namespace) -> int:
     size = f"about {REFERENCE_SET_MB} MB"
     print(f"writing {len(CASE_NAMES)} reference cases, {size}, to {args.out}", flush=True)
     started = time.perf_counter()
-    paths = make_references(args.out, args.weights)
+    try:
+        weights = resolve_model(args.model).path
+    except ModelError as error:
+        print(f"make-references: {error}", file=sys.stderr)
+        return USAGE_EXIT
+    paths = make_references(args.out, weights)
     elapsed = time.perf_counter() - started
     print(f"{'case':<18} {'chunks':>6} {'taps':>5} {'min |row|':>10} {'max |row|':>10}")
     for path in paths:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from speakerd.engine.factory import ENGINE_KINDS
 from speakerd.model.numerics import Math
+from speakerd.model.source import MODEL_ENV, MODEL_HELP, env_model
 
 ENV_PREFIX = "SPEAKERD_"
 #: Loopback by default: exposing the port is a deliberate act (the container sets SPEAKERD_HOST).
@@ -96,7 +97,8 @@ class ServeConfig:
     port: int
     metrics_port: int
     engine: str
-    weights: str | None
+    #: --model as given: a Hugging Face repo id, a local path, or None for the default model
+    model: str | None
     math: Math
     plans: tuple[int, ...]
     max_delay_ms: float
@@ -212,7 +214,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("port", DEFAULT_PORT, "gRPC port (0 picks a free one)", type=_port)
     add("metrics-port", DEFAULT_METRICS_PORT, "Prometheus /metrics port (0 picks a free one)", type=_port)
     add("engine", "auto", "engine: auto (GPU when usable), cpu or gpu", choices=ENGINE_KINDS)
-    add("weights", None, "safetensors weights (default: the embedded synthetic model)")
+    # --weights is the same flag under its older name, SPEAKERD_WEIGHTS the same variable
+    parser.add_argument(
+        "--model", "--weights", dest="model", default=env_model(), help=f"{MODEL_HELP} [{MODEL_ENV}]"
+    )
     add("math", Math.FP32.value, "trunk arithmetic", choices=[m.value for m in Math])
     add("plans", DEFAULT_PLANS, f"batch sizes to preallocate, each 1..{MAX_PLAN_SIZE}", type=parse_plans)
     add("max-delay-ms", DEFAULT_MAX_DELAY_MS, "longest wait for a batch to fill", type=_non_negative_float)
@@ -322,7 +327,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         port=int(args.port),
         metrics_port=int(args.metrics_port),
         engine=args.engine,
-        weights=args.weights,
+        model=args.model or None,
         math=Math(args.math),
         plans=plans,
         max_delay_ms=float(args.max_delay_ms),

@@ -2,7 +2,8 @@
 
 Before listening, what can be checked at once is (`preflight`): the flags' combination, the
 engine kind (an explicit `--engine gpu` needs a usable GPU), the CPU engine's FP32-only
-math, an explicit `--weights` file, the TLS files and the token file, and that the address
+math, an explicit `--model` (a Hugging Face repo id downloaded and converted now, or a local
+file; model/source.py), the TLS files and the token file, and that the address
 can be bound. A failure there is a usage error: one log line naming the flag and what to
 do, exit code 2, and nothing about draining (the server never served).
 
@@ -42,7 +43,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -51,6 +51,7 @@ from grpc_reflection.v1alpha import reflection
 
 from speakerd.engine.base import Engine
 from speakerd.model.numerics import Math
+from speakerd.model.source import ModelSource, ResolvedModel
 from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving import config, heap
@@ -97,11 +98,13 @@ class Prepared:
     """What preflight resolved, handed to the server so nothing is loaded twice."""
 
     engine_kind: str  # "cpu" or "gpu"
-    model: FoldedModel | None  # an explicit --weights file, loaded; None: the default model
+    model: FoldedModel | None  # an explicit --model, resolved and loaded; None: the default model
     credentials: grpc.ServerCredentials | None
     tokens: TokenFile | None
     #: `--devices`, resolved to indices that exist here; None: one engine in this process
     devices: tuple[int, ...] | None = None
+    #: where an explicit --model's safetensors came from; None: the default model
+    resolved: ResolvedModel | None = None
 
 
 @dataclass
@@ -154,7 +157,8 @@ def preflight(settings: config.ServeConfig) -> Prepared:
             f"--math {settings.math}: the CPU engine ({why}) computes fp32 only; "
             f"use --math fp32, or --math {settings.math} with --engine gpu on a GPU"
         )
-    model = _load_weights(settings.weights) if settings.weights else None
+    resolved = _resolve_model(settings.model) if settings.model else None
+    model = _load_model(resolved, settings.model) if resolved is not None else None
     credentials = None
     if settings.tls_cert is not None and settings.tls_key is not None:
         files = TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
@@ -177,7 +181,7 @@ def preflight(settings: config.ServeConfig) -> Prepared:
     _check_shared_memory(len(devices or ()), settings.plans[-1], settings.receivers)
     _check_bindable(settings.host, settings.port, "--port")
     _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
-    return Prepared(kind, model, credentials, tokens, devices)
+    return Prepared(kind, model, credentials, tokens, devices, resolved)
 
 
 def _check_shared_memory(devices: int, max_batch: int, receivers: int) -> None:
@@ -207,19 +211,26 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def _load_weights(weights: str) -> FoldedModel:
-    from speakerd.model.store import resolve_weights
+def _resolve_model(model: str) -> ResolvedModel:
+    """--model's safetensors (downloaded, converted and cached as needed); UsageError otherwise."""
+    from speakerd.model.source import ModelError, resolve_model
+
+    try:
+        return resolve_model(model)
+    except ModelError as error:
+        raise config.UsageError(str(error)) from error
+
+
+def _load_model(resolved: ResolvedModel, model: str) -> FoldedModel:
     from speakerd.model.weights import load_model
 
-    hint = "give WeSpeaker ResNet34 safetensors (`speakerd convert` makes them from pyannote's checkpoint)"
     try:
-        path = resolve_weights(weights)
-    except FileNotFoundError as error:
-        raise config.UsageError(f"--weights {weights}: no such file; {hint}, or omit --weights") from error
-    try:
-        return load_model(path)
+        return load_model(resolved.path)
     except (ValueError, KeyError, OSError) as error:
-        raise config.UsageError(f"--weights {weights}: not usable ({error}); {hint}") from error
+        raise config.UsageError(
+            f"--model {model}: {resolved.path} is not usable ({error}); give pyannote's WeSpeaker ResNet34 "
+            "(a repo id like pyannote/wespeaker-voxceleb-resnet34-LM, its pytorch_model.bin, or safetensors)"
+        ) from error
 
 
 def _check_bindable(host: str, port: int, flag: str) -> None:
@@ -260,18 +271,14 @@ async def serve(settings: config.ServeConfig, prepared: Prepared) -> Outcome:
     return Outcome(code, server.abandoned_work)
 
 
-def _build_engine(settings: config.ServeConfig, prepared: Prepared) -> Engine:
+def _build_engine(settings: config.ServeConfig, prepared: Prepared, resolved: ResolvedModel) -> Engine:
     """Load the weights, build and warm the engine, check it against the reference (blocking)."""
     from speakerd.engine.factory import create_engine
-    from speakerd.model.store import resolve_weights
     from speakerd.model.weights import load_model
 
     started = time.perf_counter()
-    model = prepared.model
-    source: str | Path = settings.weights or ""
-    if model is None:
-        source = resolve_weights(None)  # the default model, made on first use
-        model = load_model(source)
+    model = prepared.model if prepared.model is not None else load_model(resolved.path)
+    source = resolved.path
     engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans, settings.conv_kernels)
     log.info("engine %s %s plans %s built in %.1f s from %s (model %s)", engine.name, engine.math,
              engine.plan_sizes, time.perf_counter() - started, source, model.model_id[:12])  # fmt: skip
@@ -289,17 +296,19 @@ def _build_engine(settings: config.ServeConfig, prepared: Prepared) -> Engine:
 
 
 def _start_pool(
-    settings: config.ServeConfig, prepared: Prepared, metrics: Metrics, on_lost: OnLost
+    settings: config.ServeConfig,
+    prepared: Prepared,
+    resolved: ResolvedModel,
+    metrics: Metrics,
+    on_lost: OnLost,
 ) -> Engine:
     """`--devices`: one worker process per device, each building its engine and passing the
     self-check; blocking until all have (DeviceStartFailed or SelfCheckFailed otherwise)."""
-    from speakerd.model.store import resolve_weights
-
     assert prepared.devices is not None
     started = time.perf_counter()
     pool_config = PoolConfig(
         kind=prepared.engine_kind,
-        weights=str(resolve_weights(settings.weights)),  # the default model made here, once
+        weights=str(resolved.path),  # the default model made here, once
         math=settings.math,
         plan_sizes=settings.plans,
         devices=prepared.devices,
@@ -365,6 +374,8 @@ class SpeakerServer:
         self.port = 0
         self.metrics_port = 0
         self.abandoned_work = False
+        #: where the served weights came from (GetModelInfo.source), known once warm-up resolved them
+        self.model_source = ModelSource()
         self._server: grpc.aio.Server | None = None
         #: --receivers: the processes taking calls on the port, and the private directory
         #: of this server's own socket, where they forward what they do not hand over
@@ -510,9 +521,14 @@ class SpeakerServer:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._device_lost(device, left)))
 
         def build() -> Engine:
+            from speakerd.model.source import resolve_model
+
+            # the default model is made here, on first use, while health answers NOT_SERVING
+            resolved = self.prepared.resolved or resolve_model(None)
+            self.model_source = resolved.source
             if self.prepared.devices is None:
-                return _build_engine(s, self.prepared)
-            return _start_pool(s, self.prepared, self.metrics, on_lost)
+                return _build_engine(s, self.prepared, resolved)
+            return _start_pool(s, self.prepared, resolved, self.metrics, on_lost)
 
         self._building = in_daemon_thread(build, lambda e: e.close())
         try:
@@ -528,7 +544,7 @@ class SpeakerServer:
         self.engine = engine
         self.batcher = Batcher(engine, self.metrics, s.max_delay_ms / 1e3, s.queue_chunks)
         self.batcher.start()
-        self.service.attach(engine, self.batcher)
+        self.service.attach(engine, self.batcher, self.model_source)
         self.metrics.model_info.labels(
             model_id=engine.model_id, engine=engine.name, math=str(engine.math)
         ).set(1)

@@ -54,6 +54,7 @@ from speakerd.model.inputs import (
     check_waveform,
 )
 from speakerd.model.numerics import active_frames, pad_speakers
+from speakerd.model.source import ModelSource
 from speakerd.serving.batcher import Batcher, BatcherError
 from speakerd.serving.budget import ByteBudget
 from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation
@@ -171,6 +172,7 @@ class SpeakerEmbeddingService:
         self.max_message_bytes = max_message_bytes
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
+        self.model_source = ModelSource()
         self.draining = False
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="decode")
         self._budget = ByteBudget(DECODE_BUDGET_MESSAGES * max_message_bytes)
@@ -179,8 +181,10 @@ class SpeakerEmbeddingService:
         self._idle.set()
         self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.recording)
 
-    def attach(self, engine: Engine, batcher: Batcher) -> None:
+    def attach(self, engine: Engine, batcher: Batcher, source: ModelSource | None = None) -> None:
+        """Serve with `engine` through `batcher`; `source` is where its weights came from."""
         self.engine, self.batcher = engine, batcher
+        self.model_source = source or ModelSource()
 
     def begin_drain(self) -> None:
         """New calls get UNAVAILABLE from now on; calls already in progress finish."""
@@ -311,6 +315,12 @@ class SpeakerEmbeddingService:
             version=package_version(),
             waveform_supported=True,
             max_message_bytes=self.max_message_bytes,
+            source=pb.ModelSource(
+                repo_id=self.model_source.repo_id,
+                revision=self.model_source.revision,
+                filename=self.model_source.filename,
+                sha256=self.model_source.sha256,
+            ),
         )
 
     # --- one request -------------------------------------------------------------------

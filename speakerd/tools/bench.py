@@ -28,6 +28,7 @@ import numpy as np
 from speakerd.engine.factory import gpu_kernel_options
 from speakerd.model.architecture import MAX_SPEAKERS, TRUNK_FLOPS_PER_CHUNK
 from speakerd.model.numerics import Math, compare, pad_speakers
+from speakerd.model.source import add_model_flag
 from speakerd.serving.config import CONV_KERNELS, env_default
 
 #: The reference case each benchmarked batch size runs (docs/model.md names).
@@ -39,7 +40,7 @@ MIB = 1 << 20
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weights", default=None, help="safetensors weights (default: the synthetic model)")
+    add_model_flag(parser)
     parser.add_argument(
         "--references", default=None, help="make-references output dir (default: compute with ORT CPU now)"
     )
@@ -291,7 +292,7 @@ def bench_torch(math: Math, model, cases, args, ours: dict[tuple[int, str], floa
 
 def run(args: argparse.Namespace) -> int:
     from speakerd.engine.gpu import gpu_available
-    from speakerd.model.store import resolve_weights
+    from speakerd.model.source import ModelError, resolve_model
     from speakerd.model.weights import load_model
 
     logging.basicConfig(
@@ -303,7 +304,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     maths = [Math(name.strip()) for name in args.math.split(",") if name.strip()]
     batches = sorted({int(size) for size in args.batches.split(",") if size.strip()})
-    model = load_model(resolve_weights(args.weights))
+    try:
+        model = load_model(resolve_model(args.model).path)
+    except ModelError as error:
+        print(f"bench: {error}", file=sys.stderr)
+        return 2
     say(
         kind="env",
         device=detail,

@@ -26,6 +26,7 @@ from speakerd.engine.factory import ENGINE_KINDS
 from speakerd.model.fbank import fbank as compute_fbank
 from speakerd.model.inputs import InputError, check_fbank, check_masks, check_waveform
 from speakerd.model.numerics import Math
+from speakerd.model.source import ModelError, add_model_flag, resolve_model
 from speakerd.model.weights import WeightsError, load_model
 
 INPUT_ARRAYS = ("masks", "fbank", "waveform")
@@ -89,9 +90,7 @@ def write_outputs(path: str | Path, result: EmbedResult, model_id: str, inputs: 
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--weights", type=Path, default=None, help="safetensors weights (default: synthetic model)"
-    )
+    add_model_flag(parser)
     parser.add_argument("--input", type=Path, required=True, help="IN.npz with masks and fbank or waveform")
     parser.add_argument("--output", type=Path, required=True, help="OUT.npz to write")
     parser.add_argument(
@@ -108,10 +107,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     # imported only now: bad input is reported without loading an engine (or CuPy)
     from speakerd.engine.factory import create_engine
-    from speakerd.model.store import resolve_weights
 
     try:
-        model = load_model(resolve_weights(args.weights))
+        resolved = resolve_model(args.model)
+    except ModelError as error:
+        print(f"embed: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        model = load_model(resolved.path)
         engine = create_engine(kind=args.engine, model=model, math=Math(args.math))
     except (FileNotFoundError, WeightsError, ValueError, RuntimeError) as error:
         print(f"embed: {error}", file=sys.stderr)

@@ -138,7 +138,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "engine", "precision", "plan_sizes", "max_batch", "fbank_frames", "mel_bins", "chunk_samples", "max_speakers", "embedding_dim", "mask_frames", "version", "waveform_supported", "max_message_bytes")
+    __slots__ = ("model_id", "engine", "precision", "plan_sizes", "max_batch", "fbank_frames", "mel_bins", "chunk_samples", "max_speakers", "embedding_dim", "mask_frames", "version", "waveform_supported", "max_message_bytes", "source")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class ModelInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAVEFORM_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     engine: str
     precision: str
@@ -167,7 +168,20 @@ class ModelInfo(_message.Message):
     version: str
     waveform_supported: bool
     max_message_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    source: ModelSource
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
+
+class ModelSource(_message.Message):
+    __slots__ = ("repo_id", "revision", "filename", "sha256")
+    REPO_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    repo_id: str
+    revision: str
+    filename: str
+    sha256: str
+    def __init__(self, repo_id: _Optional[str] = ..., revision: _Optional[str] = ..., filename: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class SpeechSegment(_message.Message):
     __slots__ = ("start_s", "end_s")

@@ -1,0 +1,267 @@
+"""`--model NAME_OR_PATH`: the weights to serve, from a Hugging Face repo, a local file, or the default.
+
+- nothing: the synthetic default model (store.py), made on first use;
+- a local `.safetensors` file: served as it is;
+- a local `.bin` / `.ckpt` (pyannote's checkpoint; `.pt`, `.pth` too), or a directory holding
+  pyannote's `pytorch_model.bin`: converted once, without torch (checkpoint.py);
+- otherwise a Hugging Face repo id, `org/name` or `org/name@revision` (a branch, tag or commit
+  hash): pyannote's `pytorch_model.bin` of that repo, fetched by huggingface_hub the way
+  pyannote fetches it, so its cache, `HF_TOKEN`, `HF_HUB_OFFLINE`, `HF_ENDPOINT` and `HF_HOME`
+  mean what they mean to pyannote.
+
+A converted checkpoint is cached by the sha256 of the checkpoint's bytes: for a hub download
+in the repo's own cache folder (`models--org--name/speakerd/`, next to `blobs/` and
+`snapshots/`, so one volume holds both), for a local file in `$SPEAKERD_CACHE/converted/`.
+It is written to a temporary file and renamed into place under a lock, so a restart or a
+second replica (even one starting at the same moment) converts nothing and never reads a
+half-written file. The served model id stays the sha256 of the safetensors file.
+
+Every failure is a ModelError whose message is one line saying what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speakerd.model import checkpoint, torch_pickle
+from speakerd.model.store import cache_dir, default_weights_path
+from speakerd.model.weights import WeightsError, file_sha256
+
+#: The checkpoint pyannote's `Model.from_pretrained` downloads from a repo.
+HUB_FILENAME = "pytorch_model.bin"
+#: `org/name` or `org/name@revision` (huggingface_hub's repo id characters).
+REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+#: Converted files' folder; the version is in the name so a future converter writing other
+#: bytes never reuses an older one's output.
+CONVERTED_DIR = "speakerd-converted-v1"
+SAFETENSORS_SUFFIX = ".safetensors"
+#: A blob in the hub cache named by 64 hex digits is an LFS file named by its sha256.
+SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+#: The HTTP clients under huggingface_hub (it has used each): they log every request at INFO.
+HTTP_LOGGERS = ("httpx2", "httpx", "httpcore")
+#: Read when --model is not given; SPEAKERD_WEIGHTS is its older name, read when it is unset.
+MODEL_ENV = "SPEAKERD_MODEL"
+WEIGHTS_ENV = "SPEAKERD_WEIGHTS"
+MODEL_HELP = (
+    "Hugging Face repo id (org/name[@revision]: its pytorch_model.bin) or a local .safetensors, .bin or "
+    ".ckpt file or directory; --weights is the same flag"
+)
+
+
+def env_model() -> str | None:
+    """$SPEAKERD_MODEL, else $SPEAKERD_WEIGHTS, else None (the default model)."""
+    return os.environ.get(MODEL_ENV) or os.environ.get(WEIGHTS_ENV) or None
+
+
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    """`--model` (`--weights` is the same flag under its older name), defaulting to the environment."""
+    parser.add_argument(
+        "--model", "--weights", dest="model", default=env_model(), help=f"{MODEL_HELP} [{MODEL_ENV}]"
+    )
+
+
+class ModelError(ValueError):
+    """The weights cannot be had; the message is one line naming what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the served weights came from (GetModelInfo's `source`)."""
+
+    repo_id: str = ""  # Hugging Face repo id; "" for a local file or the default model
+    revision: str = ""  # the commit the file came from (40 hex digits); "" unless from a repo
+    filename: str = ""  # the file read: "pytorch_model.bin", a local file's name
+    sha256: str = ""  # of that file's bytes (before any conversion)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # the safetensors file to serve
+    source: ModelSource
+
+
+def resolve_model(spec: str | Path | None, flag: str = "--model") -> ResolvedModel:
+    """The safetensors to serve for `spec` (see module doc); ModelError otherwise."""
+    text = "" if spec is None else str(spec).strip()
+    if not text:
+        path = default_weights_path()
+        return ResolvedModel(path, ModelSource(filename=path.name, sha256=file_sha256(path)))
+    local = Path(text).expanduser()
+    if local.exists():
+        return _resolve_local(local, f"{flag} {text}")
+    match = REPO_ID.match(text)
+    if match is None or text.startswith((".", "/", "~")):
+        raise ModelError(
+            f"{flag} {text}: no such file or directory, and not a Hugging Face repo id "
+            "(org/name or org/name@revision)"
+        )
+    return _resolve_hub(match["repo"], match["revision"], f"{flag} {text}")
+
+
+def _resolve_local(path: Path, said: str) -> ResolvedModel:
+    if path.is_dir():
+        inside = path / HUB_FILENAME
+        if not inside.is_file():
+            raise ModelError(f"{said}: the directory holds no {HUB_FILENAME} (pyannote's checkpoint)")
+        path = inside
+    try:
+        digest = file_sha256(path)
+    except OSError as error:
+        raise ModelError(f"{said}: cannot read it ({error.strerror})") from error
+    source = ModelSource(filename=path.name, sha256=digest)
+    if path.suffix == SAFETENSORS_SUFFIX:
+        return ResolvedModel(path, source)
+    if path.suffix not in checkpoint.CHECKPOINT_SUFFIXES:
+        kinds = ", ".join((*checkpoint.CHECKPOINT_SUFFIXES, SAFETENSORS_SUFFIX))
+        raise ModelError(f"{said}: expected a checkpoint or weights file ({kinds}) or a directory")
+    return ResolvedModel(converted(path, digest, cache_dir() / CONVERTED_DIR, said), source)
+
+
+def converted(source: Path, digest: str, folder: Path, said: str) -> Path:
+    """The safetensors for checkpoint `source` (sha256 `digest`) in `folder`, converted now
+    unless a previous run (or another process, while we waited for the lock) already did."""
+    target = folder / f"{digest}{SAFETENSORS_SUFFIX}"
+    if target.is_file():
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{digest}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not target.is_file():
+                checkpoint.convert(source, target)
+    except torch_pickle.CheckpointError as error:
+        raise ModelError(f"{said}: {str(error).removeprefix(f'{source}: ')}") from error
+    except WeightsError as error:
+        raise ModelError(
+            f"{said}: not pyannote's WeSpeaker ResNet34 checkpoint: {error}; "
+            "give pyannote/wespeaker-voxceleb-resnet34-LM's pytorch_model.bin"
+        ) from error
+    except OSError as error:
+        if error.errno == errno.ENOSPC:
+            raise ModelError(
+                f"{said}: no space left on the device of {folder} while writing the converted model "
+                "(nothing was left half-written); free some space there and start again"
+            ) from error
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ModelError(
+                f"{said}: cannot write the converted model into {folder} ({error.strerror}); make it "
+                f"writable, or convert once where it is: {fetch_command(said)}"
+            ) from error
+        raise ModelError(f"{said}: cannot convert it ({error})") from error
+    return target
+
+
+def hub_cache_dir() -> Path:
+    """huggingface_hub's cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _resolve_hub(repo_id: str, revision: str | None, said: str) -> ResolvedModel:
+    try:
+        import huggingface_hub
+    except ImportError as error:
+        raise ModelError(
+            f"{said}: a Hugging Face repo id needs huggingface_hub: pip install 'speakerd[server]'"
+        ) from error
+    from huggingface_hub import constants
+
+    for name in HTTP_LOGGERS:  # one INFO line per request otherwise, under serve's INFO logging
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        downloaded = Path(
+            huggingface_hub.hf_hub_download(
+                repo_id, HUB_FILENAME, revision=revision, library_name="speakerd", library_version=_version()
+            )
+        )
+    except Exception as error:
+        raise ModelError(_hub_error(error, repo_id, revision, said, constants)) from error
+    # <cache>/models--org--name/snapshots/<commit>/pytorch_model.bin
+    commit, repo_folder = downloaded.parent.name, downloaded.parent.parent.parent
+    try:
+        digest = file_sha256(downloaded)
+    except OSError as error:
+        raise ModelError(f"{said}: cannot read {downloaded} ({error.strerror})") from error
+    blob = downloaded.resolve()
+    if SHA256_NAME.match(blob.name) and blob.name != digest:
+        raise ModelError(
+            f"{said}: the cached {HUB_FILENAME} is truncated or corrupt (sha256 {digest[:12]}..., "
+            f"the hub's is {blob.name[:12]}...): delete {blob} and start again to download it anew"
+        )
+    source = ModelSource(repo_id=repo_id, revision=commit, filename=HUB_FILENAME, sha256=digest)
+    return ResolvedModel(converted(downloaded, digest, repo_folder / CONVERTED_DIR, said), source)
+
+
+def _version() -> str:
+    """speakerd's version, for the hub's user agent."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("speakerd")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def fetch_command(said: str) -> str:
+    """The command that fills the caches for `said` ("--model NAME"), wherever the hub is reachable."""
+    return f"speakerd fetch-model --model {said.split(' ', 1)[1]}"
+
+
+def _hub_error(error: Exception, repo_id: str, revision: str | None, said: str, constants: Any) -> str:
+    """One line saying what to do about huggingface_hub's `error`."""
+    from huggingface_hub import errors
+
+    endpoint = constants.ENDPOINT
+    at = f" at revision {revision}" if revision else ""
+    if isinstance(error, errors.LocalEntryNotFoundError) and isinstance(
+        error.__cause__, errors.HfHubHTTPError
+    ):
+        error = error.__cause__  # an answer the hub gave (a 403 without an error code, a 5xx): say it
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(error, errors.GatedRepoError):
+        return (
+            f"{said}: {repo_id} is gated: accept its conditions at {endpoint}/{repo_id} and set HF_TOKEN "
+            "to a token of that account"
+        )
+    if isinstance(error, errors.HfHubHTTPError) and status in (401, 403):
+        token = "HF_TOKEN was not accepted" if os.environ.get("HF_TOKEN") else "no HF_TOKEN is set"
+        return (
+            f"{said}: the hub refused access to {repo_id} ({status}, {token}): set HF_TOKEN to a token "
+            "that can read it, or check the repo id"
+        )
+    if isinstance(error, errors.RevisionNotFoundError):
+        return f"{said}: {repo_id} has no revision {revision!r} on {endpoint}: give a branch, tag or commit"
+    if isinstance(error, errors.RepositoryNotFoundError):
+        return f"{said}: no model repo {repo_id} on {endpoint} (404): check the repo id"
+    if isinstance(error, errors.RemoteEntryNotFoundError):
+        return f"{said}: {repo_id}{at} has no {HUB_FILENAME} (404): is it a pyannote model repo?"
+    if isinstance(error, errors.LocalEntryNotFoundError):
+        cache = constants.HF_HUB_CACHE
+        fill = fetch_command(said)
+        if constants.HF_HUB_OFFLINE:
+            return (
+                f"{said}: not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: fill that cache "
+                f"where the hub is reachable ({fill}, same HF_HOME), or unset HF_HUB_OFFLINE"
+            )
+        cause = error.__cause__ or error.__context__
+        reason = f" ({type(cause).__name__})" if cause is not None else ""
+        return (
+            f"{said}: cannot reach {endpoint}{reason} and it is not in the Hugging Face cache {cache}: "
+            f"check the network or HF_ENDPOINT, or fill that cache where the hub is reachable ({fill})"
+        )
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return f"{said}: no space left on the device of {constants.HF_HUB_CACHE} while downloading: free some"
+    if isinstance(error, ValueError):  # huggingface_hub's validation of the repo id or revision
+        return f"{said}: {str(error).splitlines()[0]}"
+    return f"{said}: cannot download {HUB_FILENAME} of {repo_id}{at} ({type(error).__name__}: {error})".split(
+        "\n"
+    )[0]
