@@ -73,6 +73,8 @@ class Cancelled(BatcherError):
     reason = "cancelled"
 
 
+#: The refusals `admit` and `check_open` share: a request is told the same whether or not
+#: it needed the engine.
 DRAINING_MESSAGE = "the server is draining and takes no new requests"
 LATE_MESSAGE = "deadline passed before the request was queued"
 
