@@ -8,13 +8,14 @@ only ever calls `run_batch` with n <= the largest plan; `embed` splits larger in
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS
+from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
 from speakerd.model.fbank import fbank as fbank_of
 from speakerd.model.inputs import MAX_MASK_FRAMES, InputError, InputLengthError, check_fbank, check_masks
 from speakerd.model.numerics import Math, active_frames, pad_speakers
@@ -160,6 +161,11 @@ class EmbedResult:
         return self.active_frames == 0
 
 
+#: Guards the first measurement of every engine's empty-mask rows (`Engine.empty_rows`): one
+#: lock for all engines, since each measures once in its life.
+_EMPTY_ROWS_LOCK = threading.Lock()
+
+
 class Engine(abc.ABC):
     """A model loaded on a device with preallocated plans for fixed batch sizes."""
 
@@ -169,6 +175,8 @@ class Engine(abc.ABC):
     math: Math
     #: batch sizes with a preallocated plan, ascending, e.g. (1, 32)
     plan_sizes: tuple[int, ...]
+    #: `empty_rows` once measured
+    _empty_rows: np.ndarray | None = None
 
     @property
     def max_batch(self) -> int:
@@ -210,6 +218,39 @@ class Engine(abc.ABC):
     def plan_times_ms(self) -> dict[int, float]:
         """Measured wall time of one run of each plan, for the batcher's cost model."""
         return {}
+
+    def empty_rows(self) -> np.ndarray:
+        """[3, 256] float32, read-only: the rows this engine gives a window whose every
+        speaker mask is empty, so that the batcher can answer such (silent) windows without
+        running them.
+
+        Every weight of an empty mask is 0, so the pooled mean and std are exactly 0 whatever
+        the trunk computed from the audio (finite: the service bounds its inputs, and an FP16
+        batch out of range is recomputed), and the row is the linear's bias, seg_1.bias
+        (SPEC 1): one row per model, not per window. It is measured, not read from the
+        weights, so that the batcher hands out exactly the bits this engine's plans give
+        (and an engine that keeps no weights in this process, `serve --devices`, needs none):
+        one run of one all-zero window, on first ask, cached. The server asks at start-up,
+        off the event loop, as for `plan_times_ms`.
+        """
+        rows = self._empty_rows
+        if rows is None:
+            with _EMPTY_ROWS_LOCK:
+                rows = self._empty_rows
+                if rows is None:
+                    fbank = np.zeros((1, FRAMES, MEL_BINS), dtype=np.float32)
+                    masks = np.zeros((1, MAX_SPEAKERS, TRUNK_FRAMES), dtype=np.float32)
+                    run = self.run_batch(fbank, masks)
+                    rows = np.array(run.embeddings[0], dtype=np.float32)
+                    assert rows.shape == (MAX_SPEAKERS, EMBEDDING_DIM), rows.shape
+                    rows.flags.writeable = False
+                    self._empty_rows = rows
+        return rows
+
+    @property
+    def known_empty_rows(self) -> np.ndarray | None:
+        """`empty_rows` if already measured, else None (never runs the engine)."""
+        return self._empty_rows
 
     def close(self) -> None:  # noqa: B027 - engines without device resources need no cleanup
         """Release device resources; the engine is unusable afterwards."""

@@ -18,6 +18,12 @@ when a worker is free, so while all are busy the queue grows and the next batch 
 fuller. A batch reaches the engine as lists of its requests' arrays (no joined copy on the
 host); the engine copies each piece into its own staging.
 
+Silent windows are not queued at all: a window whose every speaker mask is empty (silence,
+music) has the same rows whatever its audio, the model's seg_1.bias (`Engine.empty_rows`,
+measured once per engine), so `submit` writes those rows itself and queues only the other
+windows, which then fill the batches. A request of silent windows alone is answered at once;
+speakerd_windows_skipped_total counts them. The response still says which rows are empty.
+
 A request leaves the queue, before any engine work on its queued chunks, when its caller
 cancels (the awaiting task is cancelled: `Cancelled`, the caller is gone), when its
 deadline passes (a timer at the deadline: DeadlinePassed), or when a drain runs out of
@@ -43,7 +49,7 @@ import numpy as np
 
 from speakerd.engine.base import BatchRun, Engine, plan_for
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
-from speakerd.model.numerics import resize_masks
+from speakerd.model.numerics import active_frames, resize_masks
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.queue import (
     Batch,
@@ -73,6 +79,7 @@ __all__ = [
     "QueueFull",
     "cheapest_pieces",
     "plan_for",
+    "silent_windows",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,6 +117,14 @@ def cheapest_pieces(chunks: int, plan_sizes: tuple[int, ...], times_ms: dict[int
     return sorted(pieces, reverse=True)
 
 
+def silent_windows(masks: np.ndarray) -> np.ndarray:
+    """masks [n, s, F] -> [n] bool: the windows whose every speaker mask has no weight on the
+    trunk's 125 frames after pyannote's nearest resize (each row's `active_frames` is 0), the
+    very weights an engine pools under. Their rows are the engine's `empty_rows` whatever
+    their audio, so they need no engine work."""
+    return ~active_frames(masks).any(axis=1)
+
+
 @dataclass
 class JobResult:
     """A request's embeddings [n, 3, 256] with the plans and fallbacks that produced them."""
@@ -137,12 +152,14 @@ class DrainReport:
 @dataclass(eq=False)  # identity: a request holds arrays, never compare two
 class _Request:
     """The arrays and the caller's future of one queued job (its chunk bookkeeping is the
-    QueueState's). Workers write their rows of `out` and read `abandoned`; the rest is
-    touched on the event loop only."""
+    QueueState's, which counts only the windows the engine runs). Workers write their rows
+    of `out` and read `abandoned`; the rest is touched on the event loop only."""
 
     fbank: np.ndarray  # [n, 998, 80] float32
     masks: np.ndarray  # [n, 3, F] float32
     future: asyncio.Future[JobResult]
+    #: the rows the engine runs, ascending (the windows not silent); None: every row
+    voiced: np.ndarray | None = None
     out: np.ndarray = field(init=False)
     done: int = 0
     plans: list[str] = field(default_factory=list)
@@ -153,11 +170,22 @@ class _Request:
     abandoned: bool = False
 
     def __post_init__(self) -> None:
-        self.out = np.empty((self.chunks, MAX_SPEAKERS, EMBEDDING_DIM), dtype=np.float32)
+        self.out = np.empty((self.fbank.shape[0], MAX_SPEAKERS, EMBEDDING_DIM), dtype=np.float32)
 
     @property
     def chunks(self) -> int:
-        return int(self.fbank.shape[0])
+        """Chunks the engine runs (the job's chunks in the queue)."""
+        return int(self.fbank.shape[0]) if self.voiced is None else int(self.voiced.size)
+
+    def spans(self, low: int, high: int) -> list[tuple[int, int]]:
+        """The job's chunks [low, high) as runs [start, stop) of consecutive rows of fbank,
+        masks and out: one piece each for the engine, so no row is copied on the host."""
+        if self.voiced is None:
+            return [(low, high)]
+        rows = self.voiced[low:high]
+        breaks = (np.flatnonzero(np.diff(rows) != 1) + 1).tolist()
+        firsts, ends = [0, *breaks], [*breaks, rows.size]
+        return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(firsts, ends, strict=True)]
 
 
 @dataclass
@@ -204,12 +232,22 @@ class Batcher:
 
         `deadline`: time.monotonic() seconds. Raises QueueFull, DeadlinePassed, Draining or
         EngineFailed. Cancelling the awaiting task takes the request's chunks that have not
-        reached the engine out of the queue at once.
+        reached the engine out of the queue at once. Silent windows (`silent_windows`) are
+        not queued: their rows are the engine's `empty_rows`, written here.
         """
         loop = asyncio.get_running_loop()
+        silent = silent_windows(masks)
+        skipped = int(np.count_nonzero(silent))
+        request = _Request(fbank, masks, loop.create_future(), np.flatnonzero(~silent) if skipped else None)
+        if skipped:
+            self._state.check_open(time.monotonic(), deadline)  # refused as if queued
+            request.out[silent] = await self._silent_rows()
+        if not request.chunks:  # every window silent: no engine work at all
+            self.metrics.windows_skipped.inc(skipped)
+            return JobResult(request.out, [], 0, 0.0)
         now = time.monotonic()
-        job = self._state.admit(int(fbank.shape[0]), int(masks.shape[-1]), now, deadline)
-        request = _Request(fbank, masks, loop.create_future())
+        job = self._state.admit(request.chunks, int(masks.shape[-1]), now, deadline)
+        self.metrics.windows_skipped.inc(skipped)
         self._requests[job] = request
         request.future.add_done_callback(lambda _: self._forget(job))
         if deadline is not None:
@@ -221,6 +259,15 @@ class Batcher:
             self._apply([self._state.cancel(job)])
             request.future.cancel()
             raise
+
+    async def _silent_rows(self) -> np.ndarray:
+        """The engine's `empty_rows`: cached by the engine (the server measures them at
+        start-up); measured on an engine thread if not yet, never on the event loop."""
+        rows = self.engine.known_empty_rows
+        if rows is None:
+            assert self._threads is not None, "start() first"
+            rows = await self._threads.run(self.engine.empty_rows)
+        return rows
 
     # --- state changes (event loop only; each publishes the queue depth) ---------------
 
@@ -345,15 +392,18 @@ class Batcher:
             if all(requests[job].abandoned for job, _, _ in parts):
                 skipped += count
                 continue
-            fbank = [requests[job].fbank[low:high] for job, low, high in parts]
-            masks = [requests[job].masks[low:high] for job, low, high in parts]
+            spans = [
+                (requests[job], *span) for job, low, high in parts for span in requests[job].spans(low, high)
+            ]
+            fbank = [request.fbank[a:b] for request, a, b in spans]
+            masks = [request.masks[a:b] for request, a, b in spans]
             if batch.resize:
                 masks = [resize_masks(piece, batch.frames) for piece in masks]
             run = self.engine.run_batch(fbank, masks)
             row = 0
-            for job, low, high in parts:
-                requests[job].out[low:high] = run.embeddings[row : row + high - low]
-                row += high - low
+            for request, a, b in spans:
+                request.out[a:b] = run.embeddings[row : row + b - a]
+                row += b - a
             runs.append((plan_for(count, sizes), count, run))
         return _Outcome(runs, skipped)
 

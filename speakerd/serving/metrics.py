@@ -42,6 +42,7 @@ METRIC_NAMES = (
     "speakerd_queue_depth_chunks",
     "speakerd_inflight_requests",
     "speakerd_chunks_embedded_total",
+    "speakerd_windows_skipped_total",
     "speakerd_requests_rejected_total",
     "speakerd_plan_runs_total",
     "speakerd_fp16_fallbacks_total",
@@ -135,6 +136,12 @@ class Metrics:
         )
         self.chunks_embedded = Counter(
             "speakerd_chunks_embedded_total", "Chunks run through the engine", registry=r
+        )
+        self.windows_skipped = Counter(
+            "speakerd_windows_skipped_total",
+            "Windows whose every speaker mask was empty (silence, music): answered with the "
+            "model's empty-mask rows (seg_1.bias) without engine work",
+            registry=r,
         )
         self.rejected = Counter(
             "speakerd_requests_rejected_total",

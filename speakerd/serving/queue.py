@@ -73,6 +73,12 @@ class Cancelled(BatcherError):
     reason = "cancelled"
 
 
+#: The refusals `admit` and `check_open` share: a request is told the same whether or not
+#: it needed the engine.
+DRAINING_MESSAGE = "the server is draining and takes no new requests"
+LATE_MESSAGE = "deadline passed before the request was queued"
+
+
 @dataclass(eq=False)  # identity only: two jobs are never "equal" (see the module docstring)
 class Job:
     """One request in the queue: chunks [taken, chunks) still wait for a batch."""
@@ -207,7 +213,7 @@ class QueueState:
         be queued (no chunks, or more than the whole capacity: callers check that first).
         """
         if self._closed:
-            raise Draining("the server is draining and takes no new requests")
+            raise Draining(DRAINING_MESSAGE)
         if chunks < 1 or frames < 1:
             raise ValueError(f"chunks: {chunks}, frames: {frames}; expected at least 1 of each")
         if chunks > self.capacity_chunks:
@@ -220,12 +226,21 @@ class QueueState:
                 f"{chunks} more do not fit, retry with backoff"
             )
         if deadline is not None and deadline <= now:
-            raise DeadlinePassed("deadline passed before the request was queued")
+            raise DeadlinePassed(LATE_MESSAGE)
         job = Job(self._next_id, chunks, frames, now, deadline)
         self._next_id += 1
         self._jobs[job.id] = job
         self._queued_chunks += chunks
         return job.id
+
+    def check_open(self, now: float, deadline: float | None = None) -> None:
+        """What `admit` refuses for a request that needs no queued chunk (every window of it
+        silent, answered without the engine): Draining once closed, DeadlinePassed when
+        `deadline` <= `now`; such a request is refused as any other would be."""
+        if self._closed:
+            raise Draining(DRAINING_MESSAGE)
+        if deadline is not None and deadline <= now:
+            raise DeadlinePassed(LATE_MESSAGE)
 
     def due_in(self, now: float, max_delay_s: float) -> float | None:
         """Seconds until the next batch should be formed: None when nothing is queued; 0 when

@@ -286,8 +286,10 @@ def _build_engine(settings: config.ServeConfig, prepared: Prepared, resolved: Re
         check_engine(engine, model)
         log.info("self-check passed for every plan; timing plans for the batcher's cost model")
         # measured here, off the event loop (the batcher reads them when it is made): on a
-        # CPU engine this runs every plan once, seconds in which health must still answer
+        # CPU engine this runs every plan once, seconds in which health must still answer;
+        # so are the rows the batcher answers silent windows with (Engine.empty_rows)
         times = engine.plan_times_ms()
+        engine.empty_rows()
     except BaseException:
         engine.close()
         raise
@@ -318,6 +320,7 @@ def _start_pool(
     pool = DevicePool(pool_config, metrics, on_lost)
     pool.start()
     times = pool.plan_times_ms()
+    pool.empty_rows()  # one b1 run on a device, as _build_engine measures it
     log.info("%d devices %s up in %.1f s; plan times (slowest device) %s", len(prepared.devices),
              list(prepared.devices), time.perf_counter() - started,
              ", ".join(f"b{size} {ms:.2f} ms" for size, ms in sorted(times.items())))  # fmt: skip
