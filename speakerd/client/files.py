@@ -42,12 +42,12 @@ def _existing(flag: str, path: str | Path, expected: str) -> Path:
 
 
 def _array(flag: str, path: Path, expected: str) -> np.ndarray | np.lib.npyio.NpzFile:
-    """np.load without pickles; a file that is not NumPy's is a UsageError, not a pickle message."""
+    """np.load without pickles; a file that is not NumPy's is a UsageError, not NumPy's message
+    (which, for any file that is not .npy or .npz, speaks of pickled data)."""
     try:
         return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
-        reason = _first_line(error)
-        raise UsageError(f"{flag} {path}: not a NumPy file ({reason}; expected {expected})") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+        raise UsageError(f"{flag} {path}: not a NumPy .npy or .npz file (expected {expected})") from None
 
 
 def _first_line(error: BaseException) -> str:

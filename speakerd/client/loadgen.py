@@ -14,9 +14,9 @@ uncounted (connections, the server's first batches, and the GPU's idle time sinc
 last run, which the device-gap mean would otherwise take in), then `--seconds` during
 which each call begun is counted (loadgen_window.py). Batch fill, batch size and the
 server's timings come from its /metrics (deltas from the window's start until the last
-call ended) when --metrics-url is given. Without --streams and --chunks the load is sized
-for the server first (load_sizing.py: GetModelInfo and one timed probe call), so the same
-command suits a GPU server and the CPU engine on 2 cores. The exit code is 0 only when no
+call ended) when --metrics-url is given. The load is sized for the server first
+(load_sizing.py: GetModelInfo and one timed probe call fill in what the command line leaves
+out), so the same command suits a GPU server and the CPU engine on 2 cores. The exit code is 0 only when no
 call failed and at least one call was counted; otherwise 1, and the JSON's `failure` says
 which (loadgen_window.outcome), so a script cannot mistake a broken server for a measured
 one.
@@ -71,10 +71,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="concurrent callers, over all processes (default: sized from a probe call, 1 to 16)",
     )  # fmt: skip
     parser.add_argument("--processes", type=int, default=1, help="processes the streams share")
-    parser.add_argument("--seconds", type=float, default=10.0, help="counted run time, after the warm-up")
+    parser.add_argument(
+        "--seconds", type=float, default=10.0,
+        help="counted run time, after the warm-up (at least 3 calls' estimated time)",
+    )  # fmt: skip
     parser.add_argument(
         "--warmup", type=float, default=1.0,
-        help="seconds of calls before the counted run (connections, first batches); failures count",
+        help="seconds of calls before the counted run (connections, first batches; at least one call's "
+        "estimated time); failures count",
     )  # fmt: skip
     parser.add_argument(
         "--chunks", type=int, default=None, help="chunks per request (default: the server's largest plan)"
@@ -91,7 +95,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="with --recording: KiB of PCM per message (the client's default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--metrics-url", default="", help="the server's /metrics URL, for batch fill")
-    add_connection_flags(parser, timeout_s=30.0)
+    add_connection_flags(
+        parser, timeout_s=None,
+        timeout_help="deadline in seconds per call (default: 30; for a recording at least twice its "
+        "estimated time)",
+    )  # fmt: skip
 
 
 #: Counters whose deltas the report gives per label value: plan runs per device of `serve
@@ -221,9 +229,9 @@ def _shares(streams: int, processes: int) -> list[int]:
 
 
 def generate(args: argparse.Namespace) -> dict[str, object]:
-    if args.seconds <= 0 or args.warmup < 0 or args.timeout <= 0:
+    if args.seconds <= 0 or args.warmup < 0 or (args.timeout is not None and args.timeout <= 0):
         raise UsageError(
-            f"load --seconds {args.seconds:g} --warmup {args.warmup:g} --timeout {args.timeout:g}: expected "
+            f"load --seconds {args.seconds:g} --warmup {args.warmup:g} --timeout {args.timeout}: expected "
             "seconds > 0, warmup >= 0, timeout > 0"
         )
     counts = (("--streams", args.streams), ("--chunks", args.chunks), ("--processes", args.processes))

@@ -13,13 +13,17 @@ import os
 from pathlib import Path
 
 from speakerd.client.client import DEFAULT_TARGET, Security
+from speakerd.client.files import UsageError
 
 TOKEN_ENV = "SPEAKERD_TOKEN"
 
 
-def add_connection_flags(parser: argparse.ArgumentParser, timeout_s: float) -> None:
+def add_connection_flags(
+    parser: argparse.ArgumentParser, timeout_s: float | None, timeout_help: str = "deadline in seconds a call"
+) -> None:
+    """The flags; `timeout_s` None leaves --timeout to the command (`load` sizes it)."""
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"HOST:PORT (default {DEFAULT_TARGET})")
-    parser.add_argument("--timeout", type=float, default=timeout_s, help="deadline in seconds per call")
+    parser.add_argument("--timeout", type=float, default=timeout_s, help=timeout_help)
     parser.add_argument("--tls-ca", type=Path, default=None, help="PEM roots to trust: connect with TLS")
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mutual TLS)")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
@@ -52,7 +56,11 @@ def security(args: argparse.Namespace) -> Security:
 
 
 def client_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags."""
+    """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags; a TLS
+    file that is not there is a UsageError naming its flag."""
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{flag} {path}: no such file (expected a PEM file)")
     return {
         "tls_ca": args.tls_ca,
         "tls_cert": args.tls_cert,

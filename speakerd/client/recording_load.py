@@ -92,7 +92,7 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
 def generate(args: argparse.Namespace) -> dict[str, object]:
     """The JSON report of a recording load run."""
     pcm, masks = synthetic(args.recording, args.sample_rate, args.channels)
-    sizing = load_sizing.size_recording(args, int(masks.shape[0]))
+    sizing = load_sizing.size_recording(args, int(masks.shape[0]))  # may lengthen the window
     messages = recording_requests(pcm, args.sample_rate, masks, piece_bytes=args.piece_kib << 10)
     sent = sum(message.ByteSize() for message in messages)
     out = asyncio.run(_run(args, pcm, masks))
