@@ -1,9 +1,10 @@
 """`python -m speakerd.client embed|info|health|load|verify`: the client's command line.
 
-Every command takes --target (default: the server's default address 127.0.0.1:50051) and
-the TLS and token flags of speakerd/client/options.py. A server that does not answer, or
-answers with an error, is one line on stderr naming the target and the gRPC code, exit 1;
-a flag or file that cannot be used is one line, exit 2.
+Every command takes --target (default: $SPEAKERD_TARGET, else the server's default address
+127.0.0.1:50051) and the TLS and token flags of speakerd/client/options.py. A server that
+does not answer, or answers with an error, is one line on stderr naming the target and the
+gRPC code, exit 1; a flag or file that cannot be used is one line naming it and what was
+expected (files.py), exit 2.
 """
 
 from __future__ import annotations

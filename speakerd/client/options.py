@@ -1,9 +1,11 @@
 """The connection flags every `python -m speakerd.client` command shares, and the client they make.
 
-`--target` defaults to the server's own default address, so on one machine `client info`
-needs no flags. TLS and tokens mirror the server's flags: `--tls-ca` (trust these roots;
-TLS on), `--tls-cert` + `--tls-key` (a client certificate, for a server with
---tls-client-ca), `--token-file FILE` or the SPEAKERD_TOKEN variable (for --auth-tokens).
+`--target` defaults to $SPEAKERD_TARGET, else the server's own default address, so on one
+machine `client info` needs no flags (and a shell that sets SPEAKERD_TARGET once, such as
+the README's test, runs the README's commands against another server unchanged). TLS and
+tokens mirror the server's flags: `--tls-ca` (trust these roots; TLS on), `--tls-cert` +
+`--tls-key` (a client certificate, for a server with --tls-client-ca), `--token-file FILE`
+or the SPEAKERD_TOKEN variable (for --auth-tokens).
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from speakerd.client.client import DEFAULT_TARGET, Security
 from speakerd.client.files import UsageError
 
 TOKEN_ENV = "SPEAKERD_TOKEN"
+TARGET_ENV = "SPEAKERD_TARGET"
 
 
 def add_connection_flags(
     parser: argparse.ArgumentParser, timeout_s: float | None, timeout_help: str = "deadline in seconds a call"
 ) -> None:
     """The flags; `timeout_s` None leaves --timeout to the command (`load` sizes it)."""
-    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"HOST:PORT (default {DEFAULT_TARGET})")
+    target = os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+    parser.add_argument(
+        "--target", default=target, help=f"HOST:PORT (default ${TARGET_ENV}, else {DEFAULT_TARGET})"
+    )
     parser.add_argument("--timeout", type=float, default=timeout_s, help=timeout_help)
     parser.add_argument("--tls-ca", type=Path, default=None, help="PEM roots to trust: connect with TLS")
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mutual TLS)")
