@@ -90,9 +90,10 @@ def commands(block: str) -> list[Command]:
 
 
 def runnable(text: str) -> str:
-    for venv, here in VENV_COMMANDS.items():
-        text = text.replace(venv, here)
-    return text
+    """`text` with each `.venv/bin/X` replaced by this environment's (in one pass: a
+    replacement holds `.venv/bin/python` itself when the interpreter is a venv's)."""
+    names = "|".join(re.escape(venv) for venv in VENV_COMMANDS)  # speakerd-client before speakerd
+    return re.sub(rf"(?<![\w/])({names})(?![\w-])", lambda match: VENV_COMMANDS[match.group(1)], text)
 
 
 def json_matches(expected: object, actual: object) -> bool:
