@@ -240,6 +240,7 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
             raise UsageError(f"load {flag} {value}: expected 1 or more")
     if args.recording:
         return recording_load.generate(args)
+    _read_metrics(args.metrics_url)  # a URL nobody answers is one line before any call
     sizing = load_sizing.size_chunks(args)
     shares = _shares(args.streams, args.processes)
     work = Work(args.target, args.chunks, args.warmup, args.seconds, args.timeout, security(args))
