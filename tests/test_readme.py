@@ -104,14 +104,21 @@ def json_matches(expected: object, actual: object) -> bool:
     return expected == actual
 
 
+def _last_json_object(stdout: str) -> dict[str, object]:
+    """The output as one JSON document (`info` indents it), else its last one-line object."""
+    try:
+        return json.loads(stdout)
+    except json.JSONDecodeError:
+        lines = [line for line in stdout.splitlines() if line.startswith("{") and line.endswith("}")]
+        assert lines, f"no JSON object in:\n{stdout}"
+        return json.loads(lines[-1])
+
+
 def check_output(command: Command, stdout: str, stderr: str) -> None:
     for shown in command.expected:
         if shown.startswith("{"):
             expected = json.loads(shown)
-            objects = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-            if not objects:  # `info` prints indented JSON
-                objects = [json.loads(stdout)]
-            actual = objects[-1]
+            actual = _last_json_object(stdout)
             wrong = {key: actual.get(key, "<missing>") for key, value in expected.items()
                      if key not in actual or not json_matches(value, actual[key])}  # fmt: skip
             assert not wrong, f"{command.text}\nREADME shows {shown}\nbut printed {wrong} (of {actual})"
