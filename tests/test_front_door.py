@@ -10,7 +10,6 @@ with UNAVAILABLE).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -39,6 +38,7 @@ from speakerd.model.architecture import (
 from speakerd.model.cases import CASE_NAMES, FILE_SUFFIX
 from speakerd.reference.self_check import check_engine, check_sizes
 from speakerd.serving import config
+from speakerd.serving.serve import plan_times_text
 from tests.serving import start_server
 
 #: Start-up of a subprocess that fails its front-door checks: imports, then one check.
@@ -102,9 +102,7 @@ def test_misconfiguration_is_one_line_and_exit_2(flags: list[str], expected: lis
 def test_garbage_weights_are_one_line(tmp_path: Path) -> None:
     garbage = tmp_path / "model.safetensors"
     garbage.write_bytes(np.random.default_rng(0).bytes(4096))
-    assert_one_line_usage_error(
-        serve("--engine", "cpu", "--model", str(garbage)), "--model", "not usable"
-    )
+    assert_one_line_usage_error(serve("--engine", "cpu", "--model", str(garbage)), "--model", "not usable")
 
 
 def test_port_in_use_is_one_line() -> None:
@@ -131,6 +129,30 @@ def test_bad_environment_value_is_one_line_and_exit_2() -> None:
     assert_one_line_usage_error(done, "SPEAKERD_ENGINE='tpu'", "expected one of auto, cpu, gpu")
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("SPEAKERD_PORT", "abc", "expected a port number 0..65535"),
+        ("SPEAKERD_METRICS_PORT", "70000", "expected 0..65535"),
+        ("SPEAKERD_DRAIN_SECONDS", "soon", "expected a number >= 0"),
+        ("SPEAKERD_RECEIVERS", "many", "expected a number of receiver processes"),
+    ],
+)
+def test_bad_numeric_environment_value_names_the_variable(variable: str, value: str, expected: str) -> None:
+    """A number the environment gets wrong names the variable, not argparse's parsing function
+    (it said "invalid _port value")."""
+    command = [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu"]  # no port flags: they would win
+    done = subprocess.run(command, capture_output=True, text=True, timeout=FRONT_DOOR_TIMEOUT_S,
+                          env={**os.environ, variable: value})  # fmt: skip
+    assert_one_line_usage_error(done, f"{variable}={value!r}", expected)
+    assert "invalid _" not in done.stderr, done.stderr[-2000:]
+
+
+def test_bad_port_flag_says_what_is_expected() -> None:
+    done = serve("--engine", "cpu", "--port", "abc")
+    assert_one_line_usage_error(done, "--port", "'abc': expected a port number 0..65535")
+
+
 def test_serve_help_shows_the_defaults() -> None:
     done = subprocess.run([sys.executable, "-m", "speakerd", "serve", "--help"], capture_output=True,
                           text=True, timeout=FRONT_DOOR_TIMEOUT_S)  # fmt: skip
@@ -139,6 +161,18 @@ def test_serve_help_shows_the_defaults() -> None:
     for shown in ("(default: 127.0.0.1)", "(default: 50051)", "(default: 1,32)", "(default: 25.0)",
                   "(default: 512)", "(default: fp32)"):  # fmt: skip
         assert shown in text, f"{shown} missing from serve --help:\n{done.stdout}"
+    # the default model is generated into the cache on first use, not embedded in the package
+    weights = text[text.index("--weights WEIGHTS") : text.index("[SPEAKERD_WEIGHTS]")]
+    assert "embedded" not in weights and "made on first use in $SPEAKERD_CACHE" in weights, weights
+
+
+def test_cpu_plan_times_say_they_are_estimated() -> None:
+    """The CPU engine times one chunk and multiplies (CpuEngine.plan_times_ms): its start-up
+    line says so; the GPU engine's times are measured and are printed as they are."""
+    times = {1: 120.0, 32: 3840.0}
+    cpu = plan_times_text(times, "cpu")
+    assert cpu.startswith("b1 120.00 ms, b32 3840.00 ms") and "b x b1, estimated" in cpu, cpu
+    assert plan_times_text(times, "gpu") == "b1 120.00 ms, b32 3840.00 ms"
 
 
 # --- the client without a server ---------------------------------------------------------
@@ -192,13 +226,16 @@ def test_load_says_in_one_line_when_the_metrics_cannot_be_read(capsys) -> None:
     assert "\n" not in message, message
 
 
-def test_load_fails_when_calls_fail(capsys) -> None:
-    flags = ["--target", f"127.0.0.1:{_closed_port()}", "--streams", "1", "--seconds", "0.5", "--warmup", "0",
-             "--chunks", "1"]  # fmt: skip
+def test_load_without_server_is_one_line_exit_1(capsys) -> None:
+    """`load` asks the server first (GetModelInfo and a probe call: load_sizing.py): with
+    nobody there, that is the one line every client command gives, exit 1."""
+    target = f"127.0.0.1:{_closed_port()}"
+    flags = ["--target", target, "--streams", "1", "--seconds", "0.5", "--warmup", "0", "--chunks", "1"]
     assert client_main(["load", *flags]) == 1
-    report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is False and report["failed_calls"] >= 1, report
-    assert report["failed_calls"] == sum(report["errors"].values()), report
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and target in lines[0] and "UNAVAILABLE" in lines[0], captured.err
+    assert captured.out == "", captured.out
 
 
 # --- the CPU self-check ------------------------------------------------------------------

@@ -227,3 +227,22 @@ def test_only_served_models_accepted(server, segmentation, embedding) -> None:
             TypeError, match=r"pipeline._embedding: PyanNet, expected pyannote's WeSpeakerResNet34"
         ):
             use_server(pipeline, server.target)
+
+
+def test_a_file_path_works_through_use_server(server, segmentation, embedding, sample) -> None:
+    """`pipeline("meeting.wav")`, as pyannote documents it: where pyannote cannot decode a
+    path itself (torchcodec missing, as in CI), use_server has the pipeline read it with
+    soundfile, so it gives what the same audio given in memory gives; detach() restores
+    pyannote's own reading."""
+    path = str(models.sample_path())
+    pipeline = use_server(models.diarization_pipeline(segmentation, embedding), server.target)
+    served = run_pipeline(pipeline, {"audio": path})
+    in_memory = run_pipeline(pipeline, sample)
+    assert np.array_equal(served.embeddings, in_memory.embeddings)
+    for name in ("speaker_diarization", "exclusive_speaker_diarization"):
+        assert list(getattr(served.output, name).itertracks(yield_label=True)) == list(
+            getattr(in_memory.output, name).itertracks(yield_label=True)
+        ), name
+    assert pipeline(path).speaker_diarization == served.output.speaker_diarization  # a bare str path too
+    pipeline.get_embeddings.detach()
+    assert "apply" not in pipeline.__dict__ and "get_embeddings" not in pipeline.__dict__

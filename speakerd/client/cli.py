@@ -1,9 +1,10 @@
 """`python -m speakerd.client embed|info|health|load|verify`: the client's command line.
 
-Every command takes --target (default: the server's default address 127.0.0.1:50051) and
-the TLS and token flags of speakerd/client/options.py. A server that does not answer, or
-answers with an error, is one line on stderr naming the target and the gRPC code, exit 1;
-a flag or file that cannot be used is one line, exit 2.
+Every command takes --target (default: $SPEAKERD_TARGET, else the server's default address
+127.0.0.1:50051) and the TLS and token flags of speakerd/client/options.py. A server that
+does not answer, or answers with an error, is one line on stderr naming the target and the
+gRPC code, exit 1; a flag or file that cannot be used is one line naming it and what was
+expected (files.py), exit 2.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from speakerd.client import loadgen, recording, verify, voiceprints
+from speakerd.client import files, loadgen, recording, verify, voiceprints
 from speakerd.client.client import SpeakerClient
+from speakerd.client.files import UsageError
 from speakerd.client.options import add_connection_flags, client_kwargs
 
 #: Exit codes: the server failed the call (or was not there); the command line was unusable.
@@ -30,17 +32,13 @@ def _embed(args: argparse.Namespace) -> int:
         with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
             return recording.run(args, client)
     if not args.input:
-        raise SystemExit("embed: give --input FILE.npz, or --audio FILE with --masks FILE.npy")
-    with np.load(args.input) as data:
-        masks = data["masks"]
-        with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
-            if "fbank" in data:
-                result = client.embed(data["fbank"], masks)
-            else:
-                result = client.embed_waveform(data["waveform"], masks)
-    np.savez(
-        args.output, embeddings=result.embeddings, empty=result.empty, active_frames=result.active_frames
-    )
+        raise UsageError("embed: give --input FILE.npz, or --audio FILE with --masks FILE.npy")
+    output = files.writable("--output", args.output)
+    kind, chunks, masks = files.read_chunks(args.input)
+    with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
+        embed = client.embed if kind == "fbank" else client.embed_waveform
+        result = embed(chunks, masks)
+    np.savez(output, embeddings=result.embeddings, empty=result.empty, active_frames=result.active_frames)
     summary = {"output": args.output, "shape": list(result.embeddings.shape), "model_id": result.model_id,
                "precision": result.precision, "empty_rows": int(result.empty.sum())}  # fmt: skip
     print(json.dumps(summary))
@@ -106,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Its outcome is its exit code: 0 done, 1 a call failed (or the server
+    was not there), 2 a flag or file that cannot be used; each failure is one stderr line."""
     args = build_parser().parse_args(argv)
     name = f"speakerd.client {args.command}"
     try:
@@ -113,6 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as error:
         print(f"{name}: {args.target} answered {_describe(error)}", file=sys.stderr)
         return CALL_FAILED_EXIT
-    except (ValueError, OSError) as error:
-        print(f"{name}: error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:  # UsageError, and the TLS and token files' errors
+        print(f"{name}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return USAGE_EXIT

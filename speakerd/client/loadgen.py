@@ -14,9 +14,12 @@ uncounted (connections, the server's first batches, and the GPU's idle time sinc
 last run, which the device-gap mean would otherwise take in), then `--seconds` during
 which each call begun is counted (loadgen_window.py). Batch fill, batch size and the
 server's timings come from its /metrics (deltas from the window's start until the last
-call ended) when --metrics-url is given. The exit code is 0 only when every call
-succeeded: a run where calls failed says so in its JSON (`failed_calls`, `ok`) and exits
-1, so a script cannot mistake a broken server for a measured one.
+call ended) when --metrics-url is given. The load is sized for the server first
+(load_sizing.py: GetModelInfo and one timed probe call fill in what the command line leaves
+out), so the same command suits a GPU server and the CPU engine on 2 cores. The exit code is 0 only when no
+call failed and at least one call was counted; otherwise 1, and the JSON's `failure` says
+which (loadgen_window.outcome), so a script cannot mistake a broken server for a measured
+one.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from speakerd.client import recording_load
+from speakerd.client import load_sizing, recording_load
 from speakerd.client.client import (
     DEFAULT_MAX_MESSAGE_MB,
     Security,
@@ -45,10 +48,11 @@ from speakerd.client.client import (
     channel_options,
     make_channel,
 )
-from speakerd.client.loadgen_window import Window
+from speakerd.client.files import UsageError
+from speakerd.client.load_sizing import sample_chunks
+from speakerd.client.loadgen_window import Window, outcome
 from speakerd.client.options import add_connection_flags, security
 from speakerd.client.recording import PIECE_BYTES
-from speakerd.model.architecture import FRAMES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.v1 import speakerd_pb2 as pb
 
 #: A stream's pause after a failed call before its next one.
@@ -62,14 +66,23 @@ START_TIMEOUT_S = 120.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--streams", type=int, default=8, help="concurrent callers, over all processes")
+    parser.add_argument(
+        "--streams", type=int, default=None,
+        help="concurrent callers, over all processes (default: sized from a probe call, 1 to 16)",
+    )  # fmt: skip
     parser.add_argument("--processes", type=int, default=1, help="processes the streams share")
-    parser.add_argument("--seconds", type=float, default=10.0, help="counted run time, after the warm-up")
+    parser.add_argument(
+        "--seconds", type=float, default=10.0,
+        help="counted run time, after the warm-up (at least 3 calls' estimated time)",
+    )  # fmt: skip
     parser.add_argument(
         "--warmup", type=float, default=1.0,
-        help="seconds of calls before the counted run (connections, first batches); failures count",
+        help="seconds of calls before the counted run (connections, first batches; at least one call's "
+        "estimated time); failures count",
     )  # fmt: skip
-    parser.add_argument("--chunks", type=int, default=4, help="chunks per request")
+    parser.add_argument(
+        "--chunks", type=int, default=None, help="chunks per request (default: the server's largest plan)"
+    )
     parser.add_argument("--recording", type=float, default=0.0, help="seconds: EmbedRecording calls instead")
     parser.add_argument("--sample-rate", type=int, default=16_000, help="with --recording: its PCM16 rate")
     parser.add_argument("--channels", type=int, default=1, help="with --recording: its channel count")
@@ -82,7 +95,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="with --recording: KiB of PCM per message (the client's default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--metrics-url", default="", help="the server's /metrics URL, for batch fill")
-    add_connection_flags(parser, timeout_s=30.0)
+    add_connection_flags(
+        parser, timeout_s=None,
+        timeout_help="deadline in seconds per call (default: 30; for a recording at least twice its "
+        "estimated time)",
+    )  # fmt: skip
 
 
 #: Counters whose deltas the report gives per label value: plan runs per device of `serve
@@ -127,9 +144,7 @@ def _mean_delta(before: dict[str, float], after: dict[str, float], name: str) ->
 
 def request_bytes(chunks: int) -> bytes:
     """One serialized EmbedChunks request of `chunks` random chunks (seeded: reproducible)."""
-    rng = np.random.default_rng(0)
-    fbank = rng.standard_normal((chunks, FRAMES, MEL_BINS)).astype(np.float32)
-    masks = (rng.random((chunks, MAX_SPEAKERS, MASK_FRAMES)) > 0.5).astype(np.float32)
+    fbank, masks = sample_chunks(chunks)
     return build_request(masks, fbank=fbank, request_id="loadgen").SerializeToString()
 
 
@@ -214,14 +229,19 @@ def _shares(streams: int, processes: int) -> list[int]:
 
 
 def generate(args: argparse.Namespace) -> dict[str, object]:
-    if args.seconds <= 0 or args.warmup < 0:
-        raise SystemExit(
-            f"--seconds {args.seconds} --warmup {args.warmup}: expected seconds > 0, warmup >= 0"
+    if args.seconds <= 0 or args.warmup < 0 or (args.timeout is not None and args.timeout <= 0):
+        raise UsageError(
+            f"load --seconds {args.seconds:g} --warmup {args.warmup:g} --timeout {args.timeout}: expected "
+            "seconds > 0, warmup >= 0, timeout > 0"
         )
+    counts = (("--streams", args.streams), ("--chunks", args.chunks), ("--processes", args.processes))
+    for flag, value in counts:
+        if value is not None and value < 1:
+            raise UsageError(f"load {flag} {value}: expected 1 or more")
     if args.recording:
         return recording_load.generate(args)
-    if args.streams < 1 or args.chunks < 1 or args.processes < 1:
-        raise SystemExit("--streams, --chunks and --processes must be >= 1")
+    _read_metrics(args.metrics_url)  # a URL nobody answers is one line before any call
+    sizing = load_sizing.size_chunks(args)
     shares = _shares(args.streams, args.processes)
     work = Work(args.target, args.chunks, args.warmup, args.seconds, args.timeout, security(args))
     at_start = _MetricsAt(args.metrics_url)
@@ -251,7 +271,6 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
     errors: collections.Counter[str] = collections.Counter()
     for result in results:
         errors.update(result.errors)
-    failed = sum(errors.values())
     seconds = args.seconds
     report: dict[str, object] = {
         "streams": args.streams, "processes": len(shares), "chunks_per_request": args.chunks,
@@ -259,7 +278,7 @@ def generate(args: argparse.Namespace) -> dict[str, object]:
         # from the reported seconds and to 6 significant digits: requests_ok * chunks / seconds
         # recomputed from this JSON agrees to 1e-5 (rounding to 2 decimals did not at low rates)
         "chunks_per_s": _significant(sum(result.chunks for result in results) / seconds),
-        "errors": dict(errors), "failed_calls": failed, "ok": failed == 0 and latencies.size > 0,
+        "errors": dict(errors), **outcome(int(latencies.size), errors, seconds), "sizing": sizing,
     }  # fmt: skip
     for p in PERCENTILES:
         report[f"latency_p{p}_ms"] = round(float(np.percentile(latencies, p)), 3) if latencies.size else None

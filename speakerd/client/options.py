@@ -1,9 +1,11 @@
 """The connection flags every `python -m speakerd.client` command shares, and the client they make.
 
-`--target` defaults to the server's own default address, so on one machine `client info`
-needs no flags. TLS and tokens mirror the server's flags: `--tls-ca` (trust these roots;
-TLS on), `--tls-cert` + `--tls-key` (a client certificate, for a server with
---tls-client-ca), `--token-file FILE` or the SPEAKERD_TOKEN variable (for --auth-tokens).
+`--target` defaults to $SPEAKERD_TARGET, else the server's own default address, so on one
+machine `client info` needs no flags (and a shell that sets SPEAKERD_TARGET once, such as
+the README's test, runs the README's commands against another server unchanged). TLS and
+tokens mirror the server's flags: `--tls-ca` (trust these roots; TLS on), `--tls-cert` +
+`--tls-key` (a client certificate, for a server with --tls-client-ca), `--token-file FILE`
+or the SPEAKERD_TOKEN variable (for --auth-tokens).
 """
 
 from __future__ import annotations
@@ -13,13 +15,21 @@ import os
 from pathlib import Path
 
 from speakerd.client.client import DEFAULT_TARGET, Security
+from speakerd.client.files import UsageError
 
 TOKEN_ENV = "SPEAKERD_TOKEN"
+TARGET_ENV = "SPEAKERD_TARGET"
 
 
-def add_connection_flags(parser: argparse.ArgumentParser, timeout_s: float) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"HOST:PORT (default {DEFAULT_TARGET})")
-    parser.add_argument("--timeout", type=float, default=timeout_s, help="deadline in seconds per call")
+def add_connection_flags(
+    parser: argparse.ArgumentParser, timeout_s: float | None, timeout_help: str = "deadline in seconds a call"
+) -> None:
+    """The flags; `timeout_s` None leaves --timeout to the command (`load` sizes it)."""
+    target = os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+    parser.add_argument(
+        "--target", default=target, help=f"HOST:PORT (default ${TARGET_ENV}, else {DEFAULT_TARGET})"
+    )
+    parser.add_argument("--timeout", type=float, default=timeout_s, help=timeout_help)
     parser.add_argument("--tls-ca", type=Path, default=None, help="PEM roots to trust: connect with TLS")
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mutual TLS)")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
@@ -52,7 +62,11 @@ def security(args: argparse.Namespace) -> Security:
 
 
 def client_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags."""
+    """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags; a TLS
+    file that is not there is a UsageError naming its flag."""
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{flag} {path}: no such file (expected a PEM file)")
     return {
         "tls_ca": args.tls_ca,
         "tls_cert": args.tls_cert,

@@ -16,11 +16,11 @@ import itertools
 import json
 from collections.abc import AsyncIterable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from speakerd.client.files import UsageError, read_audio, read_masks, writable
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor, to_tensor
 
@@ -161,28 +161,6 @@ async def _aiter(items: Iterable[pb.EmbedRecordingRequest]) -> AsyncIterable[pb.
         yield item
 
 
-#: soundfile subtypes whose samples are exactly 16-bit integers: sent as PCM s16 (half the
-#: bytes of f32, and bit-exact); any other file is read as float32 and sent as f32.
-INT16_SUBTYPES = frozenset({"PCM_16"})
-
-
-def read_audio(path: str | Path, sample_rate: int | None = None) -> tuple[np.ndarray, int]:
-    """(samples [N, C], rate) of any file libsndfile reads (WAV, FLAC, OGG, ...), or of a .npy
-    array [N] / [N, C] with `sample_rate`. 16-bit files stay int16; others become float32
-    in [-1, 1], the samples pyannote's `Audio` reads."""
-    path = Path(path)
-    if path.suffix == ".npy":
-        if sample_rate is None:
-            raise ValueError(f"{path}: a .npy recording needs --sample-rate")
-        return np.load(path), sample_rate
-    import soundfile  # the client's audio reader (libsndfile), loaded only for --audio
-
-    info = soundfile.info(str(path))
-    dtype = "int16" if info.subtype in INT16_SUBTYPES else "float32"
-    samples, rate = soundfile.read(str(path), dtype=dtype, always_2d=True)
-    return samples, int(rate)
-
-
 def configure(embed: argparse.ArgumentParser) -> None:
     """`client embed --audio FILE --masks FILE.npy`: the recording form of the embed command."""
     embed.add_argument(
@@ -196,12 +174,15 @@ def configure(embed: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, client: Any) -> int:
-    """Embed `args.audio` under `args.masks` with `client` (a SpeakerClient); write `args.output`."""
+    """Embed `args.audio` under `args.masks` with `client` (a SpeakerClient); write `args.output`.
+    Every file is checked before the call (files.py: one line naming it, exit 2)."""
     if not args.masks:
-        raise SystemExit("embed --audio needs --masks FILE.npy ([n, s, F] for the recording's n windows)")
+        raise UsageError("embed --audio needs --masks FILE.npy ([n, s, F] for the recording's n windows)")
+    output = writable("--output", args.output)
     samples, rate = read_audio(args.audio, args.sample_rate)
-    result = client.embed_recording(samples, rate, np.load(args.masks), args.exclude_overlap, args.step)
-    np.savez(args.output, embeddings=result.embeddings, empty=result.empty,
+    masks = read_masks(args.masks)
+    result = client.embed_recording(samples, rate, masks, args.exclude_overlap, args.step)
+    np.savez(output, embeddings=result.embeddings, empty=result.empty,
              active_frames=result.active_frames, starts=result.starts)  # fmt: skip
     summary = {"output": args.output, "shape": list(result.embeddings.shape), "model_id": result.model_id,
                "precision": result.precision, "empty_rows": int(result.empty.sum())}  # fmt: skip

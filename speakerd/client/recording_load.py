@@ -18,8 +18,10 @@ import time
 import grpc
 import numpy as np
 
+from speakerd.client import load_sizing
 from speakerd.client.client import AsyncSpeakerClient, RetryPolicy
-from speakerd.client.loadgen_window import Window
+from speakerd.client.files import UsageError
+from speakerd.client.loadgen_window import Window, outcome
 from speakerd.client.options import client_kwargs
 from speakerd.client.recording import recording_requests
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
@@ -37,8 +39,8 @@ def synthetic(
     window count pyannote gives `seconds` of audio) for a synthetic recording."""
     frames = int(seconds * sample_rate)
     if frames < 1 or sample_rate < 1 or channels < 1:
-        raise SystemExit(
-            f"--recording {seconds} --sample-rate {sample_rate} --channels {channels}: expected "
+        raise UsageError(
+            f"load --recording {seconds} --sample-rate {sample_rate} --channels {channels}: expected "
             "positive numbers"
         )
     noise = np.random.default_rng(seed).standard_normal((frames, channels), dtype=np.float32)
@@ -90,19 +92,20 @@ async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> 
 def generate(args: argparse.Namespace) -> dict[str, object]:
     """The JSON report of a recording load run."""
     pcm, masks = synthetic(args.recording, args.sample_rate, args.channels)
+    sizing = load_sizing.size_recording(args, int(masks.shape[0]))  # may lengthen the window
     messages = recording_requests(pcm, args.sample_rate, masks, piece_bytes=args.piece_kib << 10)
     sent = sum(message.ByteSize() for message in messages)
     out = asyncio.run(_run(args, pcm, masks))
     elapsed = args.seconds
     latencies = np.array(out["latencies"]) * 1e3
-    failed = sum(out["errors"].values())
     report: dict[str, object] = {
         "mode": "recording", "recording_s": args.recording, "sample_rate": args.sample_rate,
         "channels": args.channels, "windows_per_recording": int(masks.shape[0]),
         "streams": args.streams, "warmup_s": args.warmup, "seconds": elapsed,
         "recordings_ok": int(latencies.size),
         "windows_per_s": round(latencies.size * masks.shape[0] / elapsed, 3),
-        "errors": dict(out["errors"]), "failed_calls": failed, "ok": failed == 0 and latencies.size > 0,
+        "errors": dict(out["errors"]), **outcome(int(latencies.size), out["errors"], elapsed),
+        "sizing": sizing,
         "masks": "after the audio" if args.masks_after_audio else "first", "piece_kib": args.piece_kib,
         "pcm_bytes": int(pcm.nbytes), "bytes_sent_per_recording": int(sent),
         "bytes_sent_over_pcm": round(sent / pcm.nbytes, 4),

@@ -11,11 +11,13 @@ import argparse
 import sys
 
 import numpy as np
+from safetensors import SafetensorError
 
 from speakerd.client.client import SpeakerClient
+from speakerd.client.files import UsageError
 from speakerd.client.options import add_connection_flags, client_kwargs
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
-from speakerd.model.cases import load_cases
+from speakerd.model.cases import ReferenceCase, load_cases
 from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
 
 
@@ -24,11 +26,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_connection_flags(parser, timeout_s=300.0)
 
 
-def run(args: argparse.Namespace) -> int:
-    cases = load_cases(args.references)
+def read_cases(directory: str) -> list[ReferenceCase]:
+    """The reference cases of --references; UsageError naming the directory or file otherwise."""
+    try:
+        cases = load_cases(directory)
+    except FileNotFoundError as error:
+        raise UsageError(f"--references {directory}: {error}") from None
+    except (SafetensorError, KeyError, ValueError) as error:
+        raise UsageError(f"--references {directory}: a case file is not a reference case ({error}; "
+                         "write them with `speakerd make-references --out DIR`)") from None  # fmt: skip
     if not cases:
-        print(f"no reference cases in {args.references}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--references {directory}: no reference cases (speakerd make-references --out DIR)")
+    return cases
+
+
+def run(args: argparse.Namespace) -> int:
+    cases = read_cases(args.references)
     failed = 0
     with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
         precision = Math(client.model_info().precision)
@@ -51,11 +64,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m speakerd.client.verify", description=__doc__.splitlines()[0]
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """`python -m speakerd.client verify`, whose failures are one line (cli.main)."""
+    from speakerd.client.cli import main as client_main  # cli imports this module
+
+    return client_main(["verify", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

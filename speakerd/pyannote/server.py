@@ -16,7 +16,9 @@ and by the server must agree within the parity bound of the server's arithmetic
 (docs/parity.md), else `ModelMismatchError`. Failures never fall back silently: an
 unreachable or draining server is retried by the client, then `ServerUnavailableError` names
 the target; `local_fallback=True` is the explicit way to compute the embeddings with
-pyannote's own model instead (with a `SpeakerdFallbackWarning` each time).
+pyannote's own model instead (with a `SpeakerdFallbackWarning` each time). Where pyannote
+cannot decode a file path itself (no torchcodec), the pipeline reads files with soundfile
+(audio_files.py), so `pipeline("meeting.wav")` works as pyannote documents it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from speakerd.model.architecture import CHUNK_SAMPLES, EMBEDDING_DIM, MAX_SPEAKE
 from speakerd.model.audio import speaker_masks, synthetic_recording
 from speakerd.model.numerics import BOUNDS, Math, Parity, compare
 from speakerd.model.recording import MIN_NUM_SAMPLES
+from speakerd.pyannote.audio_files import add_file_reader, remove_file_reader
 
 #: One recording is one call, so its deadline must cover the whole file: an hour of audio
 #: takes about a second on a GPU server but roughly 40 minutes on the CPU engine (2 cores).
@@ -319,6 +322,7 @@ class ServerEmbeddings:
         """Give the pipeline its own get_embeddings back and close the channel."""
         if self.pipeline.__dict__.get("get_embeddings") is self:
             del self.pipeline.__dict__["get_embeddings"]
+        remove_file_reader(self.pipeline)
         self.client.close()
 
 
@@ -362,4 +366,5 @@ def use_server(
         client.close()
         raise
     pipeline.get_embeddings = embeddings  # the instance attribute shadows the method
+    add_file_reader(pipeline)  # pipeline("meeting.wav") where pyannote cannot decode files
     return pipeline

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,15 +168,24 @@ def parse_devices(text: str) -> DeviceRequest | None:
     return DeviceRequest(text, tuple(sorted(indices)))
 
 
+def _number(text: str, kind: type[int] | type[float], expected: str) -> int | float:
+    """`text` as a number; ArgumentTypeError saying what was expected (argparse's own message
+    would name the parsing function: "invalid _port value")."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}") from None
+
+
 def _port(text: str) -> int:
-    port = int(text)
+    port = int(_number(text, int, "a port number 0..65535 (0 picks a free port)"))
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port}: expected 0..65535 (0 picks a free port)")
     return port
 
 
 def _receivers(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int, f"a number of receiver processes, 0 to {MAX_RECEIVERS}"))
     if not 0 <= value <= MAX_RECEIVERS:
         raise argparse.ArgumentTypeError(
             f"{value}: expected 0 (this process receives calls) to {MAX_RECEIVERS} receiver processes"
@@ -184,14 +194,14 @@ def _receivers(text: str) -> int:
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
+    value = float(_number(text, float, "a number >= 0"))
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value}: expected a value >= 0")
     return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int, "an integer >= 1"))
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 1")
     return value
@@ -207,6 +217,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     def add(name: str, default: object, help_text: str, **kwargs: object) -> None:
         env = env_name(name)
+        if env in os.environ and callable(kwargs.get("type")):
+            kwargs["type"] = _naming_env(kwargs["type"], env, os.environ[env])  # type: ignore[arg-type]
         parser.add_argument(f"--{name}", default=env_default(name, default), help=f"{help_text} [{env}]",
                             **kwargs)  # fmt: skip
 
@@ -268,6 +280,22 @@ def _voiceprints(args: argparse.Namespace) -> str:
     raise UsageError(
         f"--voiceprints: expected sqlite, off or a postgresql:// URL [{env_name('voiceprints')}]"
     )
+
+
+def _naming_env(parse: Callable[[str], object], env: str, raw: str) -> Callable[[str], object]:
+    """`parse`, whose error names the variable when the bad value is the one it set: argparse
+    parses an environment default like a flag and would name only the flag."""
+
+    def parse_naming_env(text: str) -> object:
+        try:
+            return parse(text)
+        except (argparse.ArgumentTypeError, ValueError) as error:
+            if text != raw:
+                raise
+            reason = str(error).removeprefix(f"{raw!r}: ")
+            raise argparse.ArgumentTypeError(f"{env}={raw!r}: {reason}") from None
+
+    return parse_naming_env
 
 
 def env_name(flag: str) -> str:

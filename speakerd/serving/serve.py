@@ -293,7 +293,7 @@ def _build_engine(settings: config.ServeConfig, prepared: Prepared, resolved: Re
     except BaseException:
         engine.close()
         raise
-    log.info("plan times %s", ", ".join(f"b{size} {ms:.2f} ms" for size, ms in sorted(times.items())))
+    log.info("plan times %s", plan_times_text(times, prepared.engine_kind))
     return engine
 
 
@@ -323,8 +323,18 @@ def _start_pool(
     pool.empty_rows()  # one b1 run on a device, as _build_engine measures it
     log.info("%d devices %s up in %.1f s; plan times (slowest device) %s", len(prepared.devices),
              list(prepared.devices), time.perf_counter() - started,
-             ", ".join(f"b{size} {ms:.2f} ms" for size, ms in sorted(times.items())))  # fmt: skip
+             plan_times_text(times, prepared.engine_kind))  # fmt: skip
     return pool
+
+
+def plan_times_text(times: dict[int, float], engine_kind: str) -> str:
+    """The start-up log's plan times, saying which are estimates: the CPU engine runs one
+    chunk per ONNX Runtime call, so it times one chunk and gives plan b as b times that
+    (CpuEngine.plan_times_ms); the GPU engine times every plan."""
+    text = ", ".join(f"b{size} {ms:.2f} ms" for size, ms in sorted(times.items()))
+    if engine_kind == "cpu" and len(times) > 1:
+        text += f" (b1 measured; b{max(times)} and the other plans are b x b1, estimated)"
+    return text
 
 
 def in_daemon_thread(work: Callable[[], T], orphan: Callable[[T], None]) -> asyncio.Future[T]:

@@ -1,0 +1,140 @@
+"""`client load` sized for the server it calls: a load a CPU server can answer, and a GPU's.
+
+The same command has to work against a GPU server (thousands of chunks/s) and against the
+CPU engine on 2 cores (about 8 chunks/s), where 16 streams of 8-chunk calls queue for longer
+than a call's deadline and every call fails with DEADLINE_EXCEEDED. So `load` first asks the
+server (GetModelInfo: its largest plan) and times one probe call of one chunk. What the
+command line leaves out is then chosen from that rate: chunks per call (the largest plan, or
+fewer when that many would not fit in a quarter of the deadline) and streams (as many as
+keep a call's wait behind the others within that quarter). A counted window and a warm-up
+shorter than a few calls would count too few calls to give a rate, so both are lengthened
+to CALLS_PER_WINDOW and one call's estimated time. A recording's deadline, unless given, is
+twice its estimated time; a given one it cannot meet is one line saying what to change.
+Everything chosen is reported in the JSON's `sizing`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from speakerd.client.client import SpeakerClient
+from speakerd.client.files import UsageError
+from speakerd.client.options import client_kwargs
+from speakerd.model.architecture import FRAMES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS
+
+#: The share of a call's deadline that its wait behind the load's own other calls may take
+#: at the probe's rate: a quarter leaves room for a server slower than during the probe (a
+#: CPU server whose cores the load generator shares, a GPU server warming its batches).
+DEADLINE_SHARE = 0.25
+#: A recording call must be estimated to take at most this share of its deadline.
+RECORDING_SHARE = 0.5
+#: The most streams sizing picks: enough to keep a GPU server's 32-chunk batches full (its
+#: measured runs used 16 streams over 4 processes).
+MAX_STREAMS = 16
+#: The most recording streams sizing picks: two recordings in flight keep a GPU server busy
+#: (one uploads while the other computes: the measured hour-long runs used 2).
+MAX_RECORDING_STREAMS = 2
+#: A counted window shorter than this many calls' time is lengthened to it.
+CALLS_PER_WINDOW = 3
+#: The probe: one chunk, so that even a slow CPU server answers it well within any deadline.
+PROBE_CHUNKS = 1
+#: Deadlines when --timeout is not given: a chunk call's, and the least a recording's is.
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def sample_chunks(chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fbank [chunks, 998, 80], masks [chunks, 3, 589]): random, seeded, so every run sends the same."""
+    rng = np.random.default_rng(0)
+    fbank = rng.standard_normal((chunks, FRAMES, MEL_BINS)).astype(np.float32)
+    masks = (rng.random((chunks, MAX_SPEAKERS, MASK_FRAMES)) > 0.5).astype(np.float32)
+    return fbank, masks
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One call of PROBE_CHUNKS chunks to the server, timed; what the server said it is."""
+
+    engine: str
+    max_batch: int
+    seconds: float
+
+    @property
+    def chunks_per_s(self) -> float:
+        return PROBE_CHUNKS / self.seconds
+
+    def report(self) -> dict[str, Any]:
+        return {"engine": self.engine, "probe_s": round(self.seconds, 4),
+                "probe_chunks_per_s": round(self.chunks_per_s, 3)}  # fmt: skip
+
+
+def probe(args: argparse.Namespace) -> Probe:
+    """GetModelInfo, then one EmbedChunks of PROBE_CHUNKS chunks, timed. Its deadline is at
+    least DEFAULT_TIMEOUT_S: a --timeout too short for the load's calls still gets its probe."""
+    timeout = max(args.timeout or 0.0, DEFAULT_TIMEOUT_S)
+    with SpeakerClient(args.target, timeout_s=timeout, **client_kwargs(args)) as client:
+        info = client.model_info()
+        fbank, masks = sample_chunks(PROBE_CHUNKS)
+        started = time.perf_counter()
+        client.embed(fbank, masks, request_id="load-probe")
+        return Probe(info.engine, int(info.max_batch), time.perf_counter() - started)
+
+
+def _fits(measured: Probe, timeout_s: float, work: float, most: int) -> int:
+    """How many calls of `work` chunks the probe's rate answers in DEADLINE_SHARE of the
+    deadline: at least 1, at most `most`."""
+    return max(1, min(most, math.floor(DEADLINE_SHARE * timeout_s * measured.chunks_per_s / work)))
+
+
+def _stretch(args: argparse.Namespace, call_s: float) -> dict[str, Any]:
+    """Lengthen --seconds to CALLS_PER_WINDOW calls and --warmup to one call (of `call_s`
+    estimated seconds, every stream's share of the server included); what changed."""
+    asked = {"seconds": args.seconds, "warmup": args.warmup}
+    args.seconds = max(args.seconds, round(CALLS_PER_WINDOW * call_s, 1))
+    args.warmup = max(args.warmup, round(call_s, 1))
+    changed = {f"{name}_asked": value for name, value in asked.items() if getattr(args, name) != value}
+    return {"call_s_estimated": round(call_s, 3), **changed}
+
+
+def size_chunks(args: argparse.Namespace) -> dict[str, Any]:
+    """Fill in --chunks, --streams and --timeout where not given, lengthen --seconds and
+    --warmup to the calls' time; what was measured and chosen (JSON)."""
+    measured = probe(args)
+    args.timeout = args.timeout or DEFAULT_TIMEOUT_S
+    chosen = [name for name in ("chunks", "streams") if getattr(args, name) is None]
+    if args.chunks is None:
+        args.chunks = _fits(measured, args.timeout, 1, measured.max_batch)
+    if args.streams is None:
+        args.streams = _fits(measured, args.timeout, args.chunks, MAX_STREAMS)
+    call_s = args.streams * args.chunks / measured.chunks_per_s
+    return {**measured.report(), "chosen": chosen, **_stretch(args, call_s)}
+
+
+def size_recording(args: argparse.Namespace, windows: int) -> dict[str, Any]:
+    """The same for a recording load of `windows` windows a call; a --timeout given that one
+    recording would not fit in RECORDING_SHARE of is a UsageError saying what to change."""
+    measured = probe(args)
+    rate = measured.chunks_per_s
+    one = windows / rate
+    needed = math.ceil(one / RECORDING_SHARE)
+    chosen = [name for name in ("timeout", "streams") if getattr(args, name) is None]
+    if args.timeout is None:
+        args.timeout = max(DEFAULT_TIMEOUT_S, needed)
+    elif one > RECORDING_SHARE * args.timeout:
+        # n windows 1 s apart cover n + 9 s of audio (the last window is 10 s long)
+        longest = max(10, math.floor(RECORDING_SHARE * args.timeout * rate) + 9)
+        raise UsageError(
+            f"load --recording {args.recording:g}: {windows} windows a call at the {rate:.1f} windows/s "
+            f"this {measured.engine} server gave a probe is about {one:.0f} s a call, more than "
+            f"{RECORDING_SHARE:g} of --timeout {args.timeout:g}: use --recording {longest} or less, or "
+            f"--timeout {needed} (or leave --timeout out)"
+        )
+    if args.streams is None:
+        args.streams = _fits(measured, args.timeout, windows, MAX_RECORDING_STREAMS)
+    call_s = args.streams * one
+    return {**measured.report(), "chosen": chosen, "timeout": args.timeout, **_stretch(args, call_s)}
