@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -81,6 +82,8 @@ def start_server(
 ) -> ServerProcess:
     """Start a CPU server with `flags`; return once it is SERVING (or, if not, listening).
     `client_options`: what a SpeakerClient needs to reach it (TLS files, token)."""
+    if "--data-dir" not in flags:  # each server its own voiceprint store, never the user's
+        flags = (*flags, "--data-dir", tempfile.mkdtemp(prefix="speakerd-data-"))
     command = [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu", "--port", "0",
                "--metrics-port", "0", "--weights", str(weights), *flags]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -8,7 +8,8 @@ serve` gives a machine without a GPU). Every command must exit 0. A `# ...` line
 after a command is what the README says it prints, and is checked:
 
 - a JSON object: every key it shows is in the command's JSON, with the same value, except a
-  string ending in `...` (a prefix) and a float (any number: a rate or a latency);
+  string ending in `...` (a prefix) and a float (any number: a rate or a latency); a nested
+  object is matched the same way, a list item by item;
 - text: the output has a line matching it, `...` standing for anything.
 
 Then what the README says of the files is checked: `served-chunks.npz` and `offline.npz`
@@ -97,6 +98,16 @@ def runnable(text: str) -> str:
 
 
 def json_matches(expected: object, actual: object) -> bool:
+    if isinstance(expected, dict):  # the keys shown, each matching; others may be there too
+        return isinstance(actual, dict) and all(
+            key in actual and json_matches(value, actual[key]) for key, value in expected.items()
+        )
+    if isinstance(expected, list):  # as many items, each matching
+        return (
+            isinstance(actual, list)
+            and len(actual) == len(expected)
+            and all(json_matches(shown, item) for shown, item in zip(expected, actual, strict=True))
+        )
     if isinstance(expected, str) and expected.endswith("..."):
         return isinstance(actual, str) and actual.startswith(expected[:-3])
     if isinstance(expected, float):
