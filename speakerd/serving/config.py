@@ -29,7 +29,7 @@ DEFAULT_PLANS = "1,32"
 #: and the batcher's cost model are sized and measured for that, so a larger plan is refused.
 MAX_PLAN_SIZE = 32
 #: How long the batcher holds a partial batch for more chunks: a b32 FP16 batch costs 4.8 ms
-#: of GPU time on an H200 (measured 2026-12-03), so waiting under half that costs a lone
+#: of GPU time on an H200, so waiting under half that costs a lone
 #: request less than one batch of latency and lets concurrent requests share a batch.
 DEFAULT_MAX_DELAY_MS = 2.0
 #: Queued chunks before RESOURCE_EXHAUSTED: 16 full b32 batches, about 80 ms of FP16 work on

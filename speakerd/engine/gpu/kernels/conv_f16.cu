@@ -6,7 +6,7 @@
 // in and 163 MB out per conv for 47 GFLOP, 0.06 ms of tensor-core work), and cuDNN's bare
 // conv (0.207 ms on the H200) plus an epilogue pass (another read and write of the
 // activation, 0.08 ms) costs four of those floors; cuDNN's fused graphs cannot flag an FP16
-// overflow at all. (Ours, 0.28-0.32 ms, is only a few percent faster: see README.)
+// overflow at all. (Ours, 0.28-0.32 ms, is only a few percent faster: see docs/performance.md.)
 //
 // Halo tiling: a block computes a pixel tile of ROWS output rows x COLS output columns of
 // one image for BN output channels. Per 32-channel K chunk it copies the input rows and
