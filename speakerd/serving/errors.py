@@ -8,8 +8,12 @@ violation without parsing text. Both say the same thing, built from one Rejectio
 
 from __future__ import annotations
 
+import logging
+from typing import TypeVar
+
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -39,6 +43,9 @@ class Rejection(Exception):
         self.expected = expected
         self.given_id = ""  # the request's own request_id, when parsing got that far
         self.request_id = ""  # the id the call is logged under, set by the service
+        #: bytes that are no protobuf message of the method's type: a broken or hostile
+        #: client rather than a mistake in one field, logged at WARNING (see `level`)
+        self.malformed = False
 
     @classmethod
     def invalid(cls, field: str, expected: str) -> Rejection:
@@ -46,6 +53,21 @@ class Rejection(Exception):
         return cls(
             grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", f"{field}: {expected}", field, expected
         )
+
+    @classmethod
+    def undecodable(cls, field: str, expected: str) -> Rejection:
+        """INVALID_ARGUMENT for bytes that do not decode as the message they should be."""
+        rejection = cls.invalid(field, expected)
+        rejection.malformed = True
+        return rejection
+
+    @property
+    def level(self) -> int:
+        """The log level of the call's one line: ERROR for the server's own faults, WARNING
+        for undecodable bytes, INFO for every other refusal (a client's everyday mistake)."""
+        if self.code == grpc.StatusCode.INTERNAL:
+            return logging.ERROR
+        return logging.WARNING if self.malformed else logging.INFO
 
     def status(self, prefix: str = "") -> grpc.Status:
         """The status to abort with: `prefix` (e.g. a stream position) before the message."""
@@ -59,6 +81,28 @@ class Rejection(Exception):
             detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
             status.details.append(detail)
         return rpc_status.to_status(status)
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode_message(kind: type[M], raw: bytes, position: str = "") -> M:
+    """`raw` parsed as a `kind` message; Rejection (INVALID_ARGUMENT, malformed) naming the
+    message, and `position` (a stream's message number) when given, otherwise.
+
+    Why not the handler's `request_deserializer`: gRPC answers a deserializer's failure
+    itself, as UNKNOWN for a unary call and as an exception inside a stream's iterator (which
+    became INTERNAL), without the BadRequest detail, the log line or the metric every other
+    refusal gets."""
+    name = kind.DESCRIPTOR.name
+    try:
+        return kind.FromString(raw)
+    except DecodeError as error:
+        where = f"{position} ({len(raw)} bytes)" if position else f"{len(raw)} bytes"
+        why = str(error).rpartition(": ")[2]  # protobuf's reason, without its type name again
+        raise Rejection.undecodable(
+            name, f"{where}: not a valid {kind.DESCRIPTOR.full_name} ({why})"
+        ) from None
 
 
 #: The code each batcher error is answered with; its metrics reason is the error's own.

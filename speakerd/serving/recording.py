@@ -54,7 +54,7 @@ from speakerd.model.recording import (
 )
 from speakerd.model.resample import output_length
 from speakerd.serving.batcher import PIPELINE_DEPTH, Batcher, BatcherError
-from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation
+from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.v1 import speakerd_pb2 as pb
@@ -132,8 +132,10 @@ class RecordingService:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def EmbedRecording(
-        self, requests: AsyncIterator[pb.EmbedRecordingRequest], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
+        """`requests`: the serialized EmbedRecordingRequests (service.register), each decoded
+        by the call (errors.decode_message: undecodable bytes are INVALID_ARGUMENT)."""
         host, started, code = self.host, time.perf_counter(), grpc.StatusCode.OK
         call = _Call(self, context)
         host._enter()
@@ -148,8 +150,7 @@ class RecordingService:
         except Rejection as error:
             code = error.code
             host.metrics.rejected.labels(reason=error.reason).inc()
-            level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
-            log.log(level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
+            log.log(error.level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
             await abort(context, error)
         except (asyncio.CancelledError, GeneratorExit):
             # CancelledError: the client went away while this handler awaited something;
@@ -205,9 +206,7 @@ class _Call:
         self.progress = asyncio.Event()  # set by the reader when windows may have become ready
         self.ended = False  # the audio has ended and every check passed: submit the rest
 
-    async def run(
-        self, requests: AsyncIterator[pb.EmbedRecordingRequest]
-    ) -> AsyncIterator[pb.EmbedRecordingResponse]:
+    async def run(self, requests: AsyncIterator[bytes]) -> AsyncIterator[pb.EmbedRecordingResponse]:
         reader = asyncio.ensure_future(self._guarded(self._read(requests)))
         submitter = asyncio.ensure_future(self._guarded(self._submit_windows()))
         try:
@@ -250,11 +249,14 @@ class _Call:
             log.exception("%s %s: handling the call failed", METHOD, self.request_id)
             self._fail(Rejection(grpc.StatusCode.INTERNAL, "internal", f"server error: {error}"))
 
-    async def _read(self, requests: AsyncIterator[pb.EmbedRecordingRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
         """Every message as fast as it arrives: the upload is never paced by the engine (the
         audio becomes frames at once, so nothing waits in host memory), and the submitter
         is told after each one."""
-        async for message in requests:
+        index = 0
+        async for raw in requests:
+            message = decode_message(pb.EmbedRecordingRequest, raw, f"message {index} of the stream")
+            index += 1
             part = message.WhichOneof("part")
             if part != "header" and self.decoder is None:
                 raise InputError("header", f"the first message must be the header, got {part or 'nothing'}")

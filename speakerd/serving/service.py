@@ -56,7 +56,7 @@ from speakerd.model.inputs import (
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.serving.batcher import Batcher, BatcherError
 from speakerd.serving.budget import ByteBudget
-from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation
+from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.recording import RecordingService
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
@@ -148,7 +148,7 @@ def decode(raw: bytes, max_chunks: int, waveform_fbank: WaveformFbank) -> Decode
     try:
         request = parse_request(raw)
     except WireError as error:
-        raise Rejection.invalid(error.field, error.message) from error
+        raise Rejection.undecodable(error.field, error.message) from error
     try:
         request_id = check_request_id(request.request_id, "request_id")
     except RequestIdError as error:
@@ -289,9 +289,15 @@ class SpeakerEmbeddingService:
             for task in pending.values():
                 task.cancel()
 
-    async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelInfo:
+    async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        """`raw`: the serialized GetModelInfoRequest (see `register`): bytes that are not one
+        are INVALID_ARGUMENT, not the UNKNOWN gRPC's own deserializer answers."""
+        try:
+            decode_message(pb.GetModelInfoRequest, raw)
+        except Rejection as error:
+            self.metrics.rejected.labels(reason=error.reason).inc()
+            log.log(error.level, "GetModelInfo: %s %s", error.code.name, error.message)
+            await abort(context, error)
         engine = self.engine
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still warming up")
@@ -354,8 +360,7 @@ class SpeakerEmbeddingService:
                 request_id = _or_fresh(name, error.given_id)
             error.request_id = request_id
             self.metrics.rejected.labels(reason=error.reason).inc()
-            level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
-            log.log(level, "%s %s: %s %s", method, request_id, code.name, error.message)
+            log.log(error.level, "%s %s: %s %s", method, request_id, code.name, error.message)
             raise
         except asyncio.CancelledError:
             code, reason = cancellation(context)
@@ -479,8 +484,9 @@ def _or_fresh(name: Callable[[str], str], given: str) -> str:
 
 def register(service: SpeakerEmbeddingService, server: grpc.aio.Server) -> None:
     """Add `service` to `server` as the generated add_SpeakerEmbeddingServicer_to_server
-    would, except that the embed methods get their requests as raw bytes (no request
-    deserializer), for request_wire.parse_request to read without copying the tensors."""
+    would, except that every method gets its requests as raw bytes (no request
+    deserializer): the embed methods for wire.parse_request to read without copying the
+    tensors, the others to answer undecodable bytes as INVALID_ARGUMENT (decode_message)."""
     handlers = {
         "EmbedChunks": grpc.unary_unary_rpc_method_handler(
             service.EmbedChunks, response_serializer=pb.EmbedResponse.SerializeToString
@@ -488,15 +494,12 @@ def register(service: SpeakerEmbeddingService, server: grpc.aio.Server) -> None:
         "EmbedChunksStream": grpc.stream_stream_rpc_method_handler(
             service.EmbedChunksStream, response_serializer=pb.EmbedResponse.SerializeToString
         ),
+        # raw bytes too, decoded by the handlers (errors.decode_message says why)
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetModelInfo,
-            request_deserializer=pb.GetModelInfoRequest.FromString,
-            response_serializer=pb.ModelInfo.SerializeToString,
+            service.GetModelInfo, response_serializer=pb.ModelInfo.SerializeToString
         ),
         "EmbedRecording": grpc.stream_stream_rpc_method_handler(
-            service.recordings.EmbedRecording,
-            request_deserializer=pb.EmbedRecordingRequest.FromString,
-            response_serializer=pb.EmbedRecordingResponse.SerializeToString,
+            service.recordings.EmbedRecording, response_serializer=pb.EmbedRecordingResponse.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
