@@ -155,7 +155,7 @@ class RecordingService:
         except (asyncio.CancelledError, GeneratorExit):
             # CancelledError: the client went away while this handler awaited something;
             # GeneratorExit: while a response was being written (gRPC closes the generator)
-            code, reason = cancellation(context)
+            code, reason = cancellation(context, call.budget)
             host.metrics.rejected.labels(reason=reason).inc()
             log.info("%s %s: %s after %d windows sent", METHOD, call.request_id,
                      "deadline passed" if reason != "cancelled" else "cancelled", call.sent)  # fmt: skip
@@ -183,7 +183,7 @@ class _Call:
         self.host = service.host
         self.context = context
         self.request_id = fresh_request_id()  # until the metadata or header give one
-        remaining = context.time_remaining()
+        remaining = self.budget = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
         self.decoder: RecordingDecoder | None = None
         self.step = 0

@@ -55,8 +55,9 @@ from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving import config, heap
 from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
-from speakerd.serving.batcher import Batcher
+from speakerd.serving.batcher import Batcher, DrainReport
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
+from speakerd.serving.http2 import stream_options
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
 from speakerd.serving.receivers import ReceiverFailed, ReceiverGroup
@@ -377,8 +378,9 @@ class SpeakerServer:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
             # advertised in HTTP/2 SETTINGS: a client opens at most this many calls at once per
-            # connection, so one connection cannot queue unbounded work (service.py says why 32)
-            ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+            # connection, so one connection cannot queue unbounded work (service.py says why 32
+            # and why streams are counted as the client counts them)
+            *stream_options(MAX_CONCURRENT_STREAMS),
         ]
         interceptors = [] if self.prepared.tokens is None else [TokenAuthInterceptor(self.prepared.tokens)]
         self._server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -573,17 +575,25 @@ class SpeakerServer:
         log.info("draining: NOT_SERVING, new calls UNAVAILABLE, up to %.1f s for calls in progress",
                  s.drain_seconds)  # fmt: skip
         idle = await self.service.wait_idle(s.drain_seconds)
-        if not idle:
-            log.warning("drain: calls still in progress after %.1f s; failing them with UNAVAILABLE",
-                        s.drain_seconds)  # fmt: skip
+        calls_left = self.service.inflight
         remaining = max(0.0, s.drain_seconds - (time.monotonic() - started))
         # queued chunks are failed with UNAVAILABLE (Draining) once `remaining` is spent; the
         # wait for batches already in the engine is bounded, they are not interruptible
         try:
-            await asyncio.wait_for(self.batcher.close(remaining), remaining + FAIL_LEFTOVERS_S)
+            await asyncio.wait_for(self.batcher.drain(remaining), remaining + FAIL_LEFTOVERS_S)
             batches_done = True
         except TimeoutError:
             batches_done = False
+        report = self.batcher.drain_report or DrainReport(False, 0, 0, 0, remaining)
+        if not idle or not report.finished or not batches_done:
+            # one line for an operator: what the drain gave up, not a line per piece of it
+            log.warning(
+                "drain: --drain-seconds %.1f passed; abandoned %d calls in progress (answered UNAVAILABLE "
+                "or cancelled), %d queued requests (%d chunks) failed with UNAVAILABLE, %d batches %s",
+                s.drain_seconds, calls_left, report.failed_requests, report.failed_chunks,
+                report.running_batches, "still running in the engine, not waited for" if not batches_done
+                else "that ran to their end",
+            )  # fmt: skip
         # calls still waiting on a running batch: the server cancels them (clients: UNAVAILABLE)
         await self._stop_receivers(STOP_GRACE_S if idle else 0)
         await self._server.stop(STOP_GRACE_S if idle else 0)
@@ -591,7 +601,6 @@ class SpeakerServer:
             # worker processes end whatever they run: nothing in this process is cut short
             self.engine.close()
         if not batches_done:
-            log.warning("drain: a batch is still running in the engine; not waiting for it")
             self.abandoned_work = True
 
     async def wait(self) -> int:

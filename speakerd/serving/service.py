@@ -182,6 +182,11 @@ class SpeakerEmbeddingService:
     def attach(self, engine: Engine, batcher: Batcher) -> None:
         self.engine, self.batcher = engine, batcher
 
+    @property
+    def inflight(self) -> int:
+        """Calls in progress now (embed calls and recordings)."""
+        return self._inflight
+
     def begin_drain(self) -> None:
         """New calls get UNAVAILABLE from now on; calls already in progress finish."""
         self.draining = True
@@ -338,6 +343,7 @@ class SpeakerEmbeddingService:
         stream passed validation (False when one failed); `validated` is resolved likewise
         for this request and those before it."""
         started = time.perf_counter()
+        budget = context.time_remaining()  # the deadline's share of it decides a cancellation's reason
         code = grpc.StatusCode.OK
         request_id = fresh_request_id()
         self._enter()
@@ -363,7 +369,7 @@ class SpeakerEmbeddingService:
             log.log(error.level, "%s %s: %s %s", method, request_id, code.name, error.message)
             raise
         except asyncio.CancelledError:
-            code, reason = cancellation(context)
+            code, reason = cancellation(context, budget)
             self.metrics.rejected.labels(reason=reason).inc()
             log.info("%s %s: %s", method, request_id, reason.replace("_", " "))
             raise
