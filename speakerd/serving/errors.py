@@ -132,8 +132,16 @@ def _bounded(text: str) -> str:
 
 
 async def abort(context: grpc.aio.ServicerContext, rejection: Rejection, prefix: str = "") -> None:
-    """End the call with `rejection`'s status and details (raises, as context.abort does)."""
+    """End the call with `rejection`'s status and details (raises, as context.abort does).
+
+    The rejection's traceback and causes are dropped first: gRPC keeps the AbortError that
+    context.abort raises in a reference cycle, and through the rejection's traceback it
+    held the frames that hold the call's request bytes, so every refused call's message
+    stayed in memory until the next full garbage collection (measured: 10 refused 8 MiB
+    calls kept 88 MB that only gc.collect freed; under repeated floods the peak grew with
+    each). The handler deletes its own reference to the bytes before calling this."""
     status = rejection.status(prefix)
+    rejection.__traceback__ = rejection.__cause__ = rejection.__context__ = None
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 

@@ -66,6 +66,11 @@ METHOD = "EmbedRecording"
 REQUEST_ID_KEY = "x-request-id"
 #: Longest recording one call may send: its frames take 32 KB per second (345 MB for 3 h).
 MAX_RECORDING_S = 3 * 3600.0
+#: EmbedRecording calls in progress at once; one more is RESOURCE_EXHAUSTED (retried by
+#: the clients). Each may hold a whole recording's frames and mask rows, so this bounds the
+#: server's memory (docs/service.md, speakerd/serving/memory.py); four calls keep a GPU busy
+#: (each submits batches as fast as the engine takes them).
+MAX_RECORDINGS = 4
 #: Batches of one call submitted and not yet answered: one per engine worker plus one being
 #: prepared keeps the engine busy; more would only hold fbank (10 MB per b32 batch) longer.
 #: With `serve --devices` every device has PIPELINE_DEPTH workers (`batches_in_flight`).
@@ -121,6 +126,7 @@ class RecordingService:
         self.max_seconds = max_seconds
         self.fbank_source = fbank_source
         self.pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="recording")
+        self.active = 0  # calls in progress, at most MAX_RECORDINGS
 
     def source_for(self, step: int) -> FbankSource:
         if self.fbank_source is not None:
@@ -139,7 +145,15 @@ class RecordingService:
         host, started, code = self.host, time.perf_counter(), grpc.StatusCode.OK
         call = _Call(self, context)
         host._enter()
+        self.active += 1
         try:
+            if self.active > MAX_RECORDINGS:
+                raise Rejection(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "queue_full",
+                    f"recordings: {MAX_RECORDINGS} in progress, the most this server takes at once; "
+                    "retry with backoff",
+                )
             # closed at once when the handler ends, however it ends: its finally cancels the
             # call's batches (not left to the event loop's async-generator finalizer)
             async with contextlib.aclosing(call.run(requests)) as responses:
@@ -151,6 +165,7 @@ class RecordingService:
             code = error.code
             host.metrics.rejected.labels(reason=error.reason).inc()
             log.log(error.level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
+            del call  # its frames and rows are not kept alive by the abort's cycle (errors.abort)
             await abort(context, error)
         except (asyncio.CancelledError, GeneratorExit):
             # CancelledError: the client went away while this handler awaited something;
@@ -171,6 +186,7 @@ class RecordingService:
             host.metrics.request_duration.labels(method=METHOD, code=code.name).observe(
                 time.perf_counter() - started
             )
+            self.active -= 1
             host._leave()
 
 

@@ -58,9 +58,11 @@ from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.batcher import Batcher, DrainReport
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
 from speakerd.serving.http2 import stream_options
+from speakerd.serving.memory import memory_bound, resident_bytes
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
 from speakerd.serving.receivers import ReceiverFailed, ReceiverGroup
+from speakerd.serving.recording import MAX_RECORDINGS
 from speakerd.serving.security import TlsFileError, TlsFiles, add_port, server_credentials
 from speakerd.serving.service import (
     MAX_CONCURRENT_STREAMS,
@@ -116,12 +118,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"speakerd serve: error: {error}", file=sys.stderr)
         return USAGE_EXIT
     logging.basicConfig(level=settings.log_level, format=config.LOG_FORMAT)
+    heap.keep_freed_memory()  # before any thread: requests' buffers reused, arenas capped (heap.py)
     try:
         prepared = preflight(settings)
     except config.UsageError as error:
         log.error("%s", error)
         return USAGE_EXIT
-    heap.keep_freed_memory()  # requests' buffers reused, not faulted in again (heap.py)
     outcome = asyncio.run(serve(settings, prepared))
     if outcome.abandoned_work:
         # a batch or the warm-up is still running in native code; joining it (what the
@@ -516,6 +518,15 @@ class SpeakerServer:
         self._report_memory(engine)
         frozen = heap.freeze_long_lived()  # full collections walk requests' objects only (heap.py)
         log.debug("%d start-up objects frozen out of the garbage collector's passes", frozen)
+        heap.give_back()  # the start-up's freed memory: the baseline is what serving keeps
+        bound = memory_bound(
+            resident_bytes(), s.max_message_bytes, s.queue_chunks, engine.max_batch,
+            len(self.prepared.devices or ()) or 1, s.receivers,
+        )  # fmt: skip
+        log.info("memory bound %d bytes + %d bytes per call open at once (at most %d a connection) + "
+                 "%d bytes per recording in progress (at most %d): %s; docs/service.md has the formula",
+                 bound.fixed, bound.per_call, MAX_CONCURRENT_STREAMS, bound.per_recording, MAX_RECORDINGS,
+                 bound.describe())  # fmt: skip
         if self._stopping is None:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

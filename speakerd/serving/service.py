@@ -26,7 +26,9 @@ Which code for which failure:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +56,7 @@ from speakerd.model.inputs import (
     check_waveform,
 )
 from speakerd.model.numerics import active_frames, pad_speakers
+from speakerd.serving import heap
 from speakerd.serving.batcher import Batcher, BatcherError
 from speakerd.serving.budget import ByteBudget
 from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
@@ -77,6 +80,11 @@ DECODE_BUDGET_MESSAGES = DECODE_THREADS
 #: Requests of one stream in flight at once: enough to keep a b32 plan busy from a single
 #: stream of small requests; gRPC flow control holds the client back beyond it.
 STREAM_WINDOW = 16
+#: Seconds without a call in progress after which the memory calls freed is given back to
+#: the system (heap.give_back): long enough that steady load, whose calls overlap, keeps
+#: its buffers (heap.py says why that matters), short enough that a burst's memory does
+#: not outlive it by much.
+IDLE_TRIM_S = 1.0
 #: Value for the server option `grpc.max_concurrent_streams`: calls open at once on one
 #: connection. gRPC receives a call's whole message before the handler runs, so this times
 #: the message limit bounds what one connection can make the server hold (32 x 64 MiB);
@@ -175,6 +183,7 @@ class SpeakerEmbeddingService:
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="decode")
         self._budget = ByteBudget(DECODE_BUDGET_MESSAGES * max_message_bytes)
         self._inflight = 0
+        self._trim: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.recording)
@@ -212,6 +221,7 @@ class SpeakerEmbeddingService:
                 "EmbedChunks", raw, context, lambda given: _request_id(context, given)
             )
         except Rejection as error:
+            del raw  # not kept alive by the abort's reference cycle (errors.abort)
             await abort(context, error)
             raise  # not reached: abort raises
 
@@ -400,6 +410,19 @@ class SpeakerEmbeddingService:
         self.metrics.inflight.dec()
         if self._inflight == 0:
             self._idle.set()
+            if self._trim is not None:
+                self._trim.cancel()
+            self._trim = asyncio.get_running_loop().call_later(IDLE_TRIM_S, self._give_back)
+
+    def _give_back(self) -> None:
+        """Still idle IDLE_TRIM_S after the last call: collect the calls' garbage (a failed
+        call's request bytes can sit in a reference cycle, through its exception's
+        traceback, until a full collection), then return freed memory, off the loop."""
+        self._trim = None
+        if self._inflight == 0:
+            gc.collect()
+            with contextlib.suppress(RuntimeError):  # the executor is shut down: stopping
+                self._decoder.submit(heap.give_back)
 
     def _ready(self) -> Batcher:
         """The batcher when calls are taken; Rejection (UNAVAILABLE) while warming or draining."""
