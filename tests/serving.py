@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,15 +78,22 @@ class ServerProcess:
 
 
 def start_server(
-    weights: Path, *flags: str, wait_serving: bool = True, client_options: dict[str, object] | None = None
+    weights: Path,
+    *flags: str,
+    wait_serving: bool = True,
+    client_options: dict[str, object] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> ServerProcess:
     """Start a CPU server with `flags`; return once it is SERVING (or, if not, listening).
-    `client_options`: what a SpeakerClient needs to reach it (TLS files, token)."""
+    `client_options`: what a SpeakerClient needs to reach it (TLS files, token);
+    `preexec_fn`: run in the child before it starts the server (e.g. join a cgroup)."""
     if "--data-dir" not in flags:  # each server its own voiceprint store, never the user's
         flags = (*flags, "--data-dir", tempfile.mkdtemp(prefix="speakerd-data-"))
     command = [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu", "--port", "0",
                "--metrics-port", "0", "--weights", str(weights), *flags]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn
+    )
     server = ServerProcess(process, client_options=dict(client_options or {}))
     listening = threading.Event()
 

@@ -309,6 +309,11 @@ def test_sigterm_with_work_in_flight_ends_within_the_drain_time(weights_path) ->
     )
     assert outcomes and set(outcomes) <= {"OK", "UNAVAILABLE"} and "UNAVAILABLE" in outcomes, outcomes
     assert "Traceback" not in server.log(), server.log()
+    # one line tells the operator what the drain gave up
+    drain_lines = [line for line in server.lines if " drain: " in line]
+    print(drain_lines)
+    assert len(drain_lines) == 1 and "abandoned" in drain_lines[0], drain_lines
+    assert "batches still running in the engine, not waited for" in drain_lines[0], drain_lines
 
 
 def test_failed_warm_up_exits_1_without_draining(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter
@@ -89,3 +90,23 @@ def test_an_idle_connection_is_closed_by_the_server() -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def test_only_the_metrics_path_is_served() -> None:
+    """/metrics (with or without a query string) is the page; every other path is 404."""
+    server, _ = serve_metrics(_registry(), "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for path in ("/metrics", "/metrics?name[]=speakerd_probe_total"):
+            with urllib.request.urlopen(base + path, timeout=READ_S) as answer:
+                assert answer.status == 200 and b"speakerd_probe_total 1.0" in answer.read(), path
+        for path in ("/", "/debug", "/metrics/", "/metricsx", "/favicon.ico"):
+            try:
+                urllib.request.urlopen(base + path, timeout=READ_S)
+                status = 200
+            except urllib.error.HTTPError as error:
+                status, body = error.code, error.read()
+            assert status == 404 and b"speakerd_probe" not in body, (path, status)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -247,3 +247,15 @@ def test_every_error_names_a_rejection_reason_of_the_metric() -> None:
     for error in (QueueFull, DeadlinePassed, Draining, EngineFailed, Cancelled):
         assert issubclass(error, BatcherError)
         assert error.reason in REJECT_REASONS, (error.__name__, error.reason, REJECT_REASONS)
+
+
+def test_a_job_due_within_one_plan_run_leaves_before_the_next_batch() -> None:
+    """Work that could not be answered before its deadline is not started: with `lead_s`
+    (the shortest plan run) a job due sooner leaves with DeadlinePassed saying so."""
+    state = QueueState(64, 8)
+    soon, later = state.admit(1, F, 0.0, deadline=1.0), state.admit(1, F, 0.0, deadline=2.0)
+    batch, removals = state.next_batch(0.9, lead_s=0.2)
+    assert [removal.job for removal in removals] == [soon]
+    assert isinstance(removals[0].error, DeadlinePassed)
+    assert "0.100 s away, less than one plan run (0.200 s)" in str(removals[0].error)
+    assert batch is not None and batch.jobs == (later,)

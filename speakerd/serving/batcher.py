@@ -26,8 +26,11 @@ speakerd_windows_skipped_total counts them. The response still says which rows a
 
 A request leaves the queue, before any engine work on its queued chunks, when its caller
 cancels (the awaiting task is cancelled: `Cancelled`, the caller is gone), when its
-deadline passes (a timer at the deadline: DeadlinePassed), or when a drain runs out of
-time (Draining). Workers skip the plan runs of a batch whose requests have all left.
+deadline is nearer than one plan run (a timer then: DeadlinePassed; work that cannot be
+answered in time is not started), or when a drain runs out of time (Draining). Workers
+skip the plan runs of a batch whose requests have all left or are due before the run
+could end, and fail the latter with DeadlinePassed. One plan run's time is the smallest
+plan's, measured at start-up and then followed (EWMA) as runs complete.
 
 Drain (`drain(timeout_s)`): no new requests (Draining), queued and running work gets up to
 `timeout_s`; then everything still queued fails with Draining and the drain waits only for
@@ -88,6 +91,9 @@ log = logging.getLogger(__name__)
 #: were not enough on the H200: assembling and staging a b32 batch (~8 ms of host work
 #: under load) outlasts its ~7 ms TF32 compute, so the GPU waited between batches.
 PIPELINE_DEPTH = 3
+#: Weight of the latest run in a plan's running time estimate (EWMA): a few runs follow a
+#: change of load, one slow run does not double the estimate.
+RUN_TIME_WEIGHT = 0.2
 
 
 def cheapest_pieces(chunks: int, plan_sizes: tuple[int, ...], times_ms: dict[int, float]) -> list[int]:
@@ -165,9 +171,12 @@ class _Request:
     plans: list[str] = field(default_factory=list)
     fp16_fallbacks: int = 0
     queue_wait_s: float = 0.0
+    deadline: float | None = None  # time.monotonic() seconds
     timer: asyncio.TimerHandle | None = None
     #: the caller will not read a result (cancelled or failed): its pending runs are skipped
     abandoned: bool = False
+    #: an engine thread skipped a run of it: its deadline would pass before the run ended
+    late: bool = False
 
     def __post_init__(self) -> None:
         self.out = np.empty((self.fbank.shape[0], MAX_SPEAKERS, EMBEDDING_DIM), dtype=np.float32)
@@ -207,6 +216,8 @@ class Batcher:
         self.queue_chunks = queue_chunks
         self._state = QueueState(queue_chunks, engine.max_batch)  # ValueError: no room for a batch
         self._times = engine.plan_times_ms()
+        #: seconds one run of each plan takes (start-up measurement, then an EWMA of runs)
+        self._run_s = {size: ms / 1e3 for size, ms in self._times.items()}
         self._requests: dict[int, _Request] = {}
         self._wakeup = asyncio.Event()
         #: batches in flight: PIPELINE_DEPTH on each device behind the engine
@@ -216,6 +227,8 @@ class Batcher:
         self._running: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self._stopped = False  # a drain ran out of time: no batch is formed any more
+        #: how the drain went, once its time is up (before it waits for running batches)
+        self.drain_report: DrainReport | None = None
 
     @property
     def queued_chunks(self) -> int:
@@ -238,7 +251,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         silent = silent_windows(masks)
         skipped = int(np.count_nonzero(silent))
-        request = _Request(fbank, masks, loop.create_future(), np.flatnonzero(~silent) if skipped else None)
+        voiced = np.flatnonzero(~silent) if skipped else None
+        request = _Request(fbank, masks, loop.create_future(), voiced, deadline=deadline)
         if skipped:
             self._state.check_open(time.monotonic(), deadline)  # refused as if queued
             request.out[silent] = await self._silent_rows()
@@ -246,12 +260,18 @@ class Batcher:
             self.metrics.windows_skipped.inc(skipped)
             return JobResult(request.out, [], 0, 0.0)
         now = time.monotonic()
+        lead = self._lead_s()
+        if deadline is not None and now < deadline <= now + lead:
+            raise DeadlinePassed(
+                f"deadline {deadline - now:.3f} s away on arrival, less than one plan run ({lead:.3f} s): "
+                "it could not be answered in time"
+            )
         job = self._state.admit(request.chunks, int(masks.shape[-1]), now, deadline)
         self.metrics.windows_skipped.inc(skipped)
         self._requests[job] = request
         request.future.add_done_callback(lambda _: self._forget(job))
         if deadline is not None:
-            request.timer = loop.call_later(max(0.0, deadline - now), self._expire, deadline)
+            request.timer = loop.call_later(max(0.0, deadline - lead - now), self._expire)
         self._changed()
         try:
             return await asyncio.shield(request.future)
@@ -288,10 +308,15 @@ class Batcher:
                     request.future.set_exception(removal.error)
         self._changed()
 
-    def _expire(self, deadline: float) -> None:
-        """The timer of a job due at `deadline` fired: remove every queued job whose
-        deadline has passed (timers may fire a clock tick early, hence the max)."""
-        self._apply(list(self._state.expire(max(time.monotonic(), deadline))))
+    def _lead_s(self) -> float:
+        """The shortest plan run: a job due sooner cannot be answered in time."""
+        return min(self._run_s.values(), default=0.0)
+
+    def _expire(self) -> None:
+        """A job's timer fired (one plan run before its deadline): remove every queued job
+        due within one plan run (timers may fire a clock tick early: a job left here is
+        taken out when the next batch is formed, or by its caller's deadline)."""
+        self._apply(list(self._state.expire(time.monotonic(), self._lead_s())))
 
     def _forget(self, job: int) -> None:
         """The job's future is done: drop its arrays; runs still pending for it are skipped."""
@@ -338,7 +363,7 @@ class Batcher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), due)
                 continue
-            batch, removals = self._state.next_batch(now)
+            batch, removals = self._state.next_batch(now, self._lead_s())
             self._apply(list(removals))
             if batch is not None:
                 return batch
@@ -363,6 +388,9 @@ class Batcher:
                     self._fail(job, EngineFailed(f"engine error: {error}"))
                 return
             self._record(batch, outcome)
+            for job in batch.jobs:
+                if requests[job].late and not requests[job].future.done():
+                    self._fail(job, DeadlinePassed("deadline would pass before its chunks' plan run ended"))
             plans = [plan for _, _, run in outcome.runs for plan in run.plans]
             fallbacks = sum(run.fp16_fallbacks for _, _, run in outcome.runs)
             for piece in batch.pieces:
@@ -389,7 +417,11 @@ class Batcher:
         for count in cheapest_pieces(batch.chunks, sizes, self._times):
             parts = batch.rows(start, start + count)
             start += count
-            if all(requests[job].abandoned for job, _, _ in parts):
+            ends = time.monotonic() + self._run_s.get(plan_for(count, sizes), 0.0)
+            due = [requests[job] for job, _, _ in parts]
+            if all(r.abandoned or (r.deadline is not None and r.deadline <= ends) for r in due):
+                for request in due:
+                    request.late = not request.abandoned  # failed by _run, on the event loop
                 skipped += count
                 continue
             spans = [
@@ -413,6 +445,9 @@ class Batcher:
         chunks = sum(count for _, count, _ in outcome.runs)
         if not chunks:
             return
+        for size, _, run in outcome.runs:
+            estimate = self._run_s.get(size, run.compute_s)
+            self._run_s[size] = estimate + RUN_TIME_WEIGHT * (run.compute_s - estimate)
         m = self.metrics
         m.batch_size.observe(chunks)
         m.batch_fill.observe(chunks / sum(size for size, _, _ in outcome.runs))
@@ -451,6 +486,11 @@ class Batcher:
             why = "all work finished" if finished else f"the drain's {timeout_s:.1f} s passed"
             failed = self._stop(why)
             running = len(self._running)
+            chunks = sum(removal.chunks for removal in failed)
+            # known now, before the wait for running batches, which a caller may cut short
+            self.drain_report = DrainReport(
+                finished, len(failed), chunks, running, time.monotonic() - started
+            )
             if self._running:
                 await asyncio.gather(*list(self._running), return_exceptions=True)
         finally:  # also when cancelled: nothing stays queued, no thread is waited for
@@ -471,8 +511,8 @@ class Batcher:
             self._dispatcher.cancel()
         failed = self._state.fail_all("the server stopped before this request reached the engine")
         self._apply(list(failed))
-        if failed or self._running:
-            log.warning(
+        if failed or self._running:  # the server's drain line says it to the operator
+            log.debug(
                 "drain: %s; %d queued requests (%d chunks) failed with UNAVAILABLE, %d batches "
                 "already on the engine", why, len(failed), sum(r.chunks for r in failed), len(self._running),
             )  # fmt: skip

@@ -4,7 +4,8 @@ Why not prometheus_client's `start_http_server`: it serves each connection on a 
 its own for as long as the client keeps it open, so every idle connection to the metrics
 port held a thread (a scanner or a misbehaving scraper could hold hundreds). Here a
 connection is served by at most MAX_CONNECTIONS threads at once; one more is answered
-`503` and closed at once, and a connection idle for IDLE_TIMEOUT_S is closed. A scrape
+`503` and closed at once, and a connection idle for IDLE_TIMEOUT_S is closed. Only
+/metrics is served; every other path is 404. A scrape
 takes milliseconds and Prometheus opens one connection per target, so neither limit is
 ever near for it.
 """
@@ -16,6 +17,7 @@ import socket
 import socketserver
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -81,6 +83,28 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, WSGIServer):
             self.shutdown_request(request)
 
 
+#: The one path served: Prometheus scrapes /metrics by default (its metrics_path); anything
+#: else is 404, so a scanner or a typo learns nothing and a wrong scrape config fails loudly.
+METRICS_PATH = "/metrics"
+_NOT_FOUND_BODY = b"not found; the metrics are at /metrics\n"
+
+
+def only_metrics(app: Callable) -> Callable:
+    """`app` on METRICS_PATH (any query string), 404 on every other path."""
+
+    def routed(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") == METRICS_PATH:
+            return app(environ, start_response)
+        headers = [
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Content-Length", str(len(_NOT_FOUND_BODY))),
+        ]
+        start_response("404 Not Found", headers)
+        return [_NOT_FOUND_BODY]
+
+    return routed
+
+
 def serve_metrics(
     registry: CollectorRegistry,
     host: str,
@@ -90,7 +114,7 @@ def serve_metrics(
 ) -> tuple[BoundedMetricsServer, threading.Thread]:
     """Serve `registry` on host:port (0 = a free port) from a daemon thread."""
     server = BoundedMetricsServer((host, port), max_connections, idle_timeout_s)
-    server.set_app(make_wsgi_app(registry))
+    server.set_app(only_metrics(make_wsgi_app(registry)))
     thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
     return server, thread

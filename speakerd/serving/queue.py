@@ -253,10 +253,11 @@ class QueueState:
         oldest = min(job.enqueued for job in self._jobs.values())
         return max(0.0, oldest + max_delay_s - now)
 
-    def next_batch(self, now: float) -> tuple[Batch | None, list[Removal]]:
+    def next_batch(self, now: float, lead_s: float = 0.0) -> tuple[Batch | None, list[Removal]]:
         """Take the next batch (None when nothing is left), after removing the jobs whose
-        deadline passed (their removals are returned, errors DeadlinePassed)."""
-        removals = self.expire(now)
+        deadline passes within `lead_s` (their removals are returned, errors DeadlinePassed):
+        `lead_s` is the shortest plan run, so a job due sooner could not be answered in time."""
+        removals = self.expire(now, lead_s)
         pieces: list[Piece] = []
         started: list[tuple[int, float]] = []
         frames: set[int] = set()
@@ -294,14 +295,22 @@ class QueueState:
         """The caller of `job_id` went away: `remove` with Cancelled."""
         return self.remove(job_id, Cancelled("the caller went away before its chunks were embedded"))
 
-    def expire(self, now: float) -> list[Removal]:
-        """Remove every queued job whose deadline is <= now, wherever it is in the queue."""
-        expired = [job for job in self._jobs.values() if job.deadline is not None and job.deadline <= now]
+    def expire(self, now: float, lead_s: float = 0.0) -> list[Removal]:
+        """Remove every queued job whose deadline is <= now + lead_s, wherever it is in the
+        queue: work that could not finish before its deadline is not worth starting."""
+        horizon = now + lead_s
+        expired = [job for job in self._jobs.values() if job.deadline is not None and job.deadline <= horizon]
         removals = []
         for job in expired:
             queued = now - job.enqueued
+            assert job.deadline is not None
+            when = (
+                "passed"
+                if job.deadline <= now
+                else f"is {job.deadline - now:.3f} s away, less than one plan run ({lead_s:.3f} s),"
+            )
             error = DeadlinePassed(
-                f"deadline passed after {queued:.3f} s in the queue with {job.waiting} of "
+                f"deadline {when} after {queued:.3f} s in the queue with {job.waiting} of "
                 f"{job.chunks} chunks not yet in a batch"
             )
             removal = self.remove(job.id, error)

@@ -38,6 +38,7 @@ import grpc
 from speakerd.serving import heap
 from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.config import LOG_FORMAT
+from speakerd.serving.http2 import stream_options
 from speakerd.serving.receiver_link import (
     ABORT,
     CALL,
@@ -90,8 +91,7 @@ class Receiver:
                  ("grpc.max_send_message_length", s.max_message_bytes)]  # fmt: skip
         interceptors = [] if s.auth_tokens is None else [TokenAuthInterceptor(TokenFile(s.auth_tokens))]
         # every receiver binds the same port: the kernel spreads new connections over them
-        streams = ("grpc.max_concurrent_streams", s.max_concurrent_streams)
-        options = [*sizes, streams, ("grpc.so_reuseport", 1)]
+        options = [*sizes, *stream_options(s.max_concurrent_streams), ("grpc.so_reuseport", 1)]
         server = grpc.aio.server(options=options, interceptors=interceptors)
         server.add_generic_rpc_handlers((_Handlers(self),))
         self._channel = grpc.aio.insecure_channel(s.internal_target, options=sizes)

@@ -62,7 +62,7 @@ from speakerd.model.recording import (
 )
 from speakerd.model.resample import output_length
 from speakerd.serving.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
-from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation
+from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.v1 import speakerd_pb2 as pb
@@ -74,6 +74,11 @@ METHOD = "EmbedRecording"
 REQUEST_ID_KEY = "x-request-id"
 #: Longest recording one call may send: its frames take 32 KB per second (345 MB for 3 h).
 MAX_RECORDING_S = 3 * 3600.0
+#: EmbedRecording calls in progress at once; one more is RESOURCE_EXHAUSTED (retried by
+#: the clients). Each may hold a whole recording's frames and mask rows, so this bounds the
+#: server's memory (docs/service.md, speakerd/serving/memory.py); four calls keep a GPU busy
+#: (each submits batches as fast as the engine takes them).
+MAX_RECORDINGS = 4
 #: Batches of one call submitted and not yet answered: one per engine worker plus one being
 #: prepared keeps the engine busy; more would only hold fbank (10 MB per b32 batch) longer.
 #: With `serve --devices` every device has PIPELINE_DEPTH workers (`batches_in_flight`).
@@ -135,6 +140,7 @@ class RecordingService:
         self.max_seconds = max_seconds
         self.fbank_source = fbank_source
         self.pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="recording")
+        self.active = 0  # calls in progress, at most MAX_RECORDINGS
 
     def source_for(self, step: int) -> FbankSource:
         if self.fbank_source is not None:
@@ -154,12 +160,22 @@ class RecordingService:
         return _Call(self, context).run(requests)
 
     async def EmbedRecording(
-        self, requests: AsyncIterator[pb.EmbedRecordingRequest], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
+        """`requests`: the serialized EmbedRecordingRequests (service.register), each decoded
+        by the call (errors.decode_message: undecodable bytes are INVALID_ARGUMENT)."""
         host, started, code = self.host, time.perf_counter(), grpc.StatusCode.OK
         call = _Call(self, context)
         host._enter()
+        self.active += 1
         try:
+            if self.active > MAX_RECORDINGS:
+                raise Rejection(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "queue_full",
+                    f"recordings: {MAX_RECORDINGS} in progress, the most this server takes at once; "
+                    "retry with backoff",
+                )
             # closed at once when the handler ends, however it ends: its finally cancels the
             # call's batches (not left to the event loop's async-generator finalizer)
             async with contextlib.aclosing(call.run(requests)) as responses:
@@ -170,13 +186,13 @@ class RecordingService:
         except Rejection as error:
             code = error.code
             host.metrics.rejected.labels(reason=error.reason).inc()
-            level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
-            log.log(level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
+            log.log(error.level, "%s %s: %s %s", METHOD, call.request_id, code.name, error.message)
+            del call  # its frames and rows are not kept alive by the abort's cycle (errors.abort)
             await abort(context, error)
         except (asyncio.CancelledError, GeneratorExit):
             # CancelledError: the client went away while this handler awaited something;
             # GeneratorExit: while a response was being written (gRPC closes the generator)
-            code, reason = cancellation(context)
+            code, reason = cancellation(context, call.budget)
             host.metrics.rejected.labels(reason=reason).inc()
             log.info("%s %s: %s after %d windows sent", METHOD, call.request_id,
                      "deadline passed" if reason != "cancelled" else "cancelled", call.sent)  # fmt: skip
@@ -192,6 +208,7 @@ class RecordingService:
             host.metrics.request_duration.labels(method=METHOD, code=code.name).observe(
                 time.perf_counter() - started
             )
+            self.active -= 1
             host._leave()
 
 
@@ -204,7 +221,7 @@ class _Call:
         self.host = service.host
         self.context = context
         self.request_id = fresh_request_id()  # until the metadata or header give one
-        remaining = context.time_remaining()
+        remaining = self.budget = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
         self.decoder: RecordingDecoder | None = None
         self.step = 0
@@ -229,9 +246,7 @@ class _Call:
         self.progress = asyncio.Event()  # set by the reader when windows may have become ready
         self.ended = False  # the audio has ended and every check passed: submit the rest
 
-    async def run(
-        self, requests: AsyncIterator[pb.EmbedRecordingRequest]
-    ) -> AsyncIterator[pb.EmbedRecordingResponse]:
+    async def run(self, requests: AsyncIterator[bytes]) -> AsyncIterator[pb.EmbedRecordingResponse]:
         reader = asyncio.ensure_future(self._guarded(self._read(requests)))
         submitter = asyncio.ensure_future(self._guarded(self._submit_windows()))
         try:
@@ -279,11 +294,14 @@ class _Call:
             log.exception("%s %s: handling the call failed", METHOD, self.request_id)
             self._fail(Rejection(grpc.StatusCode.INTERNAL, "internal", f"server error: {error}"))
 
-    async def _read(self, requests: AsyncIterator[pb.EmbedRecordingRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
         """Every message as fast as it arrives: the upload is never paced by the engine (the
         audio becomes frames at once, so nothing waits in host memory), and the submitter
         is told after each one."""
-        async for message in requests:
+        index = 0
+        async for raw in requests:
+            message = decode_message(pb.EmbedRecordingRequest, raw, f"message {index} of the stream")
+            index += 1
             part = message.WhichOneof("part")
             if part != "header" and self.decoder is None:
                 raise InputError("header", f"the first message must be the header, got {part or 'nothing'}")

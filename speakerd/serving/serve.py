@@ -56,11 +56,14 @@ from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving import config, heap
 from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
-from speakerd.serving.batcher import Batcher
+from speakerd.serving.batcher import Batcher, DrainReport
 from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
+from speakerd.serving.http2 import stream_options
+from speakerd.serving.memory import memory_bound, resident_bytes
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
 from speakerd.serving.receivers import ReceiverFailed, ReceiverGroup
+from speakerd.serving.recording import MAX_RECORDINGS
 from speakerd.serving.security import TlsFileError, TlsFiles, add_port, server_credentials
 from speakerd.serving.service import (
     MAX_CONCURRENT_STREAMS,
@@ -121,12 +124,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"speakerd serve: error: {error}", file=sys.stderr)
         return USAGE_EXIT
     logging.basicConfig(level=settings.log_level, format=config.LOG_FORMAT)
+    heap.keep_freed_memory()  # before any thread: requests' buffers reused, arenas capped (heap.py)
     try:
         prepared = preflight(settings)
     except config.UsageError as error:
         log.error("%s", error)
         return USAGE_EXIT
-    heap.keep_freed_memory()  # requests' buffers reused, not faulted in again (heap.py)
     outcome = asyncio.run(serve(settings, prepared))
     if outcome.abandoned_work:
         # a batch or the warm-up is still running in native code; joining it (what the
@@ -408,8 +411,9 @@ class SpeakerServer:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
             # advertised in HTTP/2 SETTINGS: a client opens at most this many calls at once per
-            # connection, so one connection cannot queue unbounded work (service.py says why 32)
-            ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+            # connection, so one connection cannot queue unbounded work (service.py says why 32
+            # and why streams are counted as the client counts them)
+            *stream_options(MAX_CONCURRENT_STREAMS),
         ]
         interceptors = [] if self.prepared.tokens is None else [TokenAuthInterceptor(self.prepared.tokens)]
         self._server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -564,6 +568,15 @@ class SpeakerServer:
         self._report_memory(engine)
         frozen = heap.freeze_long_lived()  # full collections walk requests' objects only (heap.py)
         log.debug("%d start-up objects frozen out of the garbage collector's passes", frozen)
+        heap.give_back()  # the start-up's freed memory: the baseline is what serving keeps
+        bound = memory_bound(
+            resident_bytes(), s.max_message_bytes, s.queue_chunks, engine.max_batch,
+            len(self.prepared.devices or ()) or 1, s.receivers,
+        )  # fmt: skip
+        log.info("memory bound %d bytes + %d bytes per call open at once (at most %d a connection) + "
+                 "%d bytes per recording in progress (at most %d): %s; docs/service.md has the formula",
+                 bound.fixed, bound.per_call, MAX_CONCURRENT_STREAMS, bound.per_recording, MAX_RECORDINGS,
+                 bound.describe())  # fmt: skip
         if self._stopping is None:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -625,17 +638,25 @@ class SpeakerServer:
         log.info("draining: NOT_SERVING, new calls UNAVAILABLE, up to %.1f s for calls in progress",
                  s.drain_seconds)  # fmt: skip
         idle = await self.service.wait_idle(s.drain_seconds)
-        if not idle:
-            log.warning("drain: calls still in progress after %.1f s; failing them with UNAVAILABLE",
-                        s.drain_seconds)  # fmt: skip
+        calls_left = self.service.inflight
         remaining = max(0.0, s.drain_seconds - (time.monotonic() - started))
         # queued chunks are failed with UNAVAILABLE (Draining) once `remaining` is spent; the
         # wait for batches already in the engine is bounded, they are not interruptible
         try:
-            await asyncio.wait_for(self.batcher.close(remaining), remaining + FAIL_LEFTOVERS_S)
+            await asyncio.wait_for(self.batcher.drain(remaining), remaining + FAIL_LEFTOVERS_S)
             batches_done = True
         except TimeoutError:
             batches_done = False
+        report = self.batcher.drain_report or DrainReport(False, 0, 0, 0, remaining)
+        if not idle or not report.finished or not batches_done:
+            # one line for an operator: what the drain gave up, not a line per piece of it
+            log.warning(
+                "drain: --drain-seconds %.1f passed; abandoned %d calls in progress (answered UNAVAILABLE "
+                "or cancelled), %d queued requests (%d chunks) failed with UNAVAILABLE, %d batches %s",
+                s.drain_seconds, calls_left, report.failed_requests, report.failed_chunks,
+                report.running_batches, "still running in the engine, not waited for" if not batches_done
+                else "that ran to their end",
+            )  # fmt: skip
         # calls still waiting on a running batch: the server cancels them (clients: UNAVAILABLE)
         await self._stop_receivers(STOP_GRACE_S if idle else 0)
         await self._server.stop(STOP_GRACE_S if idle else 0)
@@ -643,7 +664,6 @@ class SpeakerServer:
             # worker processes end whatever they run: nothing in this process is cut short
             self.engine.close()
         if not batches_done:
-            log.warning("drain: a batch is still running in the engine; not waiting for it")
             self.abandoned_work = True
 
     async def wait(self) -> int:

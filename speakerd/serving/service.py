@@ -26,7 +26,9 @@ Which code for which failure:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -55,9 +57,10 @@ from speakerd.model.inputs import (
 )
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.model.source import ModelSource
+from speakerd.serving import heap
 from speakerd.serving.batcher import Batcher, BatcherError
 from speakerd.serving.budget import ByteBudget
-from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation
+from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
 from speakerd.serving.metrics import Metrics
 from speakerd.serving.recording import RecordingService
 from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
@@ -78,6 +81,11 @@ DECODE_BUDGET_MESSAGES = DECODE_THREADS
 #: Requests of one stream in flight at once: enough to keep a b32 plan busy from a single
 #: stream of small requests; gRPC flow control holds the client back beyond it.
 STREAM_WINDOW = 16
+#: Seconds without a call in progress after which the memory calls freed is given back to
+#: the system (heap.give_back): long enough that steady load, whose calls overlap, keeps
+#: its buffers (heap.py says why that matters), short enough that a burst's memory does
+#: not outlive it by much.
+IDLE_TRIM_S = 1.0
 #: Value for the server option `grpc.max_concurrent_streams`: calls open at once on one
 #: connection. gRPC receives a call's whole message before the handler runs, so this times
 #: the message limit bounds what one connection can make the server hold (32 x 64 MiB);
@@ -149,7 +157,7 @@ def decode(raw: bytes, max_chunks: int, waveform_fbank: WaveformFbank) -> Decode
     try:
         request = parse_request(raw)
     except WireError as error:
-        raise Rejection.invalid(error.field, error.message) from error
+        raise Rejection.undecodable(error.field, error.message) from error
     try:
         request_id = check_request_id(request.request_id, "request_id")
     except RequestIdError as error:
@@ -177,6 +185,7 @@ class SpeakerEmbeddingService:
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="decode")
         self._budget = ByteBudget(DECODE_BUDGET_MESSAGES * max_message_bytes)
         self._inflight = 0
+        self._trim: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.recording)
@@ -185,6 +194,11 @@ class SpeakerEmbeddingService:
         """Serve with `engine` through `batcher`; `source` is where its weights came from."""
         self.engine, self.batcher = engine, batcher
         self.model_source = source or ModelSource()
+
+    @property
+    def inflight(self) -> int:
+        """Calls in progress now (embed calls and recordings)."""
+        return self._inflight
 
     def begin_drain(self) -> None:
         """New calls get UNAVAILABLE from now on; calls already in progress finish."""
@@ -211,6 +225,7 @@ class SpeakerEmbeddingService:
                 "EmbedChunks", raw, context, lambda given: _request_id(context, given)
             )
         except Rejection as error:
+            del raw  # not kept alive by the abort's reference cycle (errors.abort)
             await abort(context, error)
             raise  # not reached: abort raises
 
@@ -293,9 +308,15 @@ class SpeakerEmbeddingService:
             for task in pending.values():
                 task.cancel()
 
-    async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelInfo:
+    async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        """`raw`: the serialized GetModelInfoRequest (see `register`): bytes that are not one
+        are INVALID_ARGUMENT, not the UNKNOWN gRPC's own deserializer answers."""
+        try:
+            decode_message(pb.GetModelInfoRequest, raw)
+        except Rejection as error:
+            self.metrics.rejected.labels(reason=error.reason).inc()
+            log.log(error.level, "GetModelInfo: %s %s", error.code.name, error.message)
+            await abort(context, error)
         engine = self.engine
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still warming up")
@@ -342,6 +363,7 @@ class SpeakerEmbeddingService:
         stream passed validation (False when one failed); `validated` is resolved likewise
         for this request and those before it."""
         started = time.perf_counter()
+        budget = context.time_remaining()  # the deadline's share of it decides a cancellation's reason
         code = grpc.StatusCode.OK
         request_id = fresh_request_id()
         self._enter()
@@ -364,11 +386,10 @@ class SpeakerEmbeddingService:
                 request_id = _or_fresh(name, error.given_id)
             error.request_id = request_id
             self.metrics.rejected.labels(reason=error.reason).inc()
-            level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
-            log.log(level, "%s %s: %s %s", method, request_id, code.name, error.message)
+            log.log(error.level, "%s %s: %s %s", method, request_id, code.name, error.message)
             raise
         except asyncio.CancelledError:
-            code, reason = cancellation(context)
+            code, reason = cancellation(context, budget)
             self.metrics.rejected.labels(reason=reason).inc()
             log.info("%s %s: %s", method, request_id, reason.replace("_", " "))
             raise
@@ -399,6 +420,19 @@ class SpeakerEmbeddingService:
         self.metrics.inflight.dec()
         if self._inflight == 0:
             self._idle.set()
+            if self._trim is not None:
+                self._trim.cancel()
+            self._trim = asyncio.get_running_loop().call_later(IDLE_TRIM_S, self._give_back)
+
+    def _give_back(self) -> None:
+        """Still idle IDLE_TRIM_S after the last call: collect the calls' garbage (a failed
+        call's request bytes can sit in a reference cycle, through its exception's
+        traceback, until a full collection), then return freed memory, off the loop."""
+        self._trim = None
+        if self._inflight == 0:
+            gc.collect()
+            with contextlib.suppress(RuntimeError):  # the executor is shut down: stopping
+                self._decoder.submit(heap.give_back)
 
     def _ready(self) -> Batcher:
         """The batcher when calls are taken; Rejection (UNAVAILABLE) while warming or draining."""
@@ -489,8 +523,9 @@ def _or_fresh(name: Callable[[str], str], given: str) -> str:
 
 def register(service: SpeakerEmbeddingService, server: grpc.aio.Server) -> None:
     """Add `service` to `server` as the generated add_SpeakerEmbeddingServicer_to_server
-    would, except that the embed methods get their requests as raw bytes (no request
-    deserializer), for request_wire.parse_request to read without copying the tensors."""
+    would, except that every method gets its requests as raw bytes (no request
+    deserializer): the embed methods for wire.parse_request to read without copying the
+    tensors, the others to answer undecodable bytes as INVALID_ARGUMENT (decode_message)."""
     handlers = {
         "EmbedChunks": grpc.unary_unary_rpc_method_handler(
             service.EmbedChunks, response_serializer=pb.EmbedResponse.SerializeToString
@@ -498,15 +533,12 @@ def register(service: SpeakerEmbeddingService, server: grpc.aio.Server) -> None:
         "EmbedChunksStream": grpc.stream_stream_rpc_method_handler(
             service.EmbedChunksStream, response_serializer=pb.EmbedResponse.SerializeToString
         ),
+        # raw bytes too, decoded by the handlers (errors.decode_message says why)
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetModelInfo,
-            request_deserializer=pb.GetModelInfoRequest.FromString,
-            response_serializer=pb.ModelInfo.SerializeToString,
+            service.GetModelInfo, response_serializer=pb.ModelInfo.SerializeToString
         ),
         "EmbedRecording": grpc.stream_stream_rpc_method_handler(
-            service.recordings.EmbedRecording,
-            request_deserializer=pb.EmbedRecordingRequest.FromString,
-            response_serializer=pb.EmbedRecordingResponse.SerializeToString,
+            service.recordings.EmbedRecording, response_serializer=pb.EmbedRecordingResponse.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
