@@ -25,9 +25,9 @@ from grpc_status import rpc_status
 from speakerd.client.client import build_request
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS
 from speakerd.model.inputs import MAX_FBANK_MAGNITUDE
-from speakerd.serving.budget import ByteBudget
-from speakerd.serving.request_ids import MAX_REQUEST_ID_CHARS
-from speakerd.serving.service import SERVICE_NAME, STREAM_WINDOW
+from speakerd.serving.api.request_ids import MAX_REQUEST_ID_CHARS
+from speakerd.serving.api.service import SERVICE_NAME, STREAM_WINDOW
+from speakerd.serving.memory.budget import ByteBudget
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import to_tensor
 from tests.serving import ServerProcess, scrape, start_server

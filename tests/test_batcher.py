@@ -18,7 +18,7 @@ import pytest
 from speakerd.engine.base import BatchRun, Engine, Pieces, batch_inputs
 from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.numerics import Math, resize_masks
-from speakerd.serving.batcher import (
+from speakerd.serving.batching.batcher import (
     PIPELINE_DEPTH,
     Batcher,
     DeadlinePassed,
@@ -27,7 +27,7 @@ from speakerd.serving.batcher import (
     cheapest_pieces,
     plan_for,
 )
-from speakerd.serving.metrics import Metrics
+from speakerd.serving.observability.metrics import Metrics
 
 PLANS = (1, 8, 32)
 #: The stand-in engine's plans: small enough that a few requests fill several batches.
@@ -473,8 +473,8 @@ _EXIT_SCRIPT = textwrap.dedent(
     import numpy as np
     from speakerd.engine.base import BatchRun, Engine
     from speakerd.model.numerics import Math
-    from speakerd.serving.batcher import PIPELINE_DEPTH, Batcher
-    from speakerd.serving.metrics import Metrics
+    from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher
+    from speakerd.serving.observability.metrics import Metrics
 
     class Stuck(Engine):
         name, model_id, math, plan_sizes = "stuck", "stuck", Math.FP32, (1, 4)
@@ -528,7 +528,7 @@ def test_calls_expired_or_cancelled_in_the_queue_are_counted_and_free_it() -> No
     afterwards, a cancelled stream's queued requests never run, and a new call is served."""
     grpc = pytest.importorskip("grpc")
     from speakerd.client.client import NO_RETRY, AsyncSpeakerClient, build_request
-    from speakerd.serving.service import SpeakerEmbeddingService, register
+    from speakerd.serving.api.service import SpeakerEmbeddingService, register
 
     async def scenario() -> None:
         engine = ArithmeticEngine()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from speakerd.model.numerics import Math
-from speakerd.serving import config
+from speakerd.serving.server import config
 
 
 def parse(argv: list[str]) -> config.ServeConfig:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from speakerd.serving.service import SERVICE_NAME
+from speakerd.serving.api.service import SERVICE_NAME
 from tests.serving import ServerProcess, scrape, start_server
 from tests.test_bad_inputs import _good
 

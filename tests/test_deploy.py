@@ -1,8 +1,8 @@
 """The deployment files are valid and agree with the server they deploy.
 
 Kubernetes, Prometheus, prometheus-adapter, Grafana and the Dockerfile each name ports,
-flags, metric names and labels that the server defines in speakerd/serving/config.py and
-speakerd/serving/metrics.py. Nothing fails loudly when they drift apart: a misspelt metric is an
+flags, metric names and labels that the server defines in speakerd/serving/server/config.py and
+speakerd/serving/observability/metrics.py. Nothing fails loudly when they drift apart: a misspelt metric is an
 empty panel or an alert that never fires, a wrong env value a pod that crash-loops. So
 every such reference is checked here against the server's own tables, and docs/service.md's
 flag and metric tables are checked against the same tables.
@@ -29,11 +29,11 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from speakerd.model.source import REPO_ID
-from speakerd.serving import config
-from speakerd.serving.device_pool import SLOTS_PER_DEVICE
-from speakerd.serving.metrics import METRIC_NAMES, Metrics
-from speakerd.serving.serve import STOP_GRACE_S
-from speakerd.serving.shared_slots import SlotLayout
+from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE
+from speakerd.serving.devices.shared_slots import SlotLayout
+from speakerd.serving.observability.metrics import METRIC_NAMES, Metrics
+from speakerd.serving.server import config
+from speakerd.serving.server.serve import STOP_GRACE_S
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -114,7 +114,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def serve_flags() -> dict[str, argparse.Action]:
-    """SPEAKERD_<NAME> -> the serve flag it sets (the rule speakerd/serving/config.py applies)."""
+    """SPEAKERD_<NAME> -> the serve flag it sets (the rule speakerd/serving/server/config.py applies)."""
     flags = {}
     for action in serve_parser()._actions:
         long = [option for option in action.option_strings if option.startswith("--")]
@@ -232,7 +232,7 @@ def test_schema_validation_rejects_a_misspelt_field() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Deployment vs speakerd/serving/config.py
+# Deployment vs speakerd/serving/server/config.py
 # ---------------------------------------------------------------------------------------
 
 
@@ -732,7 +732,7 @@ def test_a_non_editable_install_carries_the_kernels_as_package_data(tmp_path: Pa
 
 
 def flag_table_rows() -> list[str]:
-    """docs/service.md's flag table, one row per serve flag, generated from speakerd/serving/config.py."""
+    """docs/service.md's flag table, one row per serve flag, from speakerd/serving/server/config.py."""
     rows = []
     for env, action in serve_flags().items():
         # flags without a default: --model takes the synthetic model, the TLS and token files are off
@@ -769,7 +769,7 @@ def test_service_doc_flag_table_is_config(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.delenv(env, raising=False)
     rows = [row for row in service_doc_table("### Flags and environment") if row.startswith("| `--")]
     assert rows == flag_table_rows(), (
-        "docs/service.md's flag table differs from speakerd/serving/config.py:\n"
+        "docs/service.md's flag table differs from speakerd/serving/server/config.py:\n"
         + "\n".join(flag_table_rows())
     )
 

@@ -1,4 +1,4 @@
-"""The device choice of `serve --devices` as plain data (speakerd/serving/device_table.py):
+"""The device choice of `serve --devices` as plain data (speakerd/serving/devices/device_table.py):
 least-loaded first, ties to the lowest index, full devices skipped, taken-out devices never
 chosen again. No processes: the pool's processes are tested in tests/test_devices.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from speakerd.serving.device_table import DeviceTable, Lease
+from speakerd.serving.devices.device_table import DeviceTable, Lease
 
 
 def test_least_loaded_device_first_ties_to_the_lowest_index() -> None:

@@ -30,13 +30,13 @@ from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
-from speakerd.serving import config as serve_config
-from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, PoolConfig
-from speakerd.serving.metrics import Metrics
-from speakerd.serving.queue import NoDevice
-from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
-from speakerd.serving.serve import _check_shared_memory
-from speakerd.serving.shared_slots import SlotLayout, shared_memory_free
+from speakerd.serving.batching.queue import NoDevice
+from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE, DevicePool, PoolConfig
+from speakerd.serving.devices.shared_slots import SlotLayout, shared_memory_free
+from speakerd.serving.observability.metrics import Metrics
+from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
+from speakerd.serving.server import config as serve_config
+from speakerd.serving.server.serve import _check_shared_memory
 from tests.serving import ServerProcess, scrape, start_server
 
 #: Small plans keep each CPU batch short (b1 ~0.15 s on one core) while a b4 request still

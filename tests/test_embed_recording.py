@@ -28,7 +28,7 @@ from speakerd.model.fbank import chunk_recording, fbank
 from speakerd.model.numerics import BOUNDS, Math, compare
 from speakerd.model.recording import exclude_overlap
 from speakerd.model.resample import resample
-from speakerd.serving.recording import BATCHES_IN_FLIGHT
+from speakerd.serving.api.recording import BATCHES_IN_FLIGHT
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import to_tensor

@@ -37,8 +37,8 @@ from speakerd.model.architecture import (
 )
 from speakerd.model.cases import CASE_NAMES, FILE_SUFFIX
 from speakerd.reference.self_check import check_engine, check_sizes
-from speakerd.serving import config
-from speakerd.serving.serve import plan_times_text
+from speakerd.serving.server import config
+from speakerd.serving.server.serve import plan_times_text
 from tests.serving import start_server
 
 #: Start-up of a subprocess that fails its front-door checks: imports, then one check.

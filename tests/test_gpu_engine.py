@@ -24,7 +24,7 @@ import pytest
 from speakerd.model.architecture import BLOCKS, CONVS, EMBEDDING_DIM, MAX_SPEAKERS, STEM, TAP_NAMES, tap_shape
 from speakerd.model.inputs import InputError, InputLengthError
 from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
-from speakerd.serving.config import env_default
+from speakerd.serving.server.config import env_default
 
 
 def _gpu() -> tuple[bool, str]:

@@ -1,4 +1,4 @@
-"""serving/heap.py: a server process keeps the memory its requests free (glibc's malloc).
+"""serving/memory/heap.py: a server process keeps the memory its requests free (glibc's malloc).
 
 What a newcomer should read here: a process that again and again holds two 32-chunk
 requests' worth of bytes at once and frees them (what receiving a gRPC message and copying
@@ -28,7 +28,7 @@ MAX_FAULTS_PER_CYCLE = REQUEST_BYTES // PAGE_BYTES // 10
 CHILD = """
 import json, resource, sys
 if sys.argv[1] == "keep":
-    from speakerd.serving.heap import keep_freed_memory
+    from speakerd.serving.memory.heap import keep_freed_memory
     applied = keep_freed_memory()
 else:
     applied = None
@@ -77,7 +77,7 @@ def test_freed_request_buffers_are_reused_not_faulted_in_again(capsys) -> None:
 
 FREEZE_CHILD = """
 import gc, json
-from speakerd.serving import heap
+from speakerd.serving.memory import heap
 kept = [[i] for i in range(200_000)]  # what a start-up leaves: long-lived (tracked) objects
 gc.collect()
 before = len(gc.get_objects(generation=2))

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from speakerd.serving.service import SERVICE_NAME
+from speakerd.serving.api.service import SERVICE_NAME
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import to_tensor
 from tests.serving import ServerProcess, scrape, start_server

@@ -2,7 +2,7 @@
 
 A CPU server runs in a memory cgroup (cgroup v2 where its memory controller is there to
 use, else the v1 memory hierarchy) capped, once warm, at the bound it logs: the formula of
-docs/service.md (speakerd/serving/memory.py) for its flags and the 80 calls this test keeps
+docs/service.md (speakerd/serving/server/memory_bound.py) for its flags and the 80 calls this test keeps
 open at once, with no recording in progress. Then 10 floods of 16 connections x 5
 concurrent maximum-size messages (more bytes than its decode budget), and 16 concurrent
 maximum-size messages. Each is answered INVALID_ARGUMENT (25 chunks, more than the 8-chunk
@@ -33,7 +33,7 @@ import pytest
 
 from speakerd.client.client import build_request
 from speakerd.model.architecture import FRAMES, MEL_BINS
-from speakerd.serving.service import SERVICE_NAME
+from speakerd.serving.api.service import SERVICE_NAME
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor
 from tests.serving import ServerProcess, start_server

@@ -17,7 +17,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter
 
-from speakerd.serving.metrics_http import BUSY_RESPONSE, serve_metrics
+from speakerd.serving.observability.metrics_http import BUSY_RESPONSE, serve_metrics
 
 LIMIT = 2
 IDLE_CONNECTIONS = 12

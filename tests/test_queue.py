@@ -1,4 +1,4 @@
-"""The batch queue's state machine (speakerd.serving.queue), driven synchronously: no
+"""The batch queue's state machine (speakerd.serving.batching.queue), driven synchronously: no
 engine, no event loop, the clock passed in by hand."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import random
 import pytest
 
 from speakerd.model.architecture import TRUNK_FRAMES
-from speakerd.serving.metrics import REJECT_REASONS
-from speakerd.serving.queue import (
+from speakerd.serving.batching.queue import (
     BatcherError,
     Cancelled,
     DeadlinePassed,
@@ -18,6 +17,7 @@ from speakerd.serving.queue import (
     QueueFull,
     QueueState,
 )
+from speakerd.serving.observability.metrics import REJECT_REASONS
 
 #: pyannote segmentation-3.0's mask frames, the usual F
 F = 589

@@ -27,8 +27,8 @@ from speakerd.client.client import NO_RETRY
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.architecture import FRAMES, MEL_BINS
 from speakerd.model.numerics import Math
-from speakerd.serving.batcher import PIPELINE_DEPTH
-from speakerd.serving.receiver_link import SLOT_BYTES
+from speakerd.serving.batching.batcher import PIPELINE_DEPTH
+from speakerd.serving.receivers.receiver_link import SLOT_BYTES
 from tests.serving import ServerProcess, scrape, start_server
 
 #: b8 keeps CPU batches short (~2 s) yet several requests share one.

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from speakerd.serving.request_ids import MAX_REQUEST_ID_BYTES
-from speakerd.serving.wire import MAX_FIELDS, MAX_GROUP_DEPTH, WireError, WireRequest, parse_request
+from speakerd.serving.api.request_ids import MAX_REQUEST_ID_BYTES
+from speakerd.serving.api.wire import MAX_FIELDS, MAX_GROUP_DEPTH, WireError, WireRequest, parse_request
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor, to_tensor
 

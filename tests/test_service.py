@@ -28,8 +28,8 @@ from speakerd.client.verify import main as verify_main
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.architecture import EMBEDDING_DIM
 from speakerd.model.numerics import Math
-from speakerd.serving.batcher import PIPELINE_DEPTH
-from speakerd.serving.metrics import METRIC_NAMES
+from speakerd.serving.batching.batcher import PIPELINE_DEPTH
+from speakerd.serving.observability.metrics import METRIC_NAMES
 from tests.serving import ServerProcess, scrape, start_server
 
 #: Plans of the test servers: b8 keeps CPU batches short (~1 s) yet spans several requests.

@@ -24,8 +24,8 @@ from speakerd.model.audio import speaker_masks, synthetic_recording
 from speakerd.model.fbank import chunk_recording, fbank
 from speakerd.model.numerics import Math, resize_masks
 from speakerd.model.recording import Encoding, RecordingDecoder, exclude_overlap
-from speakerd.serving.batcher import Batcher, DeadlinePassed, Draining, silent_windows
-from speakerd.serving.metrics import Metrics
+from speakerd.serving.batching.batcher import Batcher, DeadlinePassed, Draining, silent_windows
+from speakerd.serving.observability.metrics import Metrics
 from tests.serving import ServerProcess, scrape, start_server
 
 #: Plans of the engines here: b8 keeps a CPU batch short while a request spans several.

@@ -23,8 +23,8 @@ import pytest
 from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY, SpeakerClient
 from speakerd.model.architecture import FRAMES, MASK_FRAMES, MEL_BINS
-from speakerd.serving.auth import TokenFile, bearer_token, parse_tokens
-from speakerd.serving.security import ReloadingCertificates, TlsFileError, TlsFiles
+from speakerd.serving.access.auth import TokenFile, bearer_token, parse_tokens
+from speakerd.serving.access.security import ReloadingCertificates, TlsFileError, TlsFiles
 from tests.serving import ServerProcess, start_server
 from tests.tls_certs import Authority, require_openssl
 

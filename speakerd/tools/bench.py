@@ -29,7 +29,7 @@ from speakerd.engine.factory import gpu_kernel_options
 from speakerd.model.architecture import MAX_SPEAKERS, TRUNK_FLOPS_PER_CHUNK
 from speakerd.model.numerics import Math, compare, pad_speakers
 from speakerd.model.source import add_model_flag
-from speakerd.serving.config import CONV_KERNELS, env_default
+from speakerd.serving.server.config import CONV_KERNELS, env_default
 
 #: The reference case each benchmarked batch size runs (docs/model.md names).
 CASE_FOR_BATCH = {1: "first_b1", 32: "mixed_b32"}

@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from speakerd.engine.base import Engine
-from speakerd.serving.batcher import PIPELINE_DEPTH, Batcher
-from speakerd.serving.config import DEFAULT_MAX_DELAY_MS
-from speakerd.serving.metrics import Metrics
+from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher
+from speakerd.serving.observability.metrics import Metrics
+from speakerd.serving.server.config import DEFAULT_MAX_DELAY_MS
 
 #: The server's default batching delay (a full b32 batch never waits for it).
 MAX_DELAY_S = DEFAULT_MAX_DELAY_MS / 1e3

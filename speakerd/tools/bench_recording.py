@@ -23,7 +23,7 @@ from speakerd.engine.base import Engine
 from speakerd.model.architecture import EMBEDDING_DIM, MASK_FRAMES, MAX_SPEAKERS
 from speakerd.model.fbank import STEP_SAMPLES
 from speakerd.model.recording import Encoding, RecordingDecoder, window_count
-from speakerd.serving.batcher import PIPELINE_DEPTH
+from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 
 #: Speech-like level for the synthetic recording (-20 dBFS RMS); timing does not depend on it.
 NOISE_RMS = 0.1

@@ -29,9 +29,9 @@ import numpy as np
 
 from speakerd.model.inputs import InputError
 from speakerd.model.voiceprint import MIN_ENROLL_SPEECH_S, MIN_QUERY_SPEECH_S, check_threshold
-from speakerd.serving.errors import Rejection, abort, cancellation
-from speakerd.serving.recording import REQUEST_ID_KEY, Host, RecordingService
-from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
+from speakerd.serving.api.errors import Rejection, abort, cancellation
+from speakerd.serving.api.recording import REQUEST_ID_KEY, Host, RecordingService
+from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.voiceprints.index import VoiceprintIndex
 from speakerd.serving.voiceprints.records import DuplicateSpeaker, StoreUnavailable, VoiceprintRecord
 from speakerd.serving.voiceprints.speech import Speech, collect

@@ -32,7 +32,7 @@ from speakerd.model.voiceprint import (
     segment_masks,
     speech_seconds,
 )
-from speakerd.serving.recording import DEFAULT_STEP_S, ENCODINGS, RecordingService
+from speakerd.serving.api.recording import DEFAULT_STEP_S, ENCODINGS, RecordingService
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-from speakerd.serving.auth import bearer_token
+from speakerd.serving.access.auth import bearer_token
 
 DEFAULT_TENANT = "default"
 #: Hex digits of the token's SHA-256 kept: 128 bits, no collision between real tokens.

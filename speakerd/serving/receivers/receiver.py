@@ -35,11 +35,12 @@ from typing import Any
 
 import grpc
 
-from speakerd.serving import heap
-from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
-from speakerd.serving.config import LOG_FORMAT
-from speakerd.serving.http2 import stream_options
-from speakerd.serving.receiver_link import (
+from speakerd.serving.access.auth import TokenAuthInterceptor, TokenFile
+from speakerd.serving.access.security import TlsFiles, add_port, server_credentials
+from speakerd.serving.api.http2 import stream_options
+from speakerd.serving.memory import heap
+from speakerd.serving.observability.logs import LOG_FORMAT
+from speakerd.serving.receivers.receiver_link import (
     ABORT,
     CALL,
     CANCEL,
@@ -53,7 +54,6 @@ from speakerd.serving.receiver_link import (
     read_link,
     send,
 )
-from speakerd.serving.security import TlsFiles, add_port, server_credentials
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import grpc
 
-from speakerd.serving.errors import cancellation
-from speakerd.serving.receiver import receiver_main
-from speakerd.serving.receiver_link import (
+from speakerd.serving.api.errors import cancellation
+from speakerd.serving.receivers.receiver import receiver_main
+from speakerd.serving.receivers.receiver_link import (
     ABORT,
     CALL,
     CANCEL,

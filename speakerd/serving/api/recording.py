@@ -61,10 +61,10 @@ from speakerd.model.recording import (
     window_starts_s,
 )
 from speakerd.model.resample import output_length
-from speakerd.serving.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
-from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
-from speakerd.serving.metrics import Metrics
-from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
+from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
+from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
+from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
+from speakerd.serving.observability.metrics import Metrics
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
 
@@ -76,7 +76,7 @@ REQUEST_ID_KEY = "x-request-id"
 MAX_RECORDING_S = 3 * 3600.0
 #: EmbedRecording calls in progress at once; one more is RESOURCE_EXHAUSTED (retried by
 #: the clients). Each may hold a whole recording's frames and mask rows, so this bounds the
-#: server's memory (docs/service.md, speakerd/serving/memory.py); four calls keep a GPU busy
+#: server's memory (docs/service.md, speakerd/serving/server/memory_bound.py); four calls keep a GPU busy
 #: (each submits batches as fast as the engine takes them).
 MAX_RECORDINGS = 4
 #: Batches of one call submitted and not yet answered: one per engine worker plus one being
@@ -124,7 +124,7 @@ def _invalid(error: InputError | TensorError | RequestIdError) -> Rejection:
 
 
 class RecordingService:
-    """The EmbedRecording method of `host` (registered by speakerd.serving.service.register)."""
+    """The EmbedRecording method of `host` (registered by speakerd.serving.api.service.register)."""
 
     def __init__(
         self,

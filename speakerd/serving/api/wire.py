@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from speakerd.serving.request_ids import MAX_REQUEST_ID_BYTES, MAX_REQUEST_ID_CHARS
+from speakerd.serving.api.request_ids import MAX_REQUEST_ID_BYTES, MAX_REQUEST_ID_CHARS
 from speakerd.v1.tensors import MAX_DIMS
 
 #: Protobuf wire types (encoding.md in the protobuf docs).

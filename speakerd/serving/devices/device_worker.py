@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchRun, Engine
-from speakerd.serving import heap
-from speakerd.serving.shared_slots import SharedSlot, SlotLayout
+from speakerd.serving.devices.shared_slots import SharedSlot, SlotLayout
+from speakerd.serving.memory import heap
 
 log = logging.getLogger(__name__)
 

@@ -54,25 +54,27 @@ from speakerd.model.numerics import Math
 from speakerd.model.source import ModelSource, ResolvedModel
 from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
-from speakerd.serving import config, heap
-from speakerd.serving.auth import TokenAuthInterceptor, TokenFile
-from speakerd.serving.batcher import Batcher, DrainReport
-from speakerd.serving.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
-from speakerd.serving.http2 import stream_options
-from speakerd.serving.memory import memory_bound, resident_bytes
-from speakerd.serving.metrics import Metrics
-from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
-from speakerd.serving.receivers import ReceiverFailed, ReceiverGroup
-from speakerd.serving.recording import MAX_RECORDINGS
-from speakerd.serving.security import TlsFileError, TlsFiles, add_port, server_credentials
-from speakerd.serving.service import (
+from speakerd.serving.access.auth import TokenAuthInterceptor, TokenFile
+from speakerd.serving.access.security import TlsFileError, TlsFiles, add_port, server_credentials
+from speakerd.serving.api.http2 import stream_options
+from speakerd.serving.api.recording import MAX_RECORDINGS
+from speakerd.serving.api.service import (
     MAX_CONCURRENT_STREAMS,
     SERVICE_NAME,
     SpeakerEmbeddingService,
     package_version,
     register,
 )
-from speakerd.serving.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
+from speakerd.serving.batching.batcher import Batcher, DrainReport
+from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
+from speakerd.serving.devices.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
+from speakerd.serving.memory import heap
+from speakerd.serving.observability.logs import LOG_FORMAT
+from speakerd.serving.observability.metrics import Metrics
+from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
+from speakerd.serving.receivers.receivers import ReceiverFailed, ReceiverGroup
+from speakerd.serving.server import config
+from speakerd.serving.server.memory_bound import memory_bound, resident_bytes
 from speakerd.serving.voiceprints.records import StoreUnavailable
 from speakerd.serving.voiceprints.service import VoiceprintService
 from speakerd.serving.voiceprints.service import register as register_voiceprints
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     except config.UsageError as error:
         print(f"speakerd serve: error: {error}", file=sys.stderr)
         return USAGE_EXIT
-    logging.basicConfig(level=settings.log_level, format=config.LOG_FORMAT)
+    logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
     heap.keep_freed_memory()  # before any thread: requests' buffers reused, arenas capped (heap.py)
     try:
         prepared = preflight(settings)

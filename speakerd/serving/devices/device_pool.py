@@ -40,12 +40,12 @@ from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_in
 from speakerd.model.architecture import FRAMES, MEL_BINS, TRUNK_FRAMES
 from speakerd.model.numerics import Math, resize_masks
 from speakerd.reference.self_check import SelfCheckFailed
-from speakerd.serving.batcher import PIPELINE_DEPTH
-from speakerd.serving.device_table import DeviceTable, Lease
-from speakerd.serving.device_worker import WorkerInfo, WorkerSpec, visible_gpu, worker_main
-from speakerd.serving.metrics import Metrics
-from speakerd.serving.queue import NoDevice
-from speakerd.serving.shared_slots import SharedSlot, SlotLayout
+from speakerd.serving.batching.batcher import PIPELINE_DEPTH
+from speakerd.serving.batching.queue import NoDevice
+from speakerd.serving.devices.device_table import DeviceTable, Lease
+from speakerd.serving.devices.device_worker import WorkerInfo, WorkerSpec, visible_gpu, worker_main
+from speakerd.serving.devices.shared_slots import SharedSlot, SlotLayout
+from speakerd.serving.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from speakerd.model.architecture import FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES
-from speakerd.serving.batcher import PIPELINE_DEPTH
-from speakerd.serving.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
-from speakerd.serving.recording import MAX_RECORDING_S, WINDOW_S
-from speakerd.serving.service import DECODE_BUDGET_MESSAGES
+from speakerd.serving.api.recording import MAX_RECORDING_S, WINDOW_S
+from speakerd.serving.api.service import DECODE_BUDGET_MESSAGES
+from speakerd.serving.batching.batcher import PIPELINE_DEPTH
+from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
 
 MB = 1_000_000
 #: One queued chunk: its float32 fbank and its masks at the most frames a request may send.

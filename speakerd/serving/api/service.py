@@ -57,14 +57,14 @@ from speakerd.model.inputs import (
 )
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.model.source import ModelSource
-from speakerd.serving import heap
-from speakerd.serving.batcher import Batcher, BatcherError
-from speakerd.serving.budget import ByteBudget
-from speakerd.serving.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
-from speakerd.serving.metrics import Metrics
-from speakerd.serving.recording import RecordingService
-from speakerd.serving.request_ids import RequestIdError, check_request_id, fresh_request_id
-from speakerd.serving.wire import WireError, WireRequest, parse_request
+from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
+from speakerd.serving.api.recording import RecordingService
+from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
+from speakerd.serving.api.wire import WireError, WireRequest, parse_request
+from speakerd.serving.batching.batcher import Batcher, BatcherError
+from speakerd.serving.memory import heap
+from speakerd.serving.memory.budget import ByteBudget
+from speakerd.serving.observability.metrics import Metrics
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
 
@@ -188,7 +188,7 @@ class SpeakerEmbeddingService:
         self._trim: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.recording)
+        self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.api.recording)
 
     def attach(self, engine: Engine, batcher: Batcher, source: ModelSource | None = None) -> None:
         """Serve with `engine` through `batcher`; `source` is where its weights came from."""

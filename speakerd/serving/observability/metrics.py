@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from speakerd.serving.metrics_http import BoundedMetricsServer, serve_metrics
+from speakerd.serving.observability.metrics_http import BoundedMetricsServer, serve_metrics
 
 #: Latency buckets from 50 us (a b1 FP16 graph replay is 0.46 ms on an H200) to 10 s (a b32
 #: request on the CPU engine), about three per decade so p99 interpolation stays within 2x.

@@ -57,7 +57,6 @@ MAX_RECEIVERS = 32
 #: The server's files (the SQLite voiceprint store): the XDG data directory of its user.
 DEFAULT_DATA_DIR = "~/.local/share/speakerd"
 #: Log lines of the server and of its receiver processes.
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class UsageError(ValueError):

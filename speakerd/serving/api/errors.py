@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from speakerd.serving import queue
+from speakerd.serving.batching import queue
 
 #: Longest message sent to a client. gRPC carries it in a trailer, and trailers past the
 #: peer's metadata limit (8 KiB by default) end the call as RESOURCE_EXHAUSTED instead of

@@ -53,8 +53,7 @@ import numpy as np
 from speakerd.engine.base import BatchRun, Engine, plan_for
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.numerics import active_frames, resize_masks
-from speakerd.serving.metrics import Metrics
-from speakerd.serving.queue import (
+from speakerd.serving.batching.queue import (
     Batch,
     BatcherError,
     Cancelled,
@@ -66,7 +65,8 @@ from speakerd.serving.queue import (
     QueueState,
     Removal,
 )
-from speakerd.serving.workers import EngineThreads
+from speakerd.serving.batching.workers import EngineThreads
+from speakerd.serving.observability.metrics import Metrics
 
 __all__ = [
     "PIPELINE_DEPTH",

@@ -1,0 +1,1 @@
+"""Prometheus metrics of the service and the bounded HTTP endpoint that serves them."""
