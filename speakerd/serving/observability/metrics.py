@@ -60,9 +60,12 @@ METRIC_NAMES = (
 
 #: Values of speakerd_requests_rejected_total{reason}: why a request got no embeddings.
 #: decode_budget: too many bytes of other requests were being decoded (RESOURCE_EXHAUSTED).
+#: The voiceprint methods' own: not_found (no such voiceprint in the caller's namespace),
+#: already_exists (a speaker enrolled again without replace), other_model (a voiceprint made
+#: by other weights), store_unavailable (the voiceprint database did not answer).
 REJECT_REASONS = (
     "invalid_argument", "queue_full", "decode_budget", "deadline_exceeded", "draining", "not_ready",
-    "cancelled", "internal", "no_device",
+    "cancelled", "internal", "no_device", "not_found", "already_exists", "other_model", "store_unavailable",
 )  # fmt: skip
 
 
