@@ -164,15 +164,27 @@ def test_no_stream_is_refused_with_32_calls_in_flight_on_one_connection(server: 
     assert sum(seen.values()) == REFUSAL_CALLS
 
 
+def _in_flight(server: ServerProcess, calls: int) -> None:
+    """Wait until the server has `calls` calls in flight (its gauge), so a call sent after
+    another is known to have reached the server behind it."""
+    deadline = time.monotonic() + SETTLE_S
+    while scrape(server).get("speakerd_inflight_requests{}", 0) < calls:
+        assert time.monotonic() < deadline, f"the server never had {calls} calls in flight"
+        time.sleep(0.05)
+
+
 def test_a_call_its_client_cancels_is_counted_as_cancelled(server: ServerProcess) -> None:
     before = _settled(server)
+    backlog_channel, backlog = _backlog(server)
+    _in_flight(server, BACKLOG_REQUESTS)
     channel, call = _embed(server)
-    backlog = call.future(_good(8).SerializeToString(), timeout=600)
     cancelled = call.future(_good().SerializeToString(), timeout=600)
-    time.sleep(0.5)
+    _in_flight(server, BACKLOG_REQUESTS + 1)  # queued behind seconds of 8-chunk batches
     cancelled.cancel()
-    backlog.result()
+    for future in backlog:
+        future.result()
     channel.close()
+    backlog_channel.close()
     after = _settled(server)
     assert after[CANCELLED] - before[CANCELLED] == 1
     assert after[EXPIRED] == before[EXPIRED]

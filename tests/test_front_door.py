@@ -162,7 +162,7 @@ def test_serve_help_shows_the_defaults() -> None:
                   "(default: 512)", "(default: fp32)"):  # fmt: skip
         assert shown in text, f"{shown} missing from serve --help:\n{done.stdout}"
     # the default model is generated into the cache on first use, not embedded in the package
-    weights = text[text.index("--weights WEIGHTS") : text.index("[SPEAKERD_WEIGHTS]")]
+    weights = text[text.index("--model MODEL, --weights MODEL") : text.index("[SPEAKERD_MODEL]")]
     assert "embedded" not in weights and "made on first use in $SPEAKERD_CACHE" in weights, weights
 
 

@@ -5,7 +5,8 @@ stream, the message's position), a `google.rpc.BadRequest` detail naming the sam
 WARNING line in the server's log (no traceback, no ERROR), and one count of
 `speakerd_requests_rejected_total{reason="invalid_argument"}`; the server then answers a
 good call. Before, EmbedRecording answered such bytes INTERNAL with a traceback and
-GetModelInfo UNKNOWN with an internal exception's name.
+GetModelInfo UNKNOWN with an internal exception's name. The voiceprint methods are held to
+the same.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from speakerd.serving.api.service import SERVICE_NAME
+from speakerd.serving.voiceprints.service import SERVICE_NAME as VOICEPRINTS
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import to_tensor
 from tests.serving import ServerProcess, scrape, start_server
@@ -48,6 +50,7 @@ class Case:
     messages: tuple[bytes, ...]
     field: str  # the BadRequest field violation's field
     names: str  # what the message must say: the message type and its position
+    service: str = SERVICE_NAME
 
 
 CASES = {
@@ -79,7 +82,19 @@ CASES = {
     "EmbedChunksStream garbage after a good request": Case(
         "EmbedChunksStream", True, (_good().SerializeToString(), GARBAGE), "request", "request 1 "
     ),
-}
+    "Enroll garbage first message": Case(
+        "Enroll", True, (GARBAGE,), "EnrollRequest",
+        "message 0 of the stream (4 bytes): not a valid speakerd.v1.EnrollRequest", VOICEPRINTS,
+    ),
+    "Identify garbage first message": Case(
+        "Identify", True, (GARBAGE,), "IdentifyRequest",
+        "message 0 of the stream (4 bytes): not a valid speakerd.v1.IdentifyRequest", VOICEPRINTS,
+    ),
+    "DeleteVoiceprint garbage": Case(
+        "DeleteVoiceprint", False, (GARBAGE,), "DeleteVoiceprintRequest",
+        "not a valid speakerd.v1.DeleteVoiceprintRequest", VOICEPRINTS,
+    ),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +112,11 @@ def channel(server: ServerProcess) -> Iterator[grpc.Channel]:
 
 def _send(channel: grpc.Channel, case: Case) -> grpc.RpcError:
     """Send the case's bytes as they are (no serializer); the error the call ended with."""
-    path = f"/{SERVICE_NAME}/{case.method}"
+    path = f"/{case.service}/{case.method}"
     try:
-        if case.stream:
+        if case.stream and case.service == VOICEPRINTS:  # client streams, one answer
+            channel.stream_unary(path)(iter(case.messages), timeout=CALL_TIMEOUT_S)
+        elif case.stream:
             for _ in channel.stream_stream(path)(iter(case.messages), timeout=CALL_TIMEOUT_S):
                 pass
         else:

@@ -52,7 +52,8 @@ MODEL_ENV = "SPEAKERD_MODEL"
 WEIGHTS_ENV = "SPEAKERD_WEIGHTS"
 MODEL_HELP = (
     "Hugging Face repo id (org/name[@revision]: its pytorch_model.bin) or a local .safetensors, .bin or "
-    ".ckpt file or directory; --weights is the same flag"
+    ".ckpt file or directory; --weights is the same flag (default: the synthetic test model, made on "
+    "first use in $SPEAKERD_CACHE, ~/.cache/speakerd)"
 )
 
 

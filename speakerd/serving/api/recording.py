@@ -155,8 +155,8 @@ class RecordingService:
         self, requests: AsyncIterator[pb.EmbedRecordingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
         """A call's responses without EmbedRecording's metrics and log line: for methods
-        built on the recording path (voiceprints), which account for their calls themselves.
-        Failures raise Rejection."""
+        built on the recording path (voiceprints), which decode their own calls and account
+        for them themselves, so `requests` are messages, not bytes. Failures raise Rejection."""
         return _Call(self, context).run(requests)
 
     async def EmbedRecording(
@@ -246,7 +246,9 @@ class _Call:
         self.progress = asyncio.Event()  # set by the reader when windows may have become ready
         self.ended = False  # the audio has ended and every check passed: submit the rest
 
-    async def run(self, requests: AsyncIterator[bytes]) -> AsyncIterator[pb.EmbedRecordingResponse]:
+    async def run(
+        self, requests: AsyncIterator[bytes | pb.EmbedRecordingRequest]
+    ) -> AsyncIterator[pb.EmbedRecordingResponse]:
         reader = asyncio.ensure_future(self._guarded(self._read(requests)))
         submitter = asyncio.ensure_future(self._guarded(self._submit_windows()))
         try:
@@ -294,13 +296,17 @@ class _Call:
             log.exception("%s %s: handling the call failed", METHOD, self.request_id)
             self._fail(Rejection(grpc.StatusCode.INTERNAL, "internal", f"server error: {error}"))
 
-    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+    async def _read(self, requests: AsyncIterator[bytes | pb.EmbedRecordingRequest]) -> None:
         """Every message as fast as it arrives: the upload is never paced by the engine (the
         audio becomes frames at once, so nothing waits in host memory), and the submitter
         is told after each one."""
         index = 0
         async for raw in requests:
-            message = decode_message(pb.EmbedRecordingRequest, raw, f"message {index} of the stream")
+            message = (
+                raw
+                if isinstance(raw, pb.EmbedRecordingRequest)  # a method built on this path decoded it
+                else decode_message(pb.EmbedRecordingRequest, raw, f"message {index} of the stream")
+            )
             index += 1
             part = message.WhichOneof("part")
             if part != "header" and self.decoder is None:

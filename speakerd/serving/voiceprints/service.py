@@ -26,10 +26,11 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from speakerd.model.inputs import InputError
 from speakerd.model.voiceprint import MIN_ENROLL_SPEECH_S, MIN_QUERY_SPEECH_S, check_threshold
-from speakerd.serving.api.errors import Rejection, abort, cancellation
+from speakerd.serving.api.errors import Rejection, abort, cancellation, decode_message
 from speakerd.serving.api.recording import REQUEST_ID_KEY, Host, RecordingService
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.voiceprints.index import VoiceprintIndex
@@ -42,6 +43,7 @@ from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Voiceprints"].full_name
 #: Cosine at or above which Identify names a speaker and Verify accepts, when the caller
@@ -120,9 +122,9 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
     # --- calls ---------------------------------------------------------------------------
 
-    async def Enroll(self, requests: AsyncIterator[pb.EnrollRequest], context: grpc.aio.ServicerContext):
+    async def Enroll(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.EnrollResponse:
-            header, rest = await _header(requests)
+            header, rest = await _header(requests, pb.EnrollRequest)
             speaker_id = _speaker_id(header.speaker_id)
             if header.speech.WhichOneof("query") != "recording":
                 raise InputError(
@@ -149,9 +151,9 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
         return await self._served("Enroll", context, work)
 
-    async def Identify(self, requests: AsyncIterator[pb.IdentifyRequest], context: grpc.aio.ServicerContext):
+    async def Identify(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.IdentifyResponse:
-            header, rest = await _header(requests)
+            header, rest = await _header(requests, pb.IdentifyRequest)
             top_k = header.top_k or 1
             if not 1 <= top_k <= MAX_TOP_K:
                 raise InputError("top_k", f"{header.top_k}, expected 1..{MAX_TOP_K} (0: 1)")
@@ -176,9 +178,9 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
         return await self._served("Identify", context, work)
 
-    async def Verify(self, requests: AsyncIterator[pb.VerifyRequest], context: grpc.aio.ServicerContext):
+    async def Verify(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.VerifyResponse:
-            header, rest = await _header(requests)
+            header, rest = await _header(requests, pb.VerifyRequest)
             threshold = _threshold(header)
             store = await self._store()
             record = await self._blocking(lambda: store.get(tenant, header.voiceprint_id))
@@ -203,16 +205,18 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
         return await self._served("Verify", context, work)
 
-    async def ListVoiceprints(self, request: pb.ListVoiceprintsRequest, context: grpc.aio.ServicerContext):
+    async def ListVoiceprints(self, raw: bytes, context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.ListVoiceprintsResponse:
+            decode_message(pb.ListVoiceprintsRequest, raw)  # no fields yet; undecodable bytes are refused
             store = await self._store()
             records = await self._blocking(lambda: store.list(tenant))
             return pb.ListVoiceprintsResponse(voiceprints=[_message(r) for r in records])
 
         return await self._served("ListVoiceprints", context, work)
 
-    async def DeleteVoiceprint(self, request: pb.DeleteVoiceprintRequest, context: grpc.aio.ServicerContext):
+    async def DeleteVoiceprint(self, raw: bytes, context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.DeleteVoiceprintResponse:
+            request = decode_message(pb.DeleteVoiceprintRequest, raw)
             store = await self._store()
             record = await self._blocking(lambda: store.delete(tenant, request.voiceprint_id))
             if record is None:
@@ -254,7 +258,7 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
             rejection = _rejection(error)
             code = rejection.code
             metrics.rejected.labels(reason=rejection.reason).inc()
-            log.info("%s %s: %s %s", method, request_id, code.name, rejection.message)
+            log.log(rejection.level, "%s %s: %s %s", method, request_id, code.name, rejection.message)
             await abort(context, rejection)
             raise AssertionError("unreachable: abort raises") from error
         except asyncio.CancelledError:
@@ -279,10 +283,22 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
             self.host._leave()
 
 
-async def _header(requests: AsyncIterator[object]) -> tuple[object, AsyncIterator[tuple[str, object]]]:
-    """The call's header, and its other parts as (name, value) pairs."""
+async def _header(
+    requests: AsyncIterator[bytes], kind: type[M]
+) -> tuple[object, AsyncIterator[tuple[str, object]]]:
+    """The call's header, and its other parts as (name, value) pairs: each message decoded
+    as a `kind` (undecodable bytes are INVALID_ARGUMENT naming its place in the stream)."""
+    index = 0
+
+    async def messages() -> AsyncIterator[M]:
+        nonlocal index
+        async for raw in requests:
+            yield decode_message(kind, raw, f"message {index} of the stream")
+            index += 1
+
+    decoded = messages()
     try:
-        first = await anext(requests)
+        first = await anext(decoded)
     except StopAsyncIteration:
         raise InputError("header", "the call ended before its header") from None
     if first.WhichOneof("part") != "header":  # type: ignore[attr-defined]
@@ -291,7 +307,7 @@ async def _header(requests: AsyncIterator[object]) -> tuple[object, AsyncIterato
         )  # type: ignore[attr-defined]
 
     async def rest() -> AsyncIterator[tuple[str, object]]:
-        async for message in requests:
+        async for message in decoded:
             part = message.WhichOneof("part")  # type: ignore[attr-defined]
             if part is None:
                 raise InputError("part", "an empty message; set audio or masks")
@@ -359,5 +375,27 @@ def _message(record: VoiceprintRecord) -> pb.Voiceprint:
                          model_id=record.model_id, created_unix_ms=record.created_ms)  # fmt: skip
 
 
+#: The service's name on the wire (speakerd.proto).
+SERVICE_NAME = "speakerd.v1.Voiceprints"
+
+
 def register(service: VoiceprintService, server: grpc.aio.Server) -> None:
-    pb_grpc.add_VoiceprintsServicer_to_server(service, server)
+    """Add `service` to `server` as the generated add_VoiceprintsServicer_to_server would,
+    except that every method gets its requests as raw bytes, decoded by the method
+    (api/errors.decode_message): gRPC would answer a request deserializer's failure itself,
+    as UNKNOWN or INTERNAL, without the BadRequest detail, log line and metric."""
+    stream = grpc.stream_unary_rpc_method_handler
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Enroll": stream(service.Enroll, response_serializer=pb.EnrollResponse.SerializeToString),
+        "Identify": stream(service.Identify, response_serializer=pb.IdentifyResponse.SerializeToString),
+        "Verify": stream(service.Verify, response_serializer=pb.VerifyResponse.SerializeToString),
+        "ListVoiceprints": unary(
+            service.ListVoiceprints, response_serializer=pb.ListVoiceprintsResponse.SerializeToString
+        ),
+        "DeleteVoiceprint": unary(
+            service.DeleteVoiceprint, response_serializer=pb.DeleteVoiceprintResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
