@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import uuid
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from google.protobuf.json_format import MessageToDict
@@ -25,6 +25,8 @@ from speakerd.client.options import add_connection_flags, client_kwargs
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import to_tensor
+
+R = TypeVar("R")
 
 
 class VoiceprintClient(SpeakerClient):
@@ -59,13 +61,12 @@ class VoiceprintClient(SpeakerClient):
         windows, or speech `segments` in seconds, or (neither) the whole audio."""
 
         def messages() -> Iterator[pb.EnrollRequest]:
-            for part, value in speech_parts(samples, sample_rate, masks, segments, step_s):
-                if part == "header":
-                    yield pb.EnrollRequest(
-                        header=pb.EnrollHeader(speaker_id=speaker_id, speech=value, replace=replace)
-                    )
-                else:
-                    yield pb.EnrollRequest(**{part: value})
+            parts = speech_parts(samples, sample_rate, masks, segments, step_s)
+            return _requests(
+                pb.EnrollRequest,
+                parts,
+                lambda speech: pb.EnrollHeader(speaker_id=speaker_id, speech=speech, replace=replace),
+            )
 
         return self._stream("Enroll", messages, timeout_s)
 
@@ -85,12 +86,12 @@ class VoiceprintClient(SpeakerClient):
         (mask column) of a recording."""
 
         def messages() -> Iterator[pb.IdentifyRequest]:
-            for part, value in _query(embeddings, samples, sample_rate, masks, segments, step_s):
-                if part == "header":
-                    header = pb.IdentifyHeader(speech=value, top_k=top_k, threshold=threshold)
-                    yield pb.IdentifyRequest(header=header)
-                else:
-                    yield pb.IdentifyRequest(**{part: value})
+            parts = _query(embeddings, samples, sample_rate, masks, segments, step_s)
+            return _requests(
+                pb.IdentifyRequest,
+                parts,
+                lambda speech: pb.IdentifyHeader(speech=speech, top_k=top_k, threshold=threshold),
+            )
 
         return self._stream("Identify", messages, timeout_s)
 
@@ -110,12 +111,14 @@ class VoiceprintClient(SpeakerClient):
         rows = None if embedding is None else np.asarray(embedding, np.float32).reshape(1, -1)
 
         def messages() -> Iterator[pb.VerifyRequest]:
-            for part, value in _query(rows, samples, sample_rate, masks, segments, step_s):
-                if part == "header":
-                    header = pb.VerifyHeader(voiceprint_id=voiceprint_id, speech=value, threshold=threshold)
-                    yield pb.VerifyRequest(header=header)
-                else:
-                    yield pb.VerifyRequest(**{part: value})
+            parts = _query(rows, samples, sample_rate, masks, segments, step_s)
+            return _requests(
+                pb.VerifyRequest,
+                parts,
+                lambda speech: pb.VerifyHeader(
+                    voiceprint_id=voiceprint_id, speech=speech, threshold=threshold
+                ),
+            )
 
         return self._stream("Verify", messages, timeout_s)
 
@@ -156,6 +159,15 @@ def speech_parts(
             yield "audio", message.audio
         elif masks is not None:
             yield "masks", message.masks
+
+
+def _requests(
+    kind: Callable[..., R], parts: Iterator[tuple[str, Any]], header: Callable[[pb.SpeechHeader], object]
+) -> Iterator[R]:
+    """A call's messages of type `kind`: the speech header wrapped in the method's own header
+    (`header`), then the recording's parts (audio, masks) as they are."""
+    for part, value in parts:
+        yield kind(header=header(value)) if part == "header" else kind(**{part: value})
 
 
 def _query(
@@ -227,8 +239,13 @@ def _speech(args: argparse.Namespace, one_speaker: bool) -> dict[str, Any]:
 
 
 def _print(message: Any) -> None:
-    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True,
-                                   always_print_fields_with_no_presence=True)))  # fmt: skip
+    print(
+        json.dumps(
+            MessageToDict(
+                message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+        )
+    )
 
 
 def _enroll(args: argparse.Namespace) -> int:

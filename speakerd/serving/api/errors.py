@@ -9,6 +9,7 @@ violation without parsing text. Both say the same thing, built from one Rejectio
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import grpc
@@ -103,6 +104,15 @@ def decode_message(kind: type[M], raw: bytes, position: str = "") -> M:
         raise Rejection.undecodable(
             name, f"{where}: not a valid {kind.DESCRIPTOR.full_name} ({why})"
         ) from None
+
+
+async def decode_stream(kind: type[M], raws: AsyncIterator[bytes]) -> AsyncIterator[M]:
+    """A client stream's messages, each parsed as a `kind` (decode_message), the Rejection
+    of an undecodable one naming its place in the stream."""
+    index = 0
+    async for raw in raws:
+        yield decode_message(kind, raw, f"message {index} of the stream")
+        index += 1
 
 
 #: The code each batcher error is answered with; its metrics reason is the error's own.

@@ -61,7 +61,7 @@ from speakerd.model.recording import (
     window_starts_s,
 )
 from speakerd.model.resample import output_length
-from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
+from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_stream
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
 from speakerd.serving.observability.metrics import Metrics
@@ -156,14 +156,14 @@ class RecordingService:
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
         """A call's responses without EmbedRecording's metrics and log line: for methods
         built on the recording path (voiceprints), which decode their own calls and account
-        for them themselves, so `requests` are messages, not bytes. Failures raise Rejection."""
+        for them themselves. Failures raise Rejection."""
         return _Call(self, context).run(requests)
 
     async def EmbedRecording(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
-        """`requests`: the serialized EmbedRecordingRequests (service.register), each decoded
-        by the call (errors.decode_message: undecodable bytes are INVALID_ARGUMENT)."""
+        """`requests`: the serialized EmbedRecordingRequests (service.register), decoded here
+        (errors.decode_stream: undecodable bytes are INVALID_ARGUMENT)."""
         host, started, code = self.host, time.perf_counter(), grpc.StatusCode.OK
         call = _Call(self, context)
         host._enter()
@@ -178,7 +178,9 @@ class RecordingService:
                 )
             # closed at once when the handler ends, however it ends: its finally cancels the
             # call's batches (not left to the event loop's async-generator finalizer)
-            async with contextlib.aclosing(call.run(requests)) as responses:
+            async with contextlib.aclosing(
+                call.run(decode_stream(pb.EmbedRecordingRequest, requests))
+            ) as responses:
                 async for response in responses:
                     yield response
             log.debug("%s %s: %d windows (%d silent, not run) in %.1f s", METHOD, call.request_id,
@@ -247,7 +249,7 @@ class _Call:
         self.ended = False  # the audio has ended and every check passed: submit the rest
 
     async def run(
-        self, requests: AsyncIterator[bytes | pb.EmbedRecordingRequest]
+        self, requests: AsyncIterator[pb.EmbedRecordingRequest]
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
         reader = asyncio.ensure_future(self._guarded(self._read(requests)))
         submitter = asyncio.ensure_future(self._guarded(self._submit_windows()))
@@ -296,18 +298,11 @@ class _Call:
             log.exception("%s %s: handling the call failed", METHOD, self.request_id)
             self._fail(Rejection(grpc.StatusCode.INTERNAL, "internal", f"server error: {error}"))
 
-    async def _read(self, requests: AsyncIterator[bytes | pb.EmbedRecordingRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[pb.EmbedRecordingRequest]) -> None:
         """Every message as fast as it arrives: the upload is never paced by the engine (the
         audio becomes frames at once, so nothing waits in host memory), and the submitter
         is told after each one."""
-        index = 0
-        async for raw in requests:
-            message = (
-                raw
-                if isinstance(raw, pb.EmbedRecordingRequest)  # a method built on this path decoded it
-                else decode_message(pb.EmbedRecordingRequest, raw, f"message {index} of the stream")
-            )
-            index += 1
+        async for message in requests:
             part = message.WhichOneof("part")
             if part != "header" and self.decoder is None:
                 raise InputError("header", f"the first message must be the header, got {part or 'nothing'}")

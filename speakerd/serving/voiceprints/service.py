@@ -30,7 +30,7 @@ from google.protobuf.message import Message
 
 from speakerd.model.inputs import InputError
 from speakerd.model.voiceprint import MIN_ENROLL_SPEECH_S, MIN_QUERY_SPEECH_S, check_threshold
-from speakerd.serving.api.errors import Rejection, abort, cancellation, decode_message
+from speakerd.serving.api.errors import Rejection, abort, cancellation, decode_message, decode_stream
 from speakerd.serving.api.recording import REQUEST_ID_KEY, Host, RecordingService
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.voiceprints.index import VoiceprintIndex
@@ -288,15 +288,7 @@ async def _header(
 ) -> tuple[object, AsyncIterator[tuple[str, object]]]:
     """The call's header, and its other parts as (name, value) pairs: each message decoded
     as a `kind` (undecodable bytes are INVALID_ARGUMENT naming its place in the stream)."""
-    index = 0
-
-    async def messages() -> AsyncIterator[M]:
-        nonlocal index
-        async for raw in requests:
-            yield decode_message(kind, raw, f"message {index} of the stream")
-            index += 1
-
-    decoded = messages()
+    decoded = decode_stream(kind, requests)
     try:
         first = await anext(decoded)
     except StopAsyncIteration:

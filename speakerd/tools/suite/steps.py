@@ -12,10 +12,9 @@ from typing import Any
 from speakerd.tools.suite.record import anchor, figure
 from speakerd.tools.suite.run import Context, StepFailed, json_lines, shown
 
-#: Where the PyTorch anchor scripts are looked for when --anchors is not given (relative to
-#: the repository root): `.anchors/` is what a device call carries (ignored by git), the
-#: other the project's shared copy beside the checkout.
-ANCHOR_DIRS = (".anchors", "../shared/anchors")
+#: Where the PyTorch anchor scripts are when neither --anchors nor $SPEAKERD_ANCHORS names
+#: another folder (relative to the repository root; scripts/anchors/README.md).
+ANCHOR_DIRS = ("scripts/anchors",)
 ANCHORS_ENV = "SPEAKERD_ANCHORS"
 #: The hour of audio the recording, service and pyannote suites send.
 HOUR_S = 3600
