@@ -32,7 +32,7 @@ def _embed(args: argparse.Namespace) -> int:
         with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
             return recording.run(args, client)
     if not args.input:
-        raise UsageError("embed: give --input FILE.npz, or --audio FILE with --masks FILE.npy")
+        raise UsageError("embed: give --input FILE.npz, or --audio FILE with --masks FILE.npy or --segment")
     output = files.writable("--output", args.output)
     kind, chunks, masks = files.read_chunks(args.input)
     with SpeakerClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:

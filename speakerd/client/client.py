@@ -275,7 +275,7 @@ class SpeakerClient(_ClientCore):
         self,
         samples: np.ndarray,
         sample_rate: int,
-        masks: np.ndarray,
+        masks: np.ndarray | None,
         exclude_overlap: bool = False,
         step_s: float = recording.DEFAULT_STEP_S,
         timeout_s: float | None = None,
@@ -283,7 +283,10 @@ class SpeakerClient(_ClientCore):
         progress: Callable[[int, int], None] | None = None,
     ) -> recording.RecordingEmbeddings:
         """A whole recording [N] or [N, C] (int16 or float32) with masks [n, s, F] of its n
-        windows, embedded as pyannote's pipeline does (speakerd.client.recording).
+        windows, embedded as pyannote's pipeline does (speakerd.client.recording). `masks`
+        None: the server segments the recording itself, and the result carries its
+        `segmentation` [n, 589, 3] (pyannote's get_segmentations) beside the embeddings
+        [n, 3, 256] pooled under it.
 
         UNAVAILABLE and RESOURCE_EXHAUSTED are retried like the unary calls, by sending the
         whole recording again: its rows are a pure function of the inputs, so a repeat after
@@ -389,7 +392,7 @@ class AsyncSpeakerClient(_ClientCore):
         self,
         samples: np.ndarray,
         sample_rate: int,
-        masks: np.ndarray,
+        masks: np.ndarray | None,
         exclude_overlap: bool = False,
         step_s: float = recording.DEFAULT_STEP_S,
         timeout_s: float | None = None,

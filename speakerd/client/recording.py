@@ -6,7 +6,8 @@ the server can work while the rest is in flight: the header (with the frame coun
 server checks the masks' window count before any engine work), the masks in pieces of
 whole windows (6 MB an hour as uint8), then PCM pieces cut on frame boundaries. Masks
 first: the server embeds each window as soon as its audio is in, so the embeddings follow
-the upload instead of waiting for its end.
+the upload instead of waiting for its end. With `segment=True` there are no masks: the
+server segments the recording itself and answers each window's segmentation with its rows.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class RecordingEmbeddings:
     request_id: str = ""
     plans: list[str] = field(default_factory=list)
     fp16_fallbacks: int = 0
+    #: [n, 589, 3] uint8: the server's segmentation (pyannote's get_segmentations, hard
+    #: multilabel) when the call asked for it (`segment=True`), else None
+    segmentation: np.ndarray | None = None
+    segmentation_model_id: str = ""
 
 
 def _pcm(samples: np.ndarray) -> tuple[np.ndarray, int]:
@@ -67,7 +72,7 @@ def _pcm(samples: np.ndarray) -> tuple[np.ndarray, int]:
 def recording_requests(
     samples: np.ndarray,
     sample_rate: int,
-    masks: np.ndarray,
+    masks: np.ndarray | None,
     exclude_overlap: bool = False,
     step_s: float = DEFAULT_STEP_S,
     request_id: str = "",
@@ -75,11 +80,13 @@ def recording_requests(
     masks_first: bool = True,
 ) -> Iterator[pb.EmbedRecordingRequest]:
     """The messages of one call: samples [N] or [N, C] (int16 or float32 in [-1, 1]) at
-    `sample_rate`, masks [n, s, F] (float32 or uint8) for the recording's n windows.
+    `sample_rate`, masks [n, s, F] (float32 or uint8) for the recording's n windows, or None:
+    the server segments the recording (`header.segment`) and no masks are sent.
     `masks_first=False` sends them after the audio (what the embeddings' overlap with the
     upload is measured against: `client load --masks-after-audio`)."""
     pcm, encoding = _pcm(samples)
-    masks = np.asarray(masks)
+    segment = masks is None
+    masks = np.zeros((0, 1, 1), np.uint8) if masks is None else np.asarray(masks)
     if masks.dtype != np.uint8 and np.all((masks == 0) | (masks == 1)):
         # binarized masks (what pyannote's pipeline passes) are exact as uint8: a quarter of
         # float32's bytes, so an hour's masks add 6 MB instead of 25 MB to 115 MB of PCM
@@ -93,6 +100,7 @@ def recording_requests(
             exclude_overlap=exclude_overlap,
             request_id=request_id,
             frames=pcm.shape[0],
+            segment=segment,
         )
     )
     windows = int(masks.shape[0])
@@ -101,7 +109,7 @@ def recording_requests(
         pb.EmbedRecordingRequest(
             masks=pb.RecordingMasks(windows=windows, masks=to_tensor(masks[at : at + rows_per_piece]))
         )
-        for at in range(0, max(windows, 1), rows_per_piece)
+        for at in range(0, windows if segment else max(windows, 1), rows_per_piece)
     )
     frames_per_piece = max(1, piece_bytes // (pcm.itemsize * pcm.shape[1]))
     audio = (
@@ -128,6 +136,14 @@ def collect(received: Iterable[pb.EmbedRecordingResponse]) -> RecordingEmbedding
     )
     rows = embeddings.shape[:2]
     last = responses[-1]
+    segmented = [r for r in responses if r.HasField("segmentation")]
+    if segmented and len(segmented) != len(responses):
+        raise ValueError(f"{len(segmented)} of {len(responses)} responses carry a segmentation")
+    segmentation = (
+        np.concatenate([from_tensor(r.segmentation, "segmentation") for r in responses])
+        if segmented
+        else None
+    )
     return RecordingEmbeddings(
         embeddings=embeddings,
         empty=np.array([e for r in responses for e in r.empty], dtype=bool).reshape(rows),
@@ -138,6 +154,8 @@ def collect(received: Iterable[pb.EmbedRecordingResponse]) -> RecordingEmbedding
         request_id=last.request_id,
         plans=sorted({p for r in responses for p in r.plans}),
         fp16_fallbacks=sum(r.fp16_fallbacks for r in responses),
+        segmentation=segmentation,
+        segmentation_model_id=last.segmentation_model_id,
     )
 
 
@@ -168,6 +186,12 @@ def configure(embed: argparse.ArgumentParser) -> None:
         help="a whole recording: WAV, FLAC or any file libsndfile reads, or .npy with --sample-rate",
     )
     embed.add_argument("--masks", help="with --audio: .npy [n, s, F] masks of the recording's n windows")
+    embed.add_argument(
+        "--segment",
+        action="store_true",
+        help="with --audio, instead of --masks: the server segments the recording (its segmentation "
+        "model, pyannote's get_segmentations) and the output holds the segmentation [n, 589, 3] too",
+    )
     embed.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
     embed.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
     embed.add_argument("--step", type=float, default=DEFAULT_STEP_S, help="window step in seconds")
@@ -176,15 +200,23 @@ def configure(embed: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, client: Any) -> int:
     """Embed `args.audio` under `args.masks` with `client` (a SpeakerClient); write `args.output`.
     Every file is checked before the call (files.py: one line naming it, exit 2)."""
-    if not args.masks:
-        raise UsageError("embed --audio needs --masks FILE.npy ([n, s, F] for the recording's n windows)")
+    if bool(args.masks) == bool(args.segment):
+        raise UsageError(
+            "embed --audio needs --masks FILE.npy ([n, s, F] for the recording's n windows) or --segment "
+            "(the server finds them), one of the two"
+        )
     output = writable("--output", args.output)
     samples, rate = read_audio(args.audio, args.sample_rate)
-    masks = read_masks(args.masks)
+    masks = read_masks(args.masks) if args.masks else None
     result = client.embed_recording(samples, rate, masks, args.exclude_overlap, args.step)
-    np.savez(output, embeddings=result.embeddings, empty=result.empty,
-             active_frames=result.active_frames, starts=result.starts)  # fmt: skip
+    arrays = {"embeddings": result.embeddings, "empty": result.empty,
+              "active_frames": result.active_frames, "starts": result.starts}  # fmt: skip
+    if result.segmentation is not None:
+        arrays["segmentation"] = result.segmentation
+    np.savez(output, **arrays)
     summary = {"output": args.output, "shape": list(result.embeddings.shape), "model_id": result.model_id,
                "precision": result.precision, "empty_rows": int(result.empty.sum())}  # fmt: skip
+    if result.segmentation is not None:
+        summary["segmentation_model_id"] = result.segmentation_model_id
     print(json.dumps(summary))
     return 0

@@ -3,7 +3,8 @@ recording, identify or verify them, list and delete voiceprints; and the command
 `enroll`, `identify` and `voiceprints list|delete|verify` commands.
 
 A recording travels as EmbedRecording's does (header, masks, then PCM in 4 MiB pieces).
-Without masks the server takes `segments` of speech, or the whole audio. Every call is
+Without masks the server takes `segments` of speech, or (`segment=True`) the speech its own
+segmentation finds, or the whole audio. Every call is
 retried on UNAVAILABLE (a replica draining, a database down: the server wrote nothing) by
 sending it again whole, like `SpeakerClient.embed_recording`.
 """
@@ -56,12 +57,14 @@ class VoiceprintClient(SpeakerClient):
         replace: bool = False,
         step_s: float = recording.DEFAULT_STEP_S,
         timeout_s: float | None = None,
+        segment: bool = False,
     ) -> pb.EnrollResponse:
         """Enroll `speaker_id` from a recording [N] or [N, C] of them: masks [n, 1, F] of its
-        windows, or speech `segments` in seconds, or (neither) the whole audio."""
+        windows, or speech `segments` in seconds, or (`segment`) the frames where the server's
+        segmentation hears one speaker, or (none of these) the whole audio."""
 
         def messages() -> Iterator[pb.EnrollRequest]:
-            parts = speech_parts(samples, sample_rate, masks, segments, step_s)
+            parts = speech_parts(samples, sample_rate, masks, segments, step_s, segment)
             return _requests(
                 pb.EnrollRequest,
                 parts,
@@ -81,12 +84,13 @@ class VoiceprintClient(SpeakerClient):
         threshold: float | None = None,
         step_s: float = recording.DEFAULT_STEP_S,
         timeout_s: float | None = None,
+        segment: bool = False,
     ) -> pb.IdentifyResponse:
         """The best voiceprints for each row of `embeddings` [m, 256], or for each speaker
         (mask column) of a recording."""
 
         def messages() -> Iterator[pb.IdentifyRequest]:
-            parts = _query(embeddings, samples, sample_rate, masks, segments, step_s)
+            parts = _query(embeddings, samples, sample_rate, masks, segments, step_s, segment)
             return _requests(
                 pb.IdentifyRequest,
                 parts,
@@ -106,12 +110,13 @@ class VoiceprintClient(SpeakerClient):
         threshold: float | None = None,
         step_s: float = recording.DEFAULT_STEP_S,
         timeout_s: float | None = None,
+        segment: bool = False,
     ) -> pb.VerifyResponse:
         """Score one voiceprint against an embedding [256] / [1, 256] or a recording of one speaker."""
         rows = None if embedding is None else np.asarray(embedding, np.float32).reshape(1, -1)
 
         def messages() -> Iterator[pb.VerifyRequest]:
-            parts = _query(rows, samples, sample_rate, masks, segments, step_s)
+            parts = _query(rows, samples, sample_rate, masks, segments, step_s, segment)
             return _requests(
                 pb.VerifyRequest,
                 parts,
@@ -140,25 +145,23 @@ def speech_parts(
     masks: np.ndarray | None,
     segments: Sequence[tuple[float, float]],
     step_s: float,
+    segment: bool = False,
 ) -> Iterator[tuple[str, Any]]:
     """("header", SpeechHeader) then ("masks", RecordingMasks) and ("audio", bytes) parts of a
-    recording, cut as EmbedRecording's messages are (recording.recording_requests)."""
-    if masks is None:  # the server builds them from the segments: the audio alone
-        placeholder = np.zeros((1, 1, 1), np.uint8)  # masks of no window: never sent
-        messages = recording.recording_requests(
-            samples, sample_rate, placeholder, step_s=step_s, masks_first=False
-        )
-    else:
-        messages = recording.recording_requests(samples, sample_rate, masks, step_s=step_s)
+    recording, cut as EmbedRecording's messages are (recording.recording_requests). Without
+    masks only the audio travels: the server builds the masks from the segments (or the
+    whole audio), or with `segment` finds the speech itself."""
+    if segment and (masks is not None or segments):
+        raise ValueError("segment: the server finds the speech itself; give no masks or segments with it")
+    messages = recording.recording_requests(samples, sample_rate, masks, step_s=step_s)
     spans = [pb.SpeechSegment(start_s=start, end_s=end) for start, end in segments]
     for message in messages:
         part = message.WhichOneof("part")
         if part == "header":
+            message.header.segment = segment
             yield "header", pb.SpeechHeader(recording=message.header, segments=spans)
-        elif part == "audio":
-            yield "audio", message.audio
-        elif masks is not None:
-            yield "masks", message.masks
+        else:
+            yield part, getattr(message, part)
 
 
 def _requests(
@@ -177,6 +180,7 @@ def _query(
     masks: np.ndarray | None,
     segments: Sequence[tuple[float, float]],
     step_s: float,
+    segment: bool = False,
 ) -> Iterator[tuple[str, Any]]:
     if (embeddings is None) == (samples is None):
         raise ValueError("give embeddings, or samples (with sample_rate, and masks or segments)")
@@ -184,7 +188,7 @@ def _query(
         yield "header", pb.SpeechHeader(embeddings=to_tensor(np.asarray(embeddings, np.float32)))
         return
     assert samples is not None
-    yield from speech_parts(samples, sample_rate, masks, segments, step_s)
+    yield from speech_parts(samples, sample_rate, masks, segments, step_s, segment)
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -208,6 +212,12 @@ def _speech_flags(parser: argparse.ArgumentParser, column_help: str) -> None:
     parser.add_argument(
         "--segments", type=parse_segments, default=[], help="without --masks: speech, e.g. 0-3.5,7-9"
     )
+    parser.add_argument(
+        "--segment",
+        action="store_true",
+        help="without --masks or --segments: the server's segmentation finds the speech (the frames "
+        "where exactly one speaker talks)",
+    )
     parser.add_argument("--step", type=float, default=recording.DEFAULT_STEP_S, help="window step in seconds")
 
 
@@ -229,12 +239,17 @@ def _speech(args: argparse.Namespace, one_speaker: bool) -> dict[str, Any]:
             raise ValueError(f"--masks {args.masks} has {masks.shape[1]} speakers: pick one with --column")
     elif args.column is not None:
         raise ValueError("--column picks a speaker of --masks: give --masks too")
+    if args.segment and (args.masks or args.segments):
+        raise ValueError(
+            "--segment: the server finds the speech itself; give no --masks or --segments with it"
+        )
     return {
         "samples": samples,
         "sample_rate": rate,
         "masks": masks,
         "segments": args.segments,
         "step_s": args.step,
+        "segment": args.segment,
     }
 
 

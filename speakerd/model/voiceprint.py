@@ -118,6 +118,14 @@ def segment_masks(
     return speech[:, None, :].astype(np.uint8)
 
 
+def single_speaker_speech(segmentation: np.ndarray) -> np.ndarray:
+    """A segmentation [windows, frames, speakers] (hard multilabel, the server's) -> masks
+    [windows, 1, frames] uint8 of the frames where exactly one speaker talks: the speech of a
+    recording of one person, with its silences, noises and any overlapped frames (where a
+    second voice would leak into the voiceprint) left out."""
+    return (np.asarray(segmentation).sum(axis=2) == 1)[:, None, :].astype(np.uint8)
+
+
 def check_segments(segments: Sequence[tuple[float, float]], field: str = "speech.segments") -> None:
     """InputError unless every segment is finite with 0 <= start < end."""
     for index, (start, end) in enumerate(segments):

@@ -2,12 +2,15 @@
 
     import speakerd.pyannote
     pipeline = speakerd.pyannote.use_server(pipeline, "speakerd.example:50051")
+    # or segmentation and embeddings both on the server, no weights in this process:
+    pipeline = speakerd.pyannote.remote_pipeline("speakerd.example:50051")
 
 The optional extra `speakerd[pyannote]` (pyannote.audio >= 4.0, with torch). This package may
 import speakerd.client, speakerd.v1, speakerd.model, pyannote and torch, never the server's
 packages (an import-linter contract in pyproject.toml). docs/pyannote.md tells the details.
 """
 
+from speakerd.pyannote.remote import remote_pipeline
 from speakerd.pyannote.server import (
     ModelMismatchError,
     ServerEmbeddings,
@@ -29,5 +32,6 @@ __all__ = [
     "SpeakerdFallbackWarning",
     "identify_speakers",
     "name_speakers",
+    "remote_pipeline",
     "use_server",
 ]

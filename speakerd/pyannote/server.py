@@ -1,5 +1,6 @@
 """`use_server(pipeline, target)`: a pyannote.audio `SpeakerDiarization` pipeline whose
-embedding step runs on a speakerd server.
+embedding step (and, with `segmentation=True`, its segmentation step too) runs on a speakerd
+server.
 
 pyannote.audio 4.0.7's `SpeakerDiarization.get_embeddings` crops every (window, local
 speaker) pair out of the file and runs the whole ResNet34 on each, inactive speakers included:
@@ -19,6 +20,15 @@ the target; `local_fallback=True` is the explicit way to compute the embeddings 
 pyannote's own model instead (with a `SpeakerdFallbackWarning` each time). Where pyannote
 cannot decode a file path itself (no torchcodec), the pipeline reads files with soundfile
 (audio_files.py), so `pipeline("meeting.wav")` works as pyannote documents it.
+
+With `segmentation=True` the pipeline's `get_segmentations` is the server's too: one
+`EmbedRecording` call per file with `header.segment` returns both the segmentation pyannote's
+`Inference` would give ([windows, 589, 3] hard multilabel, the same sliding windows) and the
+embeddings pooled under it; `get_segmentations` hands the first to the pipeline and keeps
+the second for the `get_embeddings` that follows on the same segmentation. The client then
+runs no model at all: `speakerd.pyannote.remote_pipeline` builds such a pipeline without
+loading any weights. When the pipeline holds weights of its own, `use_server` checks the
+server's segmentation against its segmentation model on a probe window too.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from pyannote.audio import Audio
 from pyannote.audio.models.embedding import WeSpeakerResNet34
 from pyannote.audio.pipelines import SpeakerDiarization
 from pyannote.audio.pipelines.speaker_verification import PyannoteAudioPretrainedSpeakerEmbedding
-from pyannote.core import SlidingWindowFeature
+from pyannote.core import SlidingWindow, SlidingWindowFeature
 
 from speakerd.client import RetryPolicy, SpeakerClient
 from speakerd.client.recording import RecordingEmbeddings
@@ -63,6 +73,11 @@ UNAVAILABLE_CODES = frozenset(
 )
 #: int16 full scale: pyannote's decoders give 16-bit PCM as int16 / 32768.
 INT16_SCALE = 32768.0
+#: Share of the probe's (frame, speaker) cells in which the server's segmentation may differ
+#: from the pipeline's own model before the models count as different: 0 for the same
+#: weights in FP32 (a cell flips only where two powerset classes tie to rounding); another
+#: model differs in a large share of them.
+SEGMENTATION_MISMATCH_SHARE = 0.01
 
 
 class SpeakerdError(RuntimeError):
@@ -173,17 +188,50 @@ class ServerEmbeddings:
         target: str,
         local_fallback: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        segmentation: bool = False,
+        verify: bool = True,
     ) -> None:
         check_pipeline(pipeline)
+        if segmentation:
+            check_segmentation(pipeline)
         self.pipeline = pipeline
         self.client = client
         self.target = target
         self.local_fallback = local_fallback
         self.timeout_s = timeout_s
+        self.segmentation = segmentation
+        #: False: the pipeline's models hold no weights of their own (remote_pipeline), so the
+        #: server's are taken as they are
+        self.verify_models = verify
         self.verified: Parity | None = None
         self.last = CallStats()
+        #: the last server segmentation handed to the pipeline, with the exclude_overlap it
+        #: was embedded with and the call's result, for the get_embeddings that follows
+        self._kept: tuple[SlidingWindowFeature, bool, RecordingEmbeddings] | None = None
 
     # -- the model check ----------------------------------------------------------------
+
+    def verify_segmentation(self) -> float:
+        """Segment the probe here and on the server; ModelMismatchError unless at most
+        SEGMENTATION_MISMATCH_SHARE of its (frame, speaker) cells differ. Returns the share."""
+        recording = synthetic_recording(WINDOW_S, seed=PROBE_SEED)
+        pcm = np.round(recording.samples * INT16_SCALE).astype(np.int16)
+        served = self._embed(pcm, SAMPLE_RATE, None, exclude_overlap=False, step_s=1.0)
+        assert served.segmentation is not None, "the server answered header.segment without a segmentation"
+        model = self.pipeline._segmentation.model
+        waveform = torch.from_numpy(pcm.astype(np.float32) / np.float32(INT16_SCALE))[None, None]
+        with torch.inference_mode():
+            log_probs = model(waveform.to(model.device))
+        local = self.pipeline._segmentation.conversion(log_probs).cpu().numpy()
+        share = float(np.mean(local != served.segmentation))
+        if share > SEGMENTATION_MISMATCH_SHARE:
+            raise ModelMismatchError(
+                f"speakerd at {self.target} segments with model {served.segmentation_model_id[:16]}, whose "
+                f"segmentation differs from the pipeline's segmentation model in {share:.1%} of the probe's "
+                f"frames (expected at most {SEGMENTATION_MISMATCH_SHARE:.0%}). Serve the pipeline's weights "
+                "(serve --segmentation-model) or give the pipeline the server's."
+            )
+        return share
 
     def verify(self) -> Parity:
         """Embed the probe here and on the server; ModelMismatchError unless they agree within
@@ -255,21 +303,30 @@ class ServerEmbeddings:
         exclude_overlap: bool,
         hook: Callable[..., Any] | None,
     ) -> np.ndarray:
+        windows, frames, speakers = segmentations.data.shape
+        # pyannote's progress unit: batches of embedding_batch_size (window, speaker) pairs
+        batch = max(1, int(self.pipeline.embedding_batch_size))
+        total = math.ceil(windows * speakers / batch)
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0] is segmentations and kept[1] == exclude_overlap:
+            if hook is not None:  # computed with the segmentation, in the same call
+                hook("embeddings", None, total=total, completed=total)
+            return self._checked(kept[2].embeddings, windows, speakers)
         started = time.perf_counter()
         step_s = chunking(segmentations)
-        if exclude_overlap and self.pipeline._embedding.min_num_samples != MIN_NUM_SAMPLES:
+        if (
+            exclude_overlap
+            and self.verify_models
+            and self.pipeline._embedding.min_num_samples != MIN_NUM_SAMPLES
+        ):
             raise ValueError(
                 f"pipeline._embedding.min_num_samples: {self.pipeline._embedding.min_num_samples}, expected "
                 f"{MIN_NUM_SAMPLES} (the shortest input speakerd's exclude_overlap rule assumes)"
             )
-        if self.verified is None:  # use_server could not reach the server (local_fallback)
+        if self.verified is None and self.verify_models:  # not reached by use_server (local_fallback)
             self.verify()
-        windows, frames, speakers = segmentations.data.shape
         masks = np.nan_to_num(np.transpose(segmentations.data, (0, 2, 1)), nan=0.0).astype(np.float32)
         samples, sample_rate = file_samples(file)
-        # pyannote's progress unit: batches of embedding_batch_size (window, speaker) pairs
-        batch = max(1, int(self.pipeline.embedding_batch_size))
-        total = math.ceil(windows * speakers / batch)
         if hook is not None:
             hook("embeddings", None, total=total, completed=0)
 
@@ -283,22 +340,69 @@ class ServerEmbeddings:
                 )
 
         result = self._embed(samples, sample_rate, masks, exclude_overlap, step_s, progress)
-        if result.embeddings.shape != (windows, speakers, EMBEDDING_DIM):
-            raise SpeakerdError(
-                f"speakerd at {self.target} answered {list(result.embeddings.shape)} for "
-                f"{[windows, speakers, EMBEDDING_DIM]} (windows, local speakers, dimension)"
-            )
         self.last = CallStats(
             windows, speakers, samples.nbytes, windows * speakers * frames,
             time.perf_counter() - started, result.model_id, result.precision, empty=result.empty,
         )  # fmt: skip
-        return result.embeddings
+        return self._checked(result.embeddings, windows, speakers)
+
+    def _checked(self, embeddings: np.ndarray, windows: int, speakers: int) -> np.ndarray:
+        if embeddings.shape != (windows, speakers, EMBEDDING_DIM):
+            raise SpeakerdError(
+                f"speakerd at {self.target} answered {list(embeddings.shape)} for "
+                f"{[windows, speakers, EMBEDDING_DIM]} (windows, local speakers, dimension)"
+            )
+        return embeddings
+
+    # -- pyannote's get_segmentations (segmentation=True) ----------------------------------
+
+    def segmentations(
+        self, file: Mapping[str, Any], hook: Callable[..., Any] | None = None
+    ) -> SlidingWindowFeature:
+        """The file's segmentation as pyannote's `get_segmentations` returns it, from one
+        server call that computes the embeddings under it too (kept for get_embeddings)."""
+        pipeline = self.pipeline
+        if pipeline.training and pipeline.CACHED_SEGMENTATION in file:
+            return file[pipeline.CACHED_SEGMENTATION]
+        started = time.perf_counter()
+        step_s = float(pipeline.segmentation_step) * WINDOW_S
+        samples, sample_rate = file_samples(file)
+        exclude_overlap = bool(pipeline.embedding_exclude_overlap)
+        if hook is not None:
+            hook("segmentation", None, total=1, completed=0)
+        try:
+            result = self._embed(samples, sample_rate, None, exclude_overlap, step_s)
+        except ServerUnavailableError as error:
+            if not self.local_fallback:
+                raise
+            warnings.warn(
+                f"{error}; segmenting this file with pyannote's own model (local_fallback=True)",
+                SpeakerdFallbackWarning,
+                stacklevel=2,
+            )
+            return type(pipeline).get_segmentations(pipeline, file, hook=hook)
+        if result.segmentation is None:
+            raise SpeakerdError(f"speakerd at {self.target} answered header.segment without a segmentation")
+        feature = SlidingWindowFeature(
+            result.segmentation.astype(np.float32), SlidingWindow(start=0.0, duration=WINDOW_S, step=step_s)
+        )
+        self._kept = (feature, exclude_overlap, result)
+        windows, _, speakers = result.segmentation.shape
+        self.last = CallStats(
+            windows, speakers, samples.nbytes, 0, time.perf_counter() - started, result.model_id,
+            result.precision, empty=result.empty,
+        )  # fmt: skip
+        if hook is not None:
+            hook("segmentation", None, total=1, completed=1)
+        if pipeline.training:
+            file[pipeline.CACHED_SEGMENTATION] = feature  # type: ignore[index]
+        return feature
 
     def _embed(
         self,
         samples: np.ndarray,
         sample_rate: int,
-        masks: np.ndarray,
+        masks: np.ndarray | None,
         exclude_overlap: bool,
         step_s: float,
         progress: Callable[[int, int], None] | None = None,
@@ -322,14 +426,36 @@ class ServerEmbeddings:
         """Give the pipeline its own get_embeddings back and close the channel."""
         if self.pipeline.__dict__.get("get_embeddings") is self:
             del self.pipeline.__dict__["get_embeddings"]
+        if self.pipeline.__dict__.get("get_segmentations") == self.segmentations:
+            del self.pipeline.__dict__["get_segmentations"]
         remove_file_reader(self.pipeline)
         self.client.close()
+
+
+def check_segmentation(pipeline: SpeakerDiarization) -> None:
+    """TypeError unless the pipeline's segmentation is one speakerd serves: a powerset model
+    of 3 speakers, at most 2 at once, over 10 s windows (pyannote/segmentation-3.0), slid by
+    a step of whole 10 ms frames."""
+    specifications = pipeline._segmentation.model.specifications
+    shape = (specifications.powerset, len(specifications.classes), specifications.powerset_max_classes)
+    if shape != (True, MAX_SPEAKERS, 2) or not math.isclose(specifications.duration, WINDOW_S):
+        raise TypeError(
+            f"pipeline._segmentation.model: powerset {shape[0]}, {shape[1]} speakers, at most {shape[2]} at "
+            f"once over {specifications.duration} s windows; expected segmentation-3.0's powerset of "
+            f"{MAX_SPEAKERS} speakers, at most 2 at once, over {WINDOW_S:g} s windows"
+        )
+    step = float(pipeline.segmentation_step) * WINDOW_S
+    if not math.isclose(step * 100, round(step * 100), abs_tol=1e-6) or not 0 < step <= WINDOW_S:
+        raise TypeError(f"pipeline.segmentation_step: {pipeline.segmentation_step}, expected a step of whole "
+                        f"10 ms frames in (0, {WINDOW_S:g}] s")  # fmt: skip
 
 
 def use_server(
     pipeline: SpeakerDiarization,
     target: str,
     *,
+    segmentation: bool = False,
+    verify: bool = True,
     local_fallback: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     retry: RetryPolicy | None = None,
@@ -341,18 +467,30 @@ def use_server(
     """Make `pipeline` compute its embeddings on the speakerd server at `target` (in place;
     the same pipeline is returned). Checks the server's model first (ModelMismatchError).
 
+    `segmentation=True`: its segmentation too, in the same call per file (the server's
+    segmentation model; checked against the pipeline's on a probe window). `verify=False`
+    skips both checks: for a pipeline whose models hold no weights (remote_pipeline).
+    `local_fallback` then has nothing to fall back to and must stay False.
+
     An unreachable server raises ServerUnavailableError here and in every later call, unless
     `local_fallback`: then a warning, and each file is embedded by the server when it answers
     (after the model check) and by pyannote's own model when it does not. `timeout_s` is
     one recording's deadline; `retry`, `tls_*` and `token` are SpeakerClient's options."""
     check_pipeline(pipeline)  # before a channel opens: a wrong pipeline is a TypeError, no more
+    if segmentation:
+        check_segmentation(pipeline)
+    if local_fallback and not verify:
+        raise ValueError("local_fallback needs the pipeline's own weights: not with verify=False")
     client = SpeakerClient(
         target, timeout_s=timeout_s, retry=retry or RetryPolicy(),
         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token,
     )  # fmt: skip
-    embeddings = ServerEmbeddings(pipeline, client, target, local_fallback, timeout_s)
+    embeddings = ServerEmbeddings(pipeline, client, target, local_fallback, timeout_s, segmentation, verify)
     try:
-        embeddings.verify()
+        if verify:
+            embeddings.verify()
+            if segmentation:
+                embeddings.verify_segmentation()
     except ServerUnavailableError as error:
         if not local_fallback:
             client.close()
@@ -366,5 +504,7 @@ def use_server(
         client.close()
         raise
     pipeline.get_embeddings = embeddings  # the instance attribute shadows the method
+    if segmentation:
+        pipeline.get_segmentations = embeddings.segmentations
     add_file_reader(pipeline)  # pipeline("meeting.wav") where pyannote cannot decode files
     return pipeline

@@ -70,7 +70,7 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., empty: _Optional[_Iterable[bool]] = ..., active_frames: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., precision: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., fp16_fallbacks: _Optional[int] = ...) -> None: ...
 
 class RecordingHeader(_message.Message):
-    __slots__ = ("sample_rate", "channels", "encoding", "window_s", "step_s", "exclude_overlap", "request_id", "frames")
+    __slots__ = ("sample_rate", "channels", "encoding", "window_s", "step_s", "exclude_overlap", "request_id", "frames", "segment")
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class RecordingHeader(_message.Message):
     EXCLUDE_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     sample_rate: int
     channels: int
     encoding: AudioEncoding
@@ -87,7 +88,8 @@ class RecordingHeader(_message.Message):
     exclude_overlap: bool
     request_id: str
     frames: int
-    def __init__(self, sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., window_s: _Optional[float] = ..., step_s: _Optional[float] = ..., exclude_overlap: _Optional[bool] = ..., request_id: _Optional[str] = ..., frames: _Optional[int] = ...) -> None: ...
+    segment: bool
+    def __init__(self, sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., window_s: _Optional[float] = ..., step_s: _Optional[float] = ..., exclude_overlap: _Optional[bool] = ..., request_id: _Optional[str] = ..., frames: _Optional[int] = ..., segment: _Optional[bool] = ...) -> None: ...
 
 class RecordingMasks(_message.Message):
     __slots__ = ("windows", "masks")
@@ -108,7 +110,7 @@ class EmbedRecordingRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RecordingHeader, _Mapping]] = ..., audio: _Optional[bytes] = ..., masks: _Optional[_Union[RecordingMasks, _Mapping]] = ...) -> None: ...
 
 class EmbedRecordingResponse(_message.Message):
-    __slots__ = ("embeddings", "first_window", "starts", "empty", "active_frames", "windows", "model_id", "precision", "request_id", "plans", "fp16_fallbacks")
+    __slots__ = ("embeddings", "first_window", "starts", "empty", "active_frames", "windows", "model_id", "precision", "request_id", "plans", "fp16_fallbacks", "segmentation", "segmentation_model_id")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     FIRST_WINDOW_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,8 @@ class EmbedRecordingResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
     FP16_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTATION_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     embeddings: Tensor
     first_window: int
     starts: _containers.RepeatedScalarFieldContainer[float]
@@ -131,14 +135,16 @@ class EmbedRecordingResponse(_message.Message):
     request_id: str
     plans: _containers.RepeatedScalarFieldContainer[str]
     fp16_fallbacks: int
-    def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., first_window: _Optional[int] = ..., starts: _Optional[_Iterable[float]] = ..., empty: _Optional[_Iterable[bool]] = ..., active_frames: _Optional[_Iterable[int]] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., precision: _Optional[str] = ..., request_id: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., fp16_fallbacks: _Optional[int] = ...) -> None: ...
+    segmentation: Tensor
+    segmentation_model_id: str
+    def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., first_window: _Optional[int] = ..., starts: _Optional[_Iterable[float]] = ..., empty: _Optional[_Iterable[bool]] = ..., active_frames: _Optional[_Iterable[int]] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., precision: _Optional[str] = ..., request_id: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., fp16_fallbacks: _Optional[int] = ..., segmentation: _Optional[_Union[Tensor, _Mapping]] = ..., segmentation_model_id: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "engine", "precision", "plan_sizes", "max_batch", "fbank_frames", "mel_bins", "chunk_samples", "max_speakers", "embedding_dim", "mask_frames", "version", "waveform_supported", "max_message_bytes", "source")
+    __slots__ = ("model_id", "engine", "precision", "plan_sizes", "max_batch", "fbank_frames", "mel_bins", "chunk_samples", "max_speakers", "embedding_dim", "mask_frames", "version", "waveform_supported", "max_message_bytes", "source", "segmentation")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +160,7 @@ class ModelInfo(_message.Message):
     WAVEFORM_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTATION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     engine: str
     precision: str
@@ -169,7 +176,24 @@ class ModelInfo(_message.Message):
     waveform_supported: bool
     max_message_bytes: int
     source: ModelSource
-    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
+    segmentation: SegmentationModelInfo
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., segmentation: _Optional[_Union[SegmentationModelInfo, _Mapping]] = ...) -> None: ...
+
+class SegmentationModelInfo(_message.Message):
+    __slots__ = ("model_id", "engine", "frames", "speakers", "classes", "source")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SPEAKERS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    engine: str
+    frames: int
+    speakers: int
+    classes: int
+    source: ModelSource
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., frames: _Optional[int] = ..., speakers: _Optional[int] = ..., classes: _Optional[int] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
 
 class ModelSource(_message.Message):
     __slots__ = ("repo_id", "revision", "filename", "sha256")

@@ -25,6 +25,15 @@ The window count is checked against the masks' declared `windows` as early as it
 against `header.frames` on the first masks message when the header gives it, as soon as
 the audio received makes more windows than declared, and at the end of the audio.
 
+With `header.segment` the server finds the masks itself: the decoded 16 kHz samples are kept
+for the windows not yet segmented (speakerd.model.segmentation.samples), a third task hands
+each group of complete windows to the segmentation engine (engine/segmenter.py) on its own
+threads, and the multilabel segmentation it returns takes the place of the masks messages
+(the same checks, exclude_overlap and silent-window path follow); every response carries its
+windows' segmentation. The reader waits while more than MAX_KEPT_WINDOW_GROUPS groups of
+windows' samples wait for the segmenter, so a fast upload never piles audio up in memory.
+A call without `segment` runs none of this.
+
 A client that goes away cancels the handler: its queued batches leave the batcher before
 reaching the engine (Batcher.submit's cancellation) and no further windows are computed.
 Bad input is INVALID_ARGUMENT naming the field and what was expected.
@@ -46,6 +55,7 @@ import grpc
 import numpy as np
 
 from speakerd.engine.base import Engine
+from speakerd.engine.segmenter import Segmenter
 from speakerd.model.architecture import CHUNK_SAMPLES, SAMPLE_RATE
 from speakerd.model.inputs import InputError, check_masks
 from speakerd.model.numerics import active_frames, pad_speakers
@@ -61,6 +71,7 @@ from speakerd.model.recording import (
     window_starts_s,
 )
 from speakerd.model.resample import output_length
+from speakerd.model.segmentation.samples import SegmentingSource
 from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_stream
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
@@ -98,6 +109,15 @@ SUBMIT_WINDOWS_FACTOR = 4
 
 #: Threads decoding PCM and slicing fbank for all recording calls (NumPy releases the GIL).
 DECODE_THREADS = 2
+#: Threads running the segmentation engine for all segmenting calls: on the CPU segmenter
+#: each call is compute-bound (its matmuls use every core through BLAS), so two calls at once
+#: keep the cores busy through each other's single-threaded NumPy steps.
+SEGMENT_THREADS = 2
+#: Groups of windows (the segmenter's `max_windows` each) whose samples a segmenting call may
+#: hold before its reader waits for the segmenter: enough that the segmenter always has its
+#: next group, bounded so that a fast upload holds at most about 4 x 41 s of audio (2.6 MB a
+#: group of 32 windows at the default step) instead of the whole recording.
+MAX_KEPT_WINDOW_GROUPS = 4
 #: pyannote's Inference window; the model's chunk admits no other.
 WINDOW_S = CHUNK_SAMPLES / SAMPLE_RATE
 DEFAULT_STEP_S = 1.0
@@ -109,6 +129,7 @@ class Host(Protocol):
     in-flight accounting (so that a drain waits for recordings too)."""
 
     engine: Engine | None
+    segmenter: Segmenter | None
     batcher: Batcher | None
     draining: bool
     metrics: Metrics
@@ -140,6 +161,7 @@ class RecordingService:
         self.max_seconds = max_seconds
         self.fbank_source = fbank_source
         self.pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="recording")
+        self.segment_pool = ThreadPoolExecutor(SEGMENT_THREADS, thread_name_prefix="segment")
         self.active = 0  # calls in progress, at most MAX_RECORDINGS
 
     def source_for(self, step: int) -> FbankSource:
@@ -150,14 +172,20 @@ class RecordingService:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.segment_pool.shutdown(wait=False, cancel_futures=True)
 
     def windows(
-        self, requests: AsyncIterator[pb.EmbedRecordingRequest], context: grpc.aio.ServicerContext
+        self,
+        requests: AsyncIterator[pb.EmbedRecordingRequest],
+        context: grpc.aio.ServicerContext,
+        masks_of: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
         """A call's responses without EmbedRecording's metrics and log line: for methods
         built on the recording path (voiceprints), which decode their own calls and account
-        for them themselves. Failures raise Rejection."""
-        return _Call(self, context).run(requests)
+        for them themselves. Failures raise Rejection. With `header.segment`, `masks_of`
+        turns the segmentation [k, 589, 3] into the masks pooled under (default: its
+        speakers, [k, 3, 589])."""
+        return _Call(self, context, masks_of).run(requests)
 
     async def EmbedRecording(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -218,7 +246,12 @@ class _Call:
     """One EmbedRecording call: a reader task consuming the client's messages and submitting
     batches, and `run` answering them in order."""
 
-    def __init__(self, service: RecordingService, context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self,
+        service: RecordingService,
+        context: grpc.aio.ServicerContext,
+        masks_of: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> None:
         self.service = service
         self.host = service.host
         self.context = context
@@ -247,12 +280,20 @@ class _Call:
         self.tasks: list[asyncio.Task[pb.EmbedRecordingResponse]] = []
         self.progress = asyncio.Event()  # set by the reader when windows may have become ready
         self.ended = False  # the audio has ended and every check passed: submit the rest
+        # header.segment: the server's segmentation gives the mask rows
+        self.segmenting = False
+        self.masks_of = masks_of or speaker_masks
+        self.segmentations = MaskRows()  # [k, 589, 3] uint8 rows not submitted yet
+        self.audio_ended = False
+        self.audio_progress = asyncio.Event()  # set by the reader for the segmenter task
+        self.segment_progress = asyncio.Event()  # set by the segmenter for a waiting reader
 
     async def run(
         self, requests: AsyncIterator[pb.EmbedRecordingRequest]
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
         reader = asyncio.ensure_future(self._guarded(self._read(requests)))
         submitter = asyncio.ensure_future(self._guarded(self._submit_windows()))
+        segmenter = asyncio.ensure_future(self._guarded(self._segment_windows()))
         try:
             while True:
                 item = await self._unless_failed(asyncio.ensure_future(self.batches.get()))
@@ -264,6 +305,7 @@ class _Call:
         finally:
             reader.cancel()
             submitter.cancel()
+            segmenter.cancel()
             for task in self.tasks:
                 task.cancel()  # their batcher jobs leave the queue before any engine work
                 if task.done() and not task.cancelled():
@@ -315,9 +357,13 @@ class _Call:
             else:
                 raise InputError("part", "an empty message; set header, audio or masks")
             self.progress.set()
+            self.audio_progress.set()
         await self._end()
-        self.ended = True
-        self.progress.set()
+        self.audio_ended = True
+        self.audio_progress.set()
+        if not self.segmenting:  # else the segmenter ends the call's windows
+            self.ended = True
+            self.progress.set()
 
     async def _submit_windows(self) -> None:
         """Submit windows to the batcher as their rows and audio come in, BATCHES_IN_FLIGHT
@@ -355,6 +401,14 @@ class _Call:
         if header.frames < 0:
             raise InputError("header.frames", f"{header.frames}, expected the PCM frames to send or 0")
         check_format(header.sample_rate, header.channels)  # before any device work
+        self.segmenting = header.segment
+        if self.segmenting and self.host.segmenter is None:  # built with the engine
+            raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
+
+        def source() -> FbankSource:
+            inner = self.service.source_for(self.step)
+            return SegmentingSource(inner, self.step) if self.segmenting else inner
+
         # the source and decoder allocate device buffers: off the event loop
         self.decoder = await asyncio.get_running_loop().run_in_executor(
             self.service.pool,
@@ -362,7 +416,7 @@ class _Call:
                 header.sample_rate,
                 header.channels,
                 ENCODINGS[header.encoding],
-                source=self.service.source_for(self.step),
+                source=source(),
                 step=self.step,
                 max_seconds=self.service.max_seconds,
             ),
@@ -378,6 +432,8 @@ class _Call:
             self.announced = header.frames
             samples = output_length(header.frames, header.sample_rate, SAMPLE_RATE)
             self.expected = window_count(samples, self.step)
+            if self.segmenting:  # no masks message will declare them
+                self._declare(self.expected)
 
     async def _audio(self, data: bytes) -> None:
         decoder = self.decoder
@@ -387,6 +443,8 @@ class _Call:
             raise InputError("audio", f"more than the {self.announced} frames header.frames announced")
         if self.declared is not None:
             self._check_audio_fits(self.declared)
+        if self.segmenting:
+            await self._wait_for_segmenter()
 
     @property
     def _layout(self) -> str:
@@ -405,6 +463,10 @@ class _Call:
             )
 
     async def _masks(self, message: pb.RecordingMasks) -> None:
+        if self.segmenting:
+            raise InputError(
+                "masks", "not with header.segment: the server segments the recording; send the audio alone"
+            )
         self._declare(message.windows)
         declared = message.windows
         if not message.HasField("masks"):
@@ -425,12 +487,62 @@ class _Call:
                 "as in the first masks message",
             )
         self.speakers, self.mask_frames = int(masks.shape[1]), int(masks.shape[2])
+        # binarized uint8 rows stay uint8 until submitted: a quarter of float32's memory
+        await self._accept(masks if masks.dtype == np.uint8 else checked)
+
+    async def _accept(self, masks: np.ndarray) -> None:
+        """The next windows' mask rows [k, s, F], checked, whoever made them."""
         # off the event loop: an hour of masks in one message takes ~0.1 s with exclude_overlap
-        silent = await asyncio.get_running_loop().run_in_executor(self.service.pool, self._silent, checked)
+        silent = await asyncio.get_running_loop().run_in_executor(self.service.pool, self._silent, masks)
         self.voiced += (self.voiced[-1] + np.cumsum(~silent)).tolist()
         self.received += masks.shape[0]
-        # binarized uint8 rows stay uint8 until submitted: a quarter of float32's memory
-        self.pending.append(masks if masks.dtype == np.uint8 else checked)
+        self.pending.append(masks)
+
+    async def _segment_windows(self) -> None:
+        """With header.segment: segment each group of windows as soon as its audio is in
+        (the last, shorter group once the audio has ended); the rows become the call's masks."""
+        await self.audio_progress.wait()
+        if not self.segmenting:
+            return
+        segmenter = self.host.segmenter
+        source = self.decoder.source if self.decoder is not None else None
+        assert segmenter is not None and isinstance(source, SegmentingSource)
+        loop = asyncio.get_running_loop()
+        metrics = self.host.metrics
+        while True:
+            self.audio_progress.clear()
+            ended = self.audio_ended
+            while (left := source.segmentable() - self.received) >= segmenter.max_windows or (ended and left):
+                count = min(left, segmenter.max_windows)
+                first, samples, starts = await loop.run_in_executor(self.service.pool, source.take, count)
+                assert first == self.received, (first, self.received)
+                done = await loop.run_in_executor(
+                    self.service.segment_pool, segmenter.segment, samples, starts
+                )
+                metrics.segmentation_compute.observe(done.compute_s)
+                metrics.windows_segmented.inc(count)
+                masks = self.masks_of(done.multilabel)
+                self.speakers, self.mask_frames = int(masks.shape[1]), int(masks.shape[2])
+                self.segmentations.append(done.multilabel)
+                await self._accept(masks)
+                self.segment_progress.set()
+                self.progress.set()
+            if ended:
+                self.ended = True
+                self.progress.set()
+                return
+            await self.audio_progress.wait()
+
+    async def _wait_for_segmenter(self) -> None:
+        """Back-pressure: hold the reader while more than MAX_KEPT_WINDOW_GROUPS groups of
+        windows' samples wait for the segmenter (it takes them as fast as it can)."""
+        source, segmenter = self.decoder.source if self.decoder else None, self.host.segmenter
+        assert isinstance(source, SegmentingSource) and segmenter is not None
+        bound = CHUNK_SAMPLES + MAX_KEPT_WINDOW_GROUPS * segmenter.max_windows * self.step
+        while source.kept_samples > bound:
+            self.segment_progress.clear()
+            self.audio_progress.set()
+            await self.segment_progress.wait()
 
     def _declare(self, windows: int) -> None:
         """Check masks.windows against the first message's, header.frames' and the audio's."""
@@ -472,7 +584,7 @@ class _Call:
                 f"{self.declared}, but the {decoder.seconds:.3f} s of audio received make "
                 f"{windows} {self._layout}",
             )
-        if self.received != windows:
+        if self.received != windows and not self.segmenting:
             raise InputError(
                 "masks",
                 f"the call ended after {self.received} mask rows, expected {windows} "
@@ -504,7 +616,8 @@ class _Call:
         assert self.host.batcher is not None and self.decoder is not None
         available = min(self.received, self.decoder.ready())
         while count := self._next_count(available, final):
-            task = asyncio.ensure_future(self._embed(self.submitted, self.pending.take(count)))
+            segmentation = self.segmentations.take(count) if self.segmenting else None
+            task = asyncio.ensure_future(self._embed(self.submitted, self.pending.take(count), segmentation))
             self.tasks.append(task)
             self.submitted += count
             await self.batches.put(task)  # blocks while BATCHES_IN_FLIGHT are unanswered
@@ -517,7 +630,9 @@ class _Call:
         used = exclude_overlap(masks) if self.exclude_overlap else masks
         return fbank, pad_speakers(used), active_frames(used)
 
-    async def _embed(self, first: int, masks: np.ndarray) -> pb.EmbedRecordingResponse:
+    async def _embed(
+        self, first: int, masks: np.ndarray, segmentation: np.ndarray | None = None
+    ) -> pb.EmbedRecordingResponse:
         engine, batcher = self.host.engine, self.host.batcher
         assert engine is not None and batcher is not None
         loop = asyncio.get_running_loop()
@@ -528,7 +643,7 @@ class _Call:
             raise batcher_rejection(error, f"windows {first}..{first + masks.shape[0] - 1}: ") from error
         count = masks.shape[0]
         starts = window_starts_s(first, first + count, self.step)
-        return pb.EmbedRecordingResponse(
+        response = pb.EmbedRecordingResponse(
             embeddings=to_tensor(result.embeddings[:, : self.speakers]),
             first_window=first,
             starts=starts.tolist(),
@@ -541,6 +656,17 @@ class _Call:
             plans=sorted(set(result.plans)),
             fp16_fallbacks=result.fp16_fallbacks,
         )
+        if segmentation is not None:
+            assert self.host.segmenter is not None
+            response.segmentation.CopyFrom(to_tensor(np.ascontiguousarray(segmentation)))
+            response.segmentation_model_id = self.host.segmenter.model_id
+        return response
+
+
+def speaker_masks(segmentation: np.ndarray) -> np.ndarray:
+    """[k, 589, 3] multilabel -> [k, 3, 589] uint8: each local speaker's mask, what
+    pyannote's get_embeddings pools a window's speakers under."""
+    return np.ascontiguousarray(np.transpose(segmentation, (0, 2, 1)))
 
 
 class MaskRows:

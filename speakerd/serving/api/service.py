@@ -40,6 +40,7 @@ import grpc
 import numpy as np
 
 from speakerd.engine.base import DeviceFbank, Engine
+from speakerd.engine.segmenter import Segmenter
 from speakerd.model.architecture import (
     CHUNK_SAMPLES,
     EMBEDDING_DIM,
@@ -56,6 +57,9 @@ from speakerd.model.inputs import (
     check_waveform,
 )
 from speakerd.model.numerics import active_frames, pad_speakers
+from speakerd.model.segmentation.architecture import CLASSES as POWERSET_CLASSES
+from speakerd.model.segmentation.architecture import FRAMES as SEGMENTATION_FRAMES
+from speakerd.model.segmentation.architecture import SPEAKERS as SEGMENTATION_SPEAKERS
 from speakerd.model.source import ModelSource
 from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
 from speakerd.serving.api.recording import RecordingService
@@ -170,6 +174,12 @@ def decode(raw: bytes, max_chunks: int, waveform_fbank: WaveformFbank) -> Decode
         raise rejection from error
 
 
+def _source(source: ModelSource) -> pb.ModelSource:
+    return pb.ModelSource(
+        repo_id=source.repo_id, revision=source.revision, filename=source.filename, sha256=source.sha256
+    )
+
+
 class SpeakerEmbeddingService:
     """Serves the engine attached by `attach`; UNAVAILABLE before that and while draining.
     Its methods are the generated servicer's, registered by `register` (embed requests as
@@ -181,6 +191,8 @@ class SpeakerEmbeddingService:
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
         self.model_source = ModelSource()
+        self.segmenter: Segmenter | None = None  # EmbedRecording's header.segment
+        self.segmentation_source = ModelSource()
         self.draining = False
         self._decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="decode")
         self._budget = ByteBudget(DECODE_BUDGET_MESSAGES * max_message_bytes)
@@ -190,8 +202,18 @@ class SpeakerEmbeddingService:
         self._idle.set()
         self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.api.recording)
 
-    def attach(self, engine: Engine, batcher: Batcher, source: ModelSource | None = None) -> None:
-        """Serve with `engine` through `batcher`; `source` is where its weights came from."""
+    def attach(
+        self,
+        engine: Engine,
+        batcher: Batcher,
+        source: ModelSource | None = None,
+        segmenter: Segmenter | None = None,
+        segmentation_source: ModelSource | None = None,
+    ) -> None:
+        """Serve with `engine` through `batcher`, and `segmenter` for the recordings that
+        ask the server to segment; the sources are where their weights came from."""
+        self.segmenter = segmenter  # before the engine: a call that sees the engine sees it too
+        self.segmentation_source = segmentation_source or ModelSource()
         self.engine, self.batcher = engine, batcher
         self.model_source = source or ModelSource()
 
@@ -336,12 +358,21 @@ class SpeakerEmbeddingService:
             version=package_version(),
             waveform_supported=True,
             max_message_bytes=self.max_message_bytes,
-            source=pb.ModelSource(
-                repo_id=self.model_source.repo_id,
-                revision=self.model_source.revision,
-                filename=self.model_source.filename,
-                sha256=self.model_source.sha256,
-            ),
+            source=_source(self.model_source),
+            segmentation=self._segmentation_info(),
+        )
+
+    def _segmentation_info(self) -> pb.SegmentationModelInfo | None:
+        segmenter = self.segmenter
+        if segmenter is None:
+            return None
+        return pb.SegmentationModelInfo(
+            model_id=segmenter.model_id,
+            engine=segmenter.name,
+            frames=SEGMENTATION_FRAMES,
+            speakers=SEGMENTATION_SPEAKERS,
+            classes=POWERSET_CLASSES,
+            source=_source(self.segmentation_source),
         )
 
     # --- one request -------------------------------------------------------------------

@@ -43,6 +43,8 @@ METRIC_NAMES = (
     "speakerd_inflight_requests",
     "speakerd_chunks_embedded_total",
     "speakerd_windows_skipped_total",
+    "speakerd_windows_segmented_total",
+    "speakerd_segmentation_compute_seconds",
     "speakerd_requests_rejected_total",
     "speakerd_plan_runs_total",
     "speakerd_fp16_fallbacks_total",
@@ -144,6 +146,17 @@ class Metrics:
             "speakerd_windows_skipped_total",
             "Windows whose every speaker mask was empty (silence, music): answered with the "
             "model's empty-mask rows (seg_1.bias) without engine work",
+            registry=r,
+        )
+        self.windows_segmented = Counter(
+            "speakerd_windows_segmented_total",
+            "Windows the server segmented itself (EmbedRecording with header.segment)",
+            registry=r,
+        )
+        self.segmentation_compute = Histogram(
+            "speakerd_segmentation_compute_seconds",
+            "Segmentation engine time of one group of windows (wall time on the CPU)",
+            buckets=SECONDS_BUCKETS,
             registry=r,
         )
         self.rejected = Counter(

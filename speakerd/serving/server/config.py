@@ -107,6 +107,9 @@ class ServeConfig:
     max_message_mb: int
     log_level: str
     conv_kernels: str = "auto"
+    #: --segmentation-model as given (EmbedRecording's header.segment): a Hugging Face repo id,
+    #: a local path, or None for the synthetic default segmentation model
+    segmentation_model: str | None = None
     #: PEM files: server certificate chain and key (TLS), and the CA that client certificates
     #: must chain to (mutual TLS). All None: plaintext gRPC.
     tls_cert: Path | None = None
@@ -228,6 +231,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # --weights is the same flag under its older name, SPEAKERD_WEIGHTS the same variable
     parser.add_argument(
         "--model", "--weights", dest="model", default=env_model(), help=f"{MODEL_HELP} [{MODEL_ENV}]"
+    )
+    add(
+        "segmentation-model",
+        None,
+        "the segmentation model EmbedRecording's header.segment runs: Hugging Face repo id (org/name"
+        "[@revision], e.g. pyannote/segmentation-3.0: its pytorch_model.bin) or a local .safetensors, .bin or "
+        ".ckpt file or directory (default: the synthetic segmentation model, made on first use in "
+        "$SPEAKERD_CACHE)",
     )
     add("math", Math.FP32.value, "trunk arithmetic", choices=[m.value for m in Math])
     add("plans", DEFAULT_PLANS, f"batch sizes to preallocate, each 1..{MAX_PLAN_SIZE}", type=parse_plans)
@@ -355,6 +366,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         metrics_port=int(args.metrics_port),
         engine=args.engine,
         model=args.model or None,
+        segmentation_model=args.segmentation_model or None,
         math=Math(args.math),
         plans=plans,
         max_delay_ms=float(args.max_delay_ms),

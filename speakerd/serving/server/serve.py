@@ -50,7 +50,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from speakerd.engine.base import Engine
+from speakerd.engine.segmenter import Segmenter
 from speakerd.model.numerics import Math
+from speakerd.model.segmentation.weights import SegmentationWeights
 from speakerd.model.source import ModelSource, ResolvedModel
 from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
@@ -73,7 +75,7 @@ from speakerd.serving.observability.logs import LOG_FORMAT
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
 from speakerd.serving.receivers.receivers import ReceiverFailed, ReceiverGroup
-from speakerd.serving.server import config
+from speakerd.serving.server import config, segmentation
 from speakerd.serving.server.memory_bound import memory_bound, resident_bytes
 from speakerd.serving.voiceprints.records import StoreUnavailable
 from speakerd.serving.voiceprints.service import VoiceprintService
@@ -110,6 +112,8 @@ class Prepared:
     devices: tuple[int, ...] | None = None
     #: where an explicit --model's safetensors came from; None: the default model
     resolved: ResolvedModel | None = None
+    #: an explicit --segmentation-model, resolved and loaded; None: the default one
+    segmentation: tuple[ResolvedModel, SegmentationWeights] | None = None
 
 
 @dataclass
@@ -164,6 +168,10 @@ def preflight(settings: config.ServeConfig) -> Prepared:
         )
     resolved = _resolve_model(settings.model) if settings.model else None
     model = _load_model(resolved, settings.model) if resolved is not None else None
+    segmentation_model = None
+    if settings.segmentation_model:
+        found = segmentation.resolve(settings.segmentation_model)
+        segmentation_model = (found, segmentation.load(found, settings.segmentation_model))
     credentials = None
     if settings.tls_cert is not None and settings.tls_key is not None:
         files = TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
@@ -186,7 +194,7 @@ def preflight(settings: config.ServeConfig) -> Prepared:
     _check_shared_memory(len(devices or ()), settings.plans[-1], settings.receivers)
     _check_bindable(settings.host, settings.port, "--port")
     _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
-    return Prepared(kind, model, credentials, tokens, devices, resolved)
+    return Prepared(kind, model, credentials, tokens, devices, resolved, segmentation_model)
 
 
 def _check_shared_memory(devices: int, max_batch: int, receivers: int) -> None:
@@ -394,6 +402,8 @@ class SpeakerServer:
         self.abandoned_work = False
         #: where the served weights came from (GetModelInfo.source), known once warm-up resolved them
         self.model_source = ModelSource()
+        self.segmenter: Segmenter | None = None
+        self.segmentation_source = ModelSource()
         self._server: grpc.aio.Server | None = None
         #: --receivers: the processes taking calls on the port, and the private directory
         #: of this server's own socket, where they forward what they do not hand over
@@ -540,11 +550,18 @@ class SpeakerServer:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._device_lost(device, left)))
 
         def build() -> Engine:
-            from speakerd.model.source import resolve_model
+            from speakerd.model.source import resolve_model, resolve_segmentation_model
 
-            # the default model is made here, on first use, while health answers NOT_SERVING
+            # the default models are made here, on first use, while health answers NOT_SERVING
             resolved = self.prepared.resolved or resolve_model(None)
             self.model_source = resolved.source
+            if self.prepared.segmentation is not None:
+                found, weights = self.prepared.segmentation
+            else:
+                found = resolve_segmentation_model(None)
+                weights = segmentation.load(found, None)
+            self.segmentation_source = found.source
+            self.segmenter = segmentation.build(weights)
             if self.prepared.devices is None:
                 return _build_engine(s, self.prepared, resolved)
             return _start_pool(s, self.prepared, resolved, self.metrics, on_lost)
@@ -563,7 +580,7 @@ class SpeakerServer:
         self.engine = engine
         self.batcher = Batcher(engine, self.metrics, s.max_delay_ms / 1e3, s.queue_chunks)
         self.batcher.start()
-        self.service.attach(engine, self.batcher, self.model_source)
+        self.service.attach(engine, self.batcher, self.model_source, self.segmenter, self.segmentation_source)
         self.metrics.model_info.labels(
             model_id=engine.model_id, engine=engine.name, math=str(engine.math)
         ).set(1)

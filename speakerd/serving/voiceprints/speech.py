@@ -4,9 +4,10 @@ A call's stream is a SpeechHeader (`recording` or `embeddings`), then, for a rec
 audio pieces and masks messages as EmbedRecording takes them. The recording goes through
 EmbedRecording's own path (RecordingService.windows: the same decoding, resampling, fbank
 and batcher), and each mask column's window embeddings are pooled into one row
-(speakerd.model.voiceprint). Masks are the caller's, or built at the end of the audio from
-`segments` (or the whole audio when there are none), so that no masks must be computed to
-enroll a clean recording of one speaker.
+(speakerd.model.voiceprint). Masks are the caller's; or, with `recording.segment`, the
+frames where the server's segmentation hears exactly one speaker; or built at the end of the
+audio from `segments` (or the whole audio when there are none), so that no masks must be
+computed to enroll a clean recording of one speaker.
 
 While the audio passes, its peak is measured: silent audio (SILENCE_PEAK) is refused
 whatever the masks say. Nothing here logs audio or vectors.
@@ -30,6 +31,7 @@ from speakerd.model.voiceprint import (
     normalize,
     pool,
     segment_masks,
+    single_speaker_speech,
     speech_seconds,
 )
 from speakerd.serving.api.recording import DEFAULT_STEP_S, ENCODINGS, RecordingService
@@ -69,15 +71,24 @@ async def collect(
         )
     segments = [(s.start_s, s.end_s) for s in header.segments]
     check_segments(segments)
+    segmenting = header.recording.segment
+    if segmenting and segments:
+        raise InputError(
+            "speech.segments", "not with speech.recording.segment: the server finds the speech itself"
+        )
     feed = _Feed(header.recording, segments, rest)
     rows: list[np.ndarray] = []
     active: list[np.ndarray] = []
+    found: list[np.ndarray] = []  # with segment: the masks the server's segmentation gave
     served_by = model_id
-    async for response in recordings.windows(feed.messages(), context):
+    masks_of = single_speaker_speech if segmenting else None
+    async for response in recordings.windows(feed.messages(), context, masks_of):
         rows.append(from_tensor(response.embeddings, "embeddings").astype(np.float32))
         active.append(np.asarray(response.active_frames, np.int32).reshape(rows[-1].shape[:2]))
         served_by = response.model_id or served_by
-    masks = feed.masks()
+        if segmenting:
+            found.append(single_speaker_speech(from_tensor(response.segmentation, "segmentation")))
+    masks = np.concatenate(found).astype(np.float32) if segmenting else feed.masks()
     columns = masks.shape[1]
     if columns > max_columns:
         raise InputError("masks.masks", f"{columns} speakers, expected [n, {max_columns}, F]")
@@ -147,7 +158,7 @@ class _Feed:
             else:
                 raise InputError("header", "sent twice; one header, then audio pieces and masks")
         self._finish()
-        if not self._given:
+        if not self._given and not self.header.segment:
             windows = window_count(self.samples_16k, self.step)
             whole = [(0.0, self.samples_16k / SAMPLE_RATE)]
             self._built = segment_masks(self.segments or whole, windows, self.step / SAMPLE_RATE)
