@@ -5,8 +5,11 @@ checkpoint, pyannote's own `WeSpeakerResNet34` holding the served weights (the s
 default model) and AgglomerativeClustering, run on pyannote's bundled sample.wav (30 s, 21
 windows). The same pipeline with and without `use_server` must give the same embeddings
 (cosine >= 0.99999 per row, the same empty rows) and the same diarization (DER 0), with
-`embedding_exclude_overlap` off and on. Skips, saying why, without pyannote.audio or the
-segmentation checkpoint (.ci/run installs both).
+`embedding_exclude_overlap` off and on. With the server segmenting too
+(`use_server(segmentation=True)` and `remote_pipeline`, the server serving the same
+segmentation-3.0 checkpoint), the segmentations must be pyannote's exactly and the
+diarization the same again, from a pipeline that holds no weights. Skips, saying why, without
+pyannote.audio or the segmentation checkpoint (.ci/run installs both).
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ from speakerd.pyannote import (
     ServerUnavailableError,
     SpeakerdFallbackWarning,
     models,
+    remote_pipeline,
     use_server,
 )
-from tests.serving import serve_module
+from speakerd.pyannote.remote import weightless_segmentation
+from tests.serving import scrape, serve_module
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Where .ci/run (scripts/pyannote_segmentation.sh) extracts segmentation-3.0's checkpoint.
@@ -100,7 +105,9 @@ def run_pipeline(pipeline, file: dict[str, Any]) -> Run:
 
 @pytest.fixture(scope="module")
 def server(weights_path):
-    yield from serve_module(weights_path, "--plans", PLANS)
+    """Serving the synthetic embedding model and the real segmentation-3.0 checkpoint
+    (converted without torch on start-up)."""
+    yield from serve_module(weights_path, "--plans", PLANS, "--segmentation-model", str(SEGMENTATION))
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +138,60 @@ def runs(server, segmentation, embedding, sample) -> dict[str, tuple[Run, Run, A
         case = f"exclude_overlap={exclude_overlap}"
         out[case] = (run_pipeline(local, sample), run_pipeline(served, sample), served.get_embeddings)
     return out
+
+
+@pytest.fixture(scope="module")
+def remote_runs(server, sample, runs) -> dict[str, tuple[Run, Run]]:
+    """case -> (pyannote alone, a pipeline without weights segmenting and embedding on the server)."""
+    out = {}
+    for exclude_overlap in (False, True):
+        case = f"exclude_overlap={exclude_overlap}"
+        remote = remote_pipeline(server.target, exclude_overlap=exclude_overlap)
+        out[case] = (runs[case][0], run_pipeline(remote, sample))
+    return out
+
+
+def test_server_segmentation_is_pyannotes(remote_runs) -> None:
+    """The segmentations pyannote's pipeline gets from the server equal its own, frame by
+    frame, and the diarization is the same (DER 0), with a pipeline that holds no weights."""
+    print(f"\n{'case':<24}{'windows':>8}{'cells':>9}{'differ':>8}{'min cosine':>14}")
+    for case, (local, remote) in remote_runs.items():
+        assert remote.segmentations.shape == local.segmentations.shape == (21, 589, 3), case
+        differ = int(np.sum(remote.segmentations != local.segmentations))
+        parity = compare(remote.embeddings.reshape(-1, 256), local.embeddings.reshape(-1, 256))
+        print(f"{case:<24}{21:>8}{local.segmentations.size:>9}{differ:>8}{parity.min_cosine:>14.9f}")
+        assert differ == 0, case
+        assert parity.min_cosine >= BOUNDS[Math.FP32].min_cosine, (case, parity)
+        for name in ("speaker_diarization", "exclusive_speaker_diarization"):
+            reference, hypothesis = getattr(local.output, name), getattr(remote.output, name)
+            assert DiarizationErrorRate()(reference, hypothesis) == 0.0, (case, name)
+            assert list(reference.itertracks(yield_label=True)) == list(
+                hypothesis.itertracks(yield_label=True)
+            )
+
+
+def test_use_server_segmentation_checks_the_segmentation_model(
+    server, segmentation, embedding, sample
+) -> None:
+    """use_server(segmentation=True) on a pipeline with weights: its segmentation model is
+    checked against the server's on a probe (refused when it is another), then each file
+    is one call whose embeddings need no second one."""
+    other = models.diarization_pipeline(weightless_segmentation(), embedding)
+    with pytest.raises(
+        ModelMismatchError, match="segmentation differs from the pipeline's segmentation model"
+    ):
+        use_server(other, server.target, segmentation=True)
+    assert "get_segmentations" not in other.__dict__
+    pipeline = use_server(
+        models.diarization_pipeline(segmentation, embedding), server.target, segmentation=True
+    )
+    calls = "speakerd_request_duration_seconds_count{code=OK,method=EmbedRecording}"
+    before = scrape(server)[calls]
+    served = run_pipeline(pipeline, {**sample, "waveform": sample["waveform"][:, : SHORT_SECONDS * 16_000]})
+    assert served.segmentations.shape == (3, 589, 3)
+    assert scrape(server)[calls] == before + 1  # the segmentation and embeddings of one call
+    pipeline.get_embeddings.detach()
+    assert "get_segmentations" not in pipeline.__dict__ and "get_embeddings" not in pipeline.__dict__
 
 
 def test_embeddings_equal_pyannote(runs, weights_path) -> None:

@@ -12,10 +12,10 @@ import time
 import numpy as np
 
 from speakerd.engine.segmenter import Segmentation, Segmenter
-from speakerd.model.segmentation.architecture import FRAMES, SPEAKERS
+from speakerd.model.segmentation.architecture import OUTPUT_FRAMES, SPEAKERS
 from speakerd.model.segmentation.forward import recording_log_probs
 from speakerd.model.segmentation.powerset import to_multilabel
-from speakerd.model.segmentation.weights import SegmentationWeights
+from speakerd.model.segmentation.weights import SegmentationModel
 
 #: Windows one CPU forward takes at once. The LSTM's 4 x 589 steps run one matmul per step
 #: over the whole group, so larger groups amortise NumPy's per-step overhead; 32 windows keep
@@ -29,7 +29,7 @@ class CpuSegmenter(Segmenter):
 
     name = "cpu-numpy"
 
-    def __init__(self, weights: SegmentationWeights, max_windows: int = CPU_GROUP_WINDOWS) -> None:
+    def __init__(self, weights: SegmentationModel, max_windows: int = CPU_GROUP_WINDOWS) -> None:
         self.weights = weights
         self.model_id = weights.model_id
         self.max_windows = max_windows
@@ -42,5 +42,5 @@ class CpuSegmenter(Segmenter):
         started = time.perf_counter()
         log_probs = recording_log_probs(self.weights, samples, starts)
         multilabel = to_multilabel(log_probs)
-        assert multilabel.shape == (starts.shape[0], FRAMES, SPEAKERS), multilabel.shape
+        assert multilabel.shape == (starts.shape[0], OUTPUT_FRAMES, SPEAKERS), multilabel.shape
         return Segmentation(multilabel.astype(np.uint8, copy=False), time.perf_counter() - started)

@@ -58,7 +58,7 @@ from speakerd.model.inputs import (
 )
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.model.segmentation.architecture import CLASSES as POWERSET_CLASSES
-from speakerd.model.segmentation.architecture import FRAMES as SEGMENTATION_FRAMES
+from speakerd.model.segmentation.architecture import OUTPUT_FRAMES as SEGMENTATION_FRAMES
 from speakerd.model.segmentation.architecture import SPEAKERS as SEGMENTATION_SPEAKERS
 from speakerd.model.source import ModelSource
 from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_message

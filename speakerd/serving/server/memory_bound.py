@@ -17,7 +17,11 @@ estimate of typical use:
   Calls open at once are at most MAX_CONCURRENT_STREAMS per connection; the number of
   connections is the clients' (the server does not refuse connections);
 - per recording in progress (at most MAX_RECORDINGS): MAX_RECORDING_S of frames and one
-  mask row per window.
+  mask row per window, and, when it asks the server to segment, the samples kept for its
+  windows not yet segmented (at most MAX_KEPT_WINDOW_GROUPS groups' span, then its reader
+  waits);
+- segmentation: the groups of windows the segmentation engine runs at once (SEGMENT_THREADS),
+  each at most SEGMENT_GROUP_BYTES of activations (CPU engine; the GPU's are on the device).
 
 Device workers (`--devices`) are processes of their own, bounded by their own engine.
 """
@@ -29,7 +33,9 @@ from dataclasses import dataclass
 
 from speakerd.model.architecture import FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES
-from speakerd.serving.api.recording import MAX_RECORDING_S, WINDOW_S
+from speakerd.engine.cpu_segmenter import CPU_GROUP_WINDOWS
+from speakerd.model.architecture import CHUNK_SAMPLES
+from speakerd.serving.api.recording import MAX_KEPT_WINDOW_GROUPS, MAX_RECORDING_S, SEGMENT_THREADS, WINDOW_S
 from speakerd.serving.api.service import DECODE_BUDGET_MESSAGES
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
@@ -48,6 +54,13 @@ RECORDING_BYTES = int(MAX_RECORDING_S * 100 * MEL_BINS * 4) + int(
 )
 #: A receiver process at rest (measured on a 2-core CI machine: 53 MB).
 RECEIVER_BASELINE_BYTES = 64 * MB
+#: One group of CPU_GROUP_WINDOWS windows through the CPU segmenter: 98 MB at its peak
+#: (tracemalloc, the NumPy forward on 32 windows of the real segmentation-3.0 weights),
+#: rounded up.
+SEGMENT_GROUP_BYTES = 128 * MB
+#: A segmenting recording's kept float32 samples at most: a window plus MAX_KEPT_WINDOW_GROUPS
+#: groups of windows at the largest step (10 s; 8.8 MB at the default 1 s).
+KEPT_SAMPLES_BYTES = 4 * (CHUNK_SAMPLES + MAX_KEPT_WINDOW_GROUPS * CPU_GROUP_WINDOWS * CHUNK_SAMPLES)
 
 
 @dataclass(frozen=True)
@@ -60,12 +73,13 @@ class MemoryBound:
     queue: int
     engine: int
     receivers: int
+    segmentation: int
     per_call: int
     per_recording: int
 
     @property
     def fixed(self) -> int:
-        return self.baseline + self.decode + self.queue + self.engine + self.receivers
+        return self.baseline + self.decode + self.queue + self.engine + self.receivers + self.segmentation
 
     def total(self, calls: int, recordings: int = 0) -> int:
         """The bound with `calls` calls open at once, `recordings` of them recordings."""
@@ -92,8 +106,9 @@ def memory_bound(
         queue=queue_chunks * CHUNK_BYTES,
         engine=(PIPELINE_DEPTH * devices - 1) * max_batch * ACTIVATION_BYTES_PER_CHUNK,
         receivers=receivers * (RECEIVER_BASELINE_BYTES + SLOTS_PER_RECEIVER * SLOT_BYTES),
+        segmentation=SEGMENT_THREADS * SEGMENT_GROUP_BYTES,
         per_call=2 * max_message_bytes,
-        per_recording=RECORDING_BYTES,
+        per_recording=RECORDING_BYTES + KEPT_SAMPLES_BYTES,
     )
 
 

@@ -13,7 +13,7 @@ import logging
 
 from speakerd.engine.cpu_segmenter import CpuSegmenter
 from speakerd.engine.segmenter import Segmenter
-from speakerd.model.segmentation.weights import SegmentationWeights, load_weights
+from speakerd.model.segmentation.weights import SegmentationModel, load_model
 from speakerd.model.source import ModelError, ResolvedModel, resolve_segmentation_model
 from speakerd.serving.server.config import UsageError
 
@@ -31,10 +31,10 @@ def resolve(spec: str) -> ResolvedModel:
         raise UsageError(str(error)) from error
 
 
-def load(resolved: ResolvedModel, spec: str | None) -> SegmentationWeights:
+def load(resolved: ResolvedModel, spec: str | None) -> SegmentationModel:
     """The weights of a resolved segmentation model; UsageError saying what to give instead."""
     try:
-        return load_weights(resolved.path)
+        return load_model(resolved.path)
     except (ValueError, KeyError, OSError) as error:
         said = spec if spec is not None else "(the default)"
         raise UsageError(
@@ -43,7 +43,7 @@ def load(resolved: ResolvedModel, spec: str | None) -> SegmentationWeights:
         ) from error
 
 
-def build(weights: SegmentationWeights) -> Segmenter:
+def build(weights: SegmentationModel) -> Segmenter:
     """The segmentation engine serving `weights`."""
     segmenter = CpuSegmenter(weights)
     log.info("segmentation model %s on %s, %d windows a run", segmenter.model_id[:16], segmenter.name,

@@ -52,7 +52,7 @@ from grpc_reflection.v1alpha import reflection
 from speakerd.engine.base import Engine
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.numerics import Math
-from speakerd.model.segmentation.weights import SegmentationWeights
+from speakerd.model.segmentation.weights import SegmentationModel
 from speakerd.model.source import ModelSource, ResolvedModel
 from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
@@ -113,7 +113,7 @@ class Prepared:
     #: where an explicit --model's safetensors came from; None: the default model
     resolved: ResolvedModel | None = None
     #: an explicit --segmentation-model, resolved and loaded; None: the default one
-    segmentation: tuple[ResolvedModel, SegmentationWeights] | None = None
+    segmentation: tuple[ResolvedModel, SegmentationModel] | None = None
 
 
 @dataclass
