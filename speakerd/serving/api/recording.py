@@ -34,6 +34,12 @@ windows' segmentation. The reader waits while more than MAX_KEPT_WINDOW_GROUPS g
 windows' samples wait for the segmenter, so a fast upload never piles audio up in memory.
 A call without `segment` runs none of this.
 
+Admission: a call reserves the memory it will hold (its frames and mask rows, from
+`header.frames`, else for the longest recording the server takes) in the server's recording
+budget (speakerd/serving/memory/recording_budget.py) when its header arrives; one that does
+not fit waits behind earlier ones up to its deadline, and only a full wait queue refuses it
+at once.
+
 A client that goes away cancels the handler: its queued batches leave the batcher before
 reaching the engine (Batcher.submit's cancellation) and no further windows are computed.
 Bad input is INVALID_ARGUMENT naming the field and what was expected.
@@ -46,6 +52,7 @@ import bisect
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +63,7 @@ import numpy as np
 
 from speakerd.engine.base import Engine
 from speakerd.engine.segmenter import Segmenter
-from speakerd.model.architecture import CHUNK_SAMPLES, SAMPLE_RATE
+from speakerd.model.architecture import CHUNK_SAMPLES, MASK_FRAMES, MAX_SPEAKERS, MEL_BINS, SAMPLE_RATE
 from speakerd.model.inputs import InputError, check_masks
 from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.model.recording import (
@@ -75,6 +82,7 @@ from speakerd.model.segmentation.samples import SegmentingSource
 from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_stream
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
+from speakerd.serving.memory.recording_budget import QueueFull, RecordingBudget, Reservation, TooLarge
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
@@ -85,11 +93,17 @@ METHOD = "EmbedRecording"
 REQUEST_ID_KEY = "x-request-id"
 #: Longest recording one call may send: its frames take 32 KB per second (345 MB for 3 h).
 MAX_RECORDING_S = 3 * 3600.0
-#: EmbedRecording calls in progress at once; one more is RESOURCE_EXHAUSTED (retried by
-#: the clients). Each may hold a whole recording's frames and mask rows, so this bounds the
-#: server's memory (docs/service.md, speakerd/serving/server/memory_bound.py); four calls keep a GPU busy
-#: (each submits batches as fast as the engine takes them).
-MAX_RECORDINGS = 4
+#: Bytes of recordings in progress at once (`--recording-memory-mb`): four 3 h recordings
+#: with pyannote's float32 masks (421 MB each), or hundreds of short ones.
+DEFAULT_RECORDING_MEMORY_MB = 2048
+#: Calls waiting for room in that budget (`--recording-queue`); one more is RESOURCE_EXHAUSTED
+#: at once (the clients retry with backoff).
+DEFAULT_RECORDING_QUEUE = 64
+#: A second of audio's log-mel frames as the call keeps them: 100 frames of 80 float32.
+FRAME_BYTES_PER_S = 100 * MEL_BINS * 4
+#: Mask bytes a window is reserved before its first masks message says more: pyannote's
+#: float32 row [3, 589] (uint8 masks, what the client library sends, take a quarter).
+ASSUMED_ROW_BYTES = MAX_SPEAKERS * MASK_FRAMES * 4
 #: Batches of one call submitted and not yet answered: one per engine worker plus one being
 #: prepared keeps the engine busy; more would only hold fbank (10 MB per b32 batch) longer.
 #: With `serve --devices` every device has PIPELINE_DEPTH workers (`batches_in_flight`).
@@ -152,6 +166,7 @@ class RecordingService:
         host: Host,
         max_seconds: float = MAX_RECORDING_S,
         fbank_source: Callable[[int], FbankSource] | None = None,
+        budget: RecordingBudget | None = None,
     ) -> None:
         """`fbank_source(step samples)` makes each call's FbankSource; by default the
         serving engine's own (`Engine.fbank_source`: on the device for the GPU engine, the
@@ -162,7 +177,7 @@ class RecordingService:
         self.fbank_source = fbank_source
         self.pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="recording")
         self.segment_pool = ThreadPoolExecutor(SEGMENT_THREADS, thread_name_prefix="segment")
-        self.active = 0  # calls in progress, at most MAX_RECORDINGS
+        self.budget = budget or RecordingBudget(DEFAULT_RECORDING_MEMORY_MB << 20, DEFAULT_RECORDING_QUEUE)
 
     def source_for(self, step: int) -> FbankSource:
         if self.fbank_source is not None:
@@ -195,15 +210,7 @@ class RecordingService:
         host, started, code = self.host, time.perf_counter(), grpc.StatusCode.OK
         call = _Call(self, context)
         host._enter()
-        self.active += 1
         try:
-            if self.active > MAX_RECORDINGS:
-                raise Rejection(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "queue_full",
-                    f"recordings: {MAX_RECORDINGS} in progress, the most this server takes at once; "
-                    "retry with backoff",
-                )
             # closed at once when the handler ends, however it ends: its finally cancels the
             # call's batches (not left to the event loop's async-generator finalizer)
             async with contextlib.aclosing(
@@ -238,7 +245,6 @@ class RecordingService:
             host.metrics.request_duration.labels(method=METHOD, code=code.name).observe(
                 time.perf_counter() - started
             )
-            self.active -= 1
             host._leave()
 
 
@@ -287,6 +293,7 @@ class _Call:
         self.audio_ended = False
         self.audio_progress = asyncio.Event()  # set by the reader for the segmenter task
         self.segment_progress = asyncio.Event()  # set by the segmenter for a waiting reader
+        self.reservation: Reservation | None = None  # the call's bytes in the recording budget
 
     async def run(
         self, requests: AsyncIterator[pb.EmbedRecordingRequest]
@@ -306,6 +313,9 @@ class _Call:
             reader.cancel()
             submitter.cancel()
             segmenter.cancel()
+            if self.reservation is not None:
+                self.reservation.release()
+                self._report_budget()
             for task in self.tasks:
                 task.cancel()  # their batcher jobs leave the queue before any engine work
                 if task.done() and not task.cancelled():
@@ -402,6 +412,7 @@ class _Call:
             raise InputError("header.frames", f"{header.frames}, expected the PCM frames to send or 0")
         check_format(header.sample_rate, header.channels)  # before any device work
         self.segmenting = header.segment
+        await self._admit(header)
         if self.segmenting and self.host.segmenter is None:  # built with the engine
             raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
 
@@ -434,6 +445,82 @@ class _Call:
             self.expected = window_count(samples, self.step)
             if self.segmenting:  # no masks message will declare them
                 self._declare(self.expected)
+
+    async def _admit(self, header: pb.RecordingHeader) -> None:
+        """Reserve what the call will hold (module doc), waiting for room up to its deadline."""
+        seconds = header.frames / header.sample_rate if header.frames > 0 else self.service.max_seconds
+        windows = window_count(math.ceil(min(seconds, self.service.max_seconds) * SAMPLE_RATE), self.step)
+        if self.segmenting:  # the segmentation rows and masks as uint8, and the samples kept for them
+            segmenter = self.host.segmenter
+            kept = (
+                CHUNK_SAMPLES
+                + MAX_KEPT_WINDOW_GROUPS * (segmenter.max_windows if segmenter else 0) * self.step
+            )
+            row_bytes, extra = 2 * MAX_SPEAKERS * MASK_FRAMES, 4 * kept
+        else:
+            row_bytes, extra = ASSUMED_ROW_BYTES, 0
+        self.row_bytes, self.reserved_windows = row_bytes, windows
+        need = math.ceil(seconds * FRAME_BYTES_PER_S) + windows * row_bytes + extra
+        budget = self.service.budget
+        waited = time.monotonic()
+        try:
+            admitting = budget.admit(need)
+            self._report_budget(waiting=1)
+            if self.deadline is None:
+                self.reservation = await admitting
+            else:
+                self.reservation = await asyncio.wait_for(
+                    admitting, max(0.0, self.deadline - time.monotonic())
+                )
+        except QueueFull as error:
+            raise Rejection(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", f"recordings: {error}; retry with backoff"
+            ) from error
+        except TooLarge as error:
+            field = "header.frames" if header.frames else "header"
+            said = (
+                f"{header.frames} frames"
+                if header.frames
+                else "a recording of unknown length (no header.frames)"
+            )
+            raise InputError(
+                field,
+                f"{said} need {need / 2**20:.0f} MiB, more than the server's whole recording budget "
+                f"({budget.limit_bytes / 2**20:.0f} MiB): send a shorter recording"
+                + ("" if header.frames else ", or set header.frames"),
+            ) from error
+        except TimeoutError as error:
+            raise Rejection(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "deadline_exceeded",
+                f"the deadline passed after {time.monotonic() - waited:.1f} s waiting for room in the "
+                "server's recording budget",
+            ) from error
+        finally:
+            self._report_budget()
+
+    def _report_budget(self, waiting: int = 0) -> None:
+        budget = self.service.budget
+        self.host.metrics.recordings_waiting.set(budget.waiting + waiting)
+        self.host.metrics.recording_bytes_held.set(budget.held_bytes)
+
+    def _resize_rows(self, masks: np.ndarray) -> None:
+        """The first masks message tells the rows' real size: give back what the call
+        reserved too much, or hold more if it fits now (never waiting: see the budget)."""
+        assert self.reservation is not None
+        row_bytes = int(masks[0].nbytes) if masks.shape[0] else self.row_bytes
+        delta = self.reserved_windows * (row_bytes - self.row_bytes)
+        if delta < 0:
+            self.reservation.shrink(-delta)
+        elif delta > 0 and not self.reservation.grow(delta):
+            raise Rejection(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "queue_full",
+                f"masks: rows of {row_bytes} bytes need {delta / 2**20:.0f} MiB more than reserved and the "
+                "server's recording budget is full; send uint8 masks, or retry with backoff",
+            )
+        self.row_bytes = row_bytes
+        self._report_budget()
 
     async def _audio(self, data: bytes) -> None:
         decoder = self.decoder
@@ -486,9 +573,11 @@ class _Call:
                 f"shape {list(masks.shape)}, expected [k, {self.speakers}, {self.mask_frames}] "
                 "as in the first masks message",
             )
+        kept = masks if masks.dtype == np.uint8 else checked  # binary uint8 rows stay uint8: a quarter
+        if not self.received:
+            self._resize_rows(kept)
         self.speakers, self.mask_frames = int(masks.shape[1]), int(masks.shape[2])
-        # binarized uint8 rows stay uint8 until submitted: a quarter of float32's memory
-        await self._accept(masks if masks.dtype == np.uint8 else checked)
+        await self._accept(kept)
 
     async def _accept(self, masks: np.ndarray) -> None:
         """The next windows' mask rows [k, s, F], checked, whoever made them."""

@@ -68,6 +68,7 @@ from speakerd.serving.api.wire import WireError, WireRequest, parse_request
 from speakerd.serving.batching.batcher import Batcher, BatcherError
 from speakerd.serving.memory import heap
 from speakerd.serving.memory.budget import ByteBudget
+from speakerd.serving.memory.recording_budget import RecordingBudget
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
@@ -185,7 +186,9 @@ class SpeakerEmbeddingService:
     Its methods are the generated servicer's, registered by `register` (embed requests as
     bytes)."""
 
-    def __init__(self, metrics: Metrics, max_message_bytes: int) -> None:
+    def __init__(
+        self, metrics: Metrics, max_message_bytes: int, recording_budget: RecordingBudget | None = None
+    ) -> None:
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.engine: Engine | None = None
@@ -200,7 +203,8 @@ class SpeakerEmbeddingService:
         self._trim: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self.recordings = RecordingService(self)  # EmbedRecording (speakerd.serving.api.recording)
+        # EmbedRecording (speakerd.serving.api.recording)
+        self.recordings = RecordingService(self, budget=recording_budget)
 
     def attach(
         self,

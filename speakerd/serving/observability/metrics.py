@@ -40,6 +40,8 @@ METRIC_NAMES = (
     "speakerd_device_to_host_seconds",
     "speakerd_device_gap_seconds",
     "speakerd_queue_depth_chunks",
+    "speakerd_recordings_waiting",
+    "speakerd_recording_bytes_held",
     "speakerd_inflight_requests",
     "speakerd_chunks_embedded_total",
     "speakerd_windows_skipped_total",
@@ -136,6 +138,16 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge("speakerd_queue_depth_chunks", "Chunks waiting for a batch", registry=r)
+        self.recordings_waiting = Gauge(
+            "speakerd_recordings_waiting",
+            "Recording calls waiting for room in the recording memory budget (--recording-memory-mb)",
+            registry=r,
+        )
+        self.recording_bytes_held = Gauge(
+            "speakerd_recording_bytes_held",
+            "Bytes of the recording memory budget held by the recording calls in progress",
+            registry=r,
+        )
         self.inflight = Gauge(
             "speakerd_inflight_requests", "Calls being served (stream messages count one each)", registry=r
         )

@@ -17,6 +17,7 @@ from pathlib import Path
 from speakerd.engine.factory import ENGINE_KINDS
 from speakerd.model.numerics import Math
 from speakerd.model.source import MODEL_ENV, MODEL_HELP, env_model
+from speakerd.serving.api.recording import DEFAULT_RECORDING_MEMORY_MB, DEFAULT_RECORDING_QUEUE
 
 ENV_PREFIX = "SPEAKERD_"
 #: Loopback by default: exposing the port is a deliberate act (the container sets SPEAKERD_HOST).
@@ -110,6 +111,9 @@ class ServeConfig:
     #: --segmentation-model as given (EmbedRecording's header.segment): a Hugging Face repo id,
     #: a local path, or None for the synthetic default segmentation model
     segmentation_model: str | None = None
+    #: bytes of recordings in progress at once, and calls that may wait for room in them
+    recording_memory_mb: int = DEFAULT_RECORDING_MEMORY_MB
+    recording_queue: int = DEFAULT_RECORDING_QUEUE
     #: PEM files: server certificate chain and key (TLS), and the CA that client certificates
     #: must chain to (mutual TLS). All None: plaintext gRPC.
     tls_cert: Path | None = None
@@ -209,6 +213,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(_number(text, int, "an integer >= 0"))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 0")
+    return value
+
+
 def env_default(name: str, default: object) -> object:
     """The default of flag --name: SPEAKERD_NAME when set (argparse applies `type` to strings)."""
     return os.environ.get(env_name(name), default)
@@ -235,10 +246,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add(
         "segmentation-model",
         None,
-        "the segmentation model EmbedRecording's header.segment runs: Hugging Face repo id (org/name"
-        "[@revision], e.g. pyannote/segmentation-3.0: its pytorch_model.bin) or a local .safetensors, .bin or "
-        ".ckpt file or directory (default: the synthetic segmentation model, made on first use in "
-        "$SPEAKERD_CACHE)",
+        "the segmentation model EmbedRecording's header.segment runs: Hugging Face repo id "
+        "(org/name[@revision], e.g. pyannote/segmentation-3.0: its pytorch_model.bin) or a local "
+        ".safetensors, .bin or .ckpt file or directory (default: the synthetic segmentation model, made "
+        "on first use in $SPEAKERD_CACHE)",
+    )
+    add(
+        "recording-memory-mb",
+        DEFAULT_RECORDING_MEMORY_MB,
+        "MiB that recording calls in progress may hold at once (frames and mask rows, reserved when a "
+        "call starts); a call that does not fit waits for room up to its deadline",
+        type=_positive_int,
+    )
+    add(
+        "recording-queue",
+        DEFAULT_RECORDING_QUEUE,
+        "recording calls that may wait for room; one more is RESOURCE_EXHAUSTED at once",
+        type=_non_negative_int,
     )
     add("math", Math.FP32.value, "trunk arithmetic", choices=[m.value for m in Math])
     add("plans", DEFAULT_PLANS, f"batch sizes to preallocate, each 1..{MAX_PLAN_SIZE}", type=parse_plans)
@@ -367,6 +391,8 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         engine=args.engine,
         model=args.model or None,
         segmentation_model=args.segmentation_model or None,
+        recording_memory_mb=int(args.recording_memory_mb),
+        recording_queue=int(args.recording_queue),
         math=Math(args.math),
         plans=plans,
         max_delay_ms=float(args.max_delay_ms),

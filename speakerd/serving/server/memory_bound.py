@@ -16,10 +16,9 @@ estimate of typical use:
   before the handler runs, and Python copies it into a bytes object: twice the message.
   Calls open at once are at most MAX_CONCURRENT_STREAMS per connection; the number of
   connections is the clients' (the server does not refuse connections);
-- per recording in progress (at most MAX_RECORDINGS): MAX_RECORDING_S of frames and one
-  mask row per window, and, when it asks the server to segment, the samples kept for its
-  windows not yet segmented (at most MAX_KEPT_WINDOW_GROUPS groups' span, then its reader
-  waits);
+- recordings: --recording-memory-mb, the budget recording calls reserve what they hold in
+  (frames, mask rows and, when the server segments, the samples kept for the windows not
+  yet segmented) before they start; calls that do not fit wait (recording_budget.py);
 - segmentation: the groups of windows the segmentation engine runs at once (SEGMENT_THREADS),
   each at most SEGMENT_GROUP_BYTES of activations (CPU engine; the GPU's are on the device).
 
@@ -33,9 +32,7 @@ from dataclasses import dataclass
 
 from speakerd.model.architecture import FRAMES, MAX_SPEAKERS, MEL_BINS
 from speakerd.model.inputs import MAX_MASK_FRAMES
-from speakerd.engine.cpu_segmenter import CPU_GROUP_WINDOWS
-from speakerd.model.architecture import CHUNK_SAMPLES
-from speakerd.serving.api.recording import MAX_KEPT_WINDOW_GROUPS, MAX_RECORDING_S, SEGMENT_THREADS, WINDOW_S
+from speakerd.serving.api.recording import SEGMENT_THREADS
 from speakerd.serving.api.service import DECODE_BUDGET_MESSAGES
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
@@ -46,44 +43,35 @@ CHUNK_BYTES = FRAMES * MEL_BINS * 4 + MAX_SPEAKERS * MAX_MASK_FRAMES * 4
 #: Activations of one chunk while the CPU engine (ONNX Runtime) runs it: the stem's output
 #: is 32 x 998 x 80 float32 (10.2 MB) and a residual block holds about four such tensors.
 ACTIVATION_BYTES_PER_CHUNK = 4 * 32 * FRAMES * MEL_BINS * 4
-#: A recording's frames (32 KB a second: 80 float32 at 100 frames/s) at MAX_RECORDING_S,
-#: and its mask rows, one float32 [3, MAX_MASK_FRAMES] row per window of a 1 s step:
-#: 345 MB + 1.3 GB (pyannote's 589-frame rows take 76 MB of it).
-RECORDING_BYTES = int(MAX_RECORDING_S * 100 * MEL_BINS * 4) + int(
-    (MAX_RECORDING_S - WINDOW_S + 1) * MAX_SPEAKERS * MAX_MASK_FRAMES * 4
-)
 #: A receiver process at rest (measured on a 2-core CI machine: 53 MB).
 RECEIVER_BASELINE_BYTES = 64 * MB
 #: One group of CPU_GROUP_WINDOWS windows through the CPU segmenter: 98 MB at its peak
 #: (tracemalloc, the NumPy forward on 32 windows of the real segmentation-3.0 weights),
 #: rounded up.
 SEGMENT_GROUP_BYTES = 128 * MB
-#: A segmenting recording's kept float32 samples at most: a window plus MAX_KEPT_WINDOW_GROUPS
-#: groups of windows at the largest step (10 s; 8.8 MB at the default 1 s).
-KEPT_SAMPLES_BYTES = 4 * (CHUNK_SAMPLES + MAX_KEPT_WINDOW_GROUPS * CPU_GROUP_WINDOWS * CHUNK_SAMPLES)
 
 
 @dataclass(frozen=True)
 class MemoryBound:
-    """The bound's terms in bytes: `fixed` ones, plus `per_call` for each call open at once
-    and `per_recording` for each recording in progress."""
+    """The bound's terms in bytes: `fixed` ones, plus `per_call` for each call open at once."""
 
     baseline: int
     decode: int
     queue: int
     engine: int
     receivers: int
+    recordings: int
     segmentation: int
     per_call: int
-    per_recording: int
 
     @property
     def fixed(self) -> int:
-        return self.baseline + self.decode + self.queue + self.engine + self.receivers + self.segmentation
+        return (self.baseline + self.decode + self.queue + self.engine + self.receivers + self.recordings
+                + self.segmentation)  # fmt: skip
 
-    def total(self, calls: int, recordings: int = 0) -> int:
-        """The bound with `calls` calls open at once, `recordings` of them recordings."""
-        return self.fixed + calls * self.per_call + recordings * self.per_recording
+    def total(self, calls: int) -> int:
+        """The bound with `calls` calls open at once."""
+        return self.fixed + calls * self.per_call
 
     def describe(self) -> str:
         terms = ", ".join(f"{name} {value / MB:.0f}" for name, value in vars(self).items())
@@ -97,6 +85,7 @@ def memory_bound(
     max_batch: int,
     devices: int = 1,
     receivers: int = 0,
+    recording_bytes: int = 0,
 ) -> MemoryBound:
     """The terms of docs/service.md's bound for a server with these flags whose warm
     resident size is `baseline_bytes`."""
@@ -106,9 +95,9 @@ def memory_bound(
         queue=queue_chunks * CHUNK_BYTES,
         engine=(PIPELINE_DEPTH * devices - 1) * max_batch * ACTIVATION_BYTES_PER_CHUNK,
         receivers=receivers * (RECEIVER_BASELINE_BYTES + SLOTS_PER_RECEIVER * SLOT_BYTES),
+        recordings=recording_bytes,
         segmentation=SEGMENT_THREADS * SEGMENT_GROUP_BYTES,
         per_call=2 * max_message_bytes,
-        per_recording=RECORDING_BYTES + KEPT_SAMPLES_BYTES,
     )
 
 

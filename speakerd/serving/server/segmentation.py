@@ -38,8 +38,8 @@ def load(resolved: ResolvedModel, spec: str | None) -> SegmentationModel:
     except (ValueError, KeyError, OSError) as error:
         said = spec if spec is not None else "(the default)"
         raise UsageError(
-            f"{FLAG} {said}: {resolved.path} is not usable ({error}); give pyannote's segmentation-3.0 (a repo id "
-            "like pyannote/segmentation-3.0, its pytorch_model.bin, or safetensors)"
+            f"{FLAG} {said}: {resolved.path} is not usable ({error}); give pyannote's segmentation-3.0 "
+            "(a repo id like pyannote/segmentation-3.0, its pytorch_model.bin, or safetensors)"
         ) from error
 
 

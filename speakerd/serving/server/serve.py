@@ -59,7 +59,6 @@ from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving.access.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.access.security import TlsFileError, TlsFiles, add_port, server_credentials
 from speakerd.serving.api.http2 import stream_options
-from speakerd.serving.api.recording import MAX_RECORDINGS
 from speakerd.serving.api.service import (
     MAX_CONCURRENT_STREAMS,
     SERVICE_NAME,
@@ -71,6 +70,7 @@ from speakerd.serving.batching.batcher import Batcher, DrainReport
 from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
 from speakerd.serving.devices.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
 from speakerd.serving.memory import heap
+from speakerd.serving.memory.recording_budget import RecordingBudget
 from speakerd.serving.observability.logs import LOG_FORMAT
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
@@ -390,7 +390,8 @@ class SpeakerServer:
         self.prepared = prepared
         self.metrics = Metrics()
         self.health = health.aio.HealthServicer()
-        self.service = SpeakerEmbeddingService(self.metrics, settings.max_message_bytes)
+        budget = RecordingBudget(settings.recording_memory_mb << 20, settings.recording_queue)
+        self.service = SpeakerEmbeddingService(self.metrics, settings.max_message_bytes, budget)
         self.voiceprints: VoiceprintService | None = None
         if settings.voiceprints != "off":
             self.voiceprints = VoiceprintService(self.service, self.service.recordings, settings.voiceprints,
@@ -590,11 +591,10 @@ class SpeakerServer:
         heap.give_back()  # the start-up's freed memory: the baseline is what serving keeps
         bound = memory_bound(
             resident_bytes(), s.max_message_bytes, s.queue_chunks, engine.max_batch,
-            len(self.prepared.devices or ()) or 1, s.receivers,
+            len(self.prepared.devices or ()) or 1, s.receivers, s.recording_memory_mb << 20,
         )  # fmt: skip
-        log.info("memory bound %d bytes + %d bytes per call open at once (at most %d a connection) + "
-                 "%d bytes per recording in progress (at most %d): %s; docs/service.md has the formula",
-                 bound.fixed, bound.per_call, MAX_CONCURRENT_STREAMS, bound.per_recording, MAX_RECORDINGS,
+        log.info("memory bound %d bytes + %d bytes per call open at once (at most %d a connection): %s; "
+                 "docs/service.md has the formula", bound.fixed, bound.per_call, MAX_CONCURRENT_STREAMS,
                  bound.describe())  # fmt: skip
         if self._stopping is None:
             for name in ("", SERVICE_NAME):
