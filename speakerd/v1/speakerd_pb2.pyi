@@ -388,3 +388,89 @@ class DeleteVoiceprintResponse(_message.Message):
     voiceprint_id: str
     speaker_id: str
     def __init__(self, voiceprint_id: _Optional[str] = ..., speaker_id: _Optional[str] = ...) -> None: ...
+
+class Clustering(_message.Message):
+    __slots__ = ("method", "threshold", "min_cluster_size")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLUSTER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    threshold: float
+    min_cluster_size: int
+    def __init__(self, method: _Optional[str] = ..., threshold: _Optional[float] = ..., min_cluster_size: _Optional[int] = ...) -> None: ...
+
+class DiarizeHeader(_message.Message):
+    __slots__ = ("recording", "num_speakers", "min_speakers", "max_speakers", "clustering", "names", "threshold", "uri")
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEAKERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_SPEAKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEAKERS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTERING_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    recording: RecordingHeader
+    num_speakers: int
+    min_speakers: int
+    max_speakers: int
+    clustering: Clustering
+    names: bool
+    threshold: float
+    uri: str
+    def __init__(self, recording: _Optional[_Union[RecordingHeader, _Mapping]] = ..., num_speakers: _Optional[int] = ..., min_speakers: _Optional[int] = ..., max_speakers: _Optional[int] = ..., clustering: _Optional[_Union[Clustering, _Mapping]] = ..., names: _Optional[bool] = ..., threshold: _Optional[float] = ..., uri: _Optional[str] = ...) -> None: ...
+
+class DiarizeRequest(_message.Message):
+    __slots__ = ("header", "audio")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    header: DiarizeHeader
+    audio: bytes
+    def __init__(self, header: _Optional[_Union[DiarizeHeader, _Mapping]] = ..., audio: _Optional[bytes] = ...) -> None: ...
+
+class SpeakerTurn(_message.Message):
+    __slots__ = ("start_s", "end_s", "label")
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    start_s: float
+    end_s: float
+    label: str
+    def __init__(self, start_s: _Optional[float] = ..., end_s: _Optional[float] = ..., label: _Optional[str] = ...) -> None: ...
+
+class DiarizedSpeaker(_message.Message):
+    __slots__ = ("label", "cluster", "centroid", "speech_s", "speaker_id", "voiceprint_id", "score")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    CENTROID_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_S_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VOICEPRINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    cluster: str
+    centroid: Tensor
+    speech_s: float
+    speaker_id: str
+    voiceprint_id: str
+    score: float
+    def __init__(self, label: _Optional[str] = ..., cluster: _Optional[str] = ..., centroid: _Optional[_Union[Tensor, _Mapping]] = ..., speech_s: _Optional[float] = ..., speaker_id: _Optional[str] = ..., voiceprint_id: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class DiarizeResponse(_message.Message):
+    __slots__ = ("turns", "exclusive_turns", "speakers", "rttm", "windows", "model_id", "segmentation_model_id", "request_id")
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_TURNS_FIELD_NUMBER: _ClassVar[int]
+    SPEAKERS_FIELD_NUMBER: _ClassVar[int]
+    RTTM_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTATION_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    turns: _containers.RepeatedCompositeFieldContainer[SpeakerTurn]
+    exclusive_turns: _containers.RepeatedCompositeFieldContainer[SpeakerTurn]
+    speakers: _containers.RepeatedCompositeFieldContainer[DiarizedSpeaker]
+    rttm: str
+    windows: int
+    model_id: str
+    segmentation_model_id: str
+    request_id: str
+    def __init__(self, turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., exclusive_turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., speakers: _Optional[_Iterable[_Union[DiarizedSpeaker, _Mapping]]] = ..., rttm: _Optional[str] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., segmentation_model_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...

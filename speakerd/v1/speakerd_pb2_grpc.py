@@ -480,3 +480,76 @@ class Voiceprints:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class DiarizationStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Diarize = channel.stream_unary(
+                '/speakerd.v1.Diarization/Diarize',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeResponse.FromString,
+                _registered_method=True)
+
+
+class DiarizationServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Diarize(self, request_iterator, context):
+        """The header, then the audio pieces; closing the client side ends the audio.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DiarizationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Diarize': grpc.stream_unary_rpc_method_handler(
+                    servicer.Diarize,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'speakerd.v1.Diarization', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('speakerd.v1.Diarization', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Diarization:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Diarize(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/speakerd.v1.Diarization/Diarize',
+            speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.DiarizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

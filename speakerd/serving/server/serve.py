@@ -69,6 +69,9 @@ from speakerd.serving.api.service import (
 from speakerd.serving.batching.batcher import Batcher, DrainReport
 from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
 from speakerd.serving.devices.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
+from speakerd.serving.diarization.service import SERVICE_NAME as DIARIZATION_SERVICE
+from speakerd.serving.diarization.service import DiarizationService
+from speakerd.serving.diarization.service import register as register_diarization
 from speakerd.serving.memory import heap
 from speakerd.serving.memory.recording_budget import RecordingBudget
 from speakerd.serving.observability.logs import LOG_FORMAT
@@ -396,6 +399,9 @@ class SpeakerServer:
         if settings.voiceprints != "off":
             self.voiceprints = VoiceprintService(self.service, self.service.recordings, settings.voiceprints,
                                                  settings.data_dir, prepared.tokens is not None)  # fmt: skip
+        self.diarization = DiarizationService(
+            self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None
+        )
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
         self.port = 0
@@ -431,6 +437,7 @@ class SpeakerServer:
         interceptors = [] if self.prepared.tokens is None else [TokenAuthInterceptor(self.prepared.tokens)]
         self._server = grpc.aio.server(options=options, interceptors=interceptors)
         register(self.service, self._server)
+        register_diarization(self.diarization, self._server)
         if self.voiceprints is not None:
             register_voiceprints(self.voiceprints, self._server)
             await self._open_voiceprints(self.voiceprints)
@@ -438,6 +445,7 @@ class SpeakerServer:
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
+                DIARIZATION_SERVICE,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -538,6 +546,7 @@ class SpeakerServer:
         if self._server is not None:
             await self._server.stop(None)
         self.service.close()
+        self.diarization.close()
         if self.voiceprints is not None:
             self.voiceprints.close()
         self.metrics.close()
@@ -643,6 +652,7 @@ class SpeakerServer:
             await self._stop_receivers(0.0)
             await self._server.stop(None)
         self.service.close()
+        self.diarization.close()
         if self.voiceprints is not None:
             self.voiceprints.close()
         self.metrics.close()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,9 +29,9 @@ from google.protobuf.message import Message
 
 from speakerd.model.inputs import InputError
 from speakerd.model.voiceprint import MIN_ENROLL_SPEECH_S, MIN_QUERY_SPEECH_S, check_threshold
-from speakerd.serving.api.errors import Rejection, abort, cancellation, decode_message, decode_stream
-from speakerd.serving.api.recording import REQUEST_ID_KEY, Host, RecordingService
-from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
+from speakerd.serving.api.calls import header_and_parts, served
+from speakerd.serving.api.errors import Rejection, decode_message
+from speakerd.serving.api.recording import Host, RecordingService
 from speakerd.serving.voiceprints.index import VoiceprintIndex
 from speakerd.serving.voiceprints.records import DuplicateSpeaker, StoreUnavailable, VoiceprintRecord
 from speakerd.serving.voiceprints.speech import Speech, collect
@@ -124,7 +123,7 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
     async def Enroll(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.EnrollResponse:
-            header, rest = await _header(requests, pb.EnrollRequest)
+            header, rest = await header_and_parts(requests, pb.EnrollRequest)
             speaker_id = _speaker_id(header.speaker_id)
             if header.speech.WhichOneof("query") != "recording":
                 raise InputError(
@@ -153,7 +152,7 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
     async def Identify(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.IdentifyResponse:
-            header, rest = await _header(requests, pb.IdentifyRequest)
+            header, rest = await header_and_parts(requests, pb.IdentifyRequest)
             top_k = header.top_k or 1
             if not 1 <= top_k <= MAX_TOP_K:
                 raise InputError("top_k", f"{header.top_k}, expected 1..{MAX_TOP_K} (0: 1)")
@@ -180,7 +179,7 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
     async def Verify(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.VerifyResponse:
-            header, rest = await _header(requests, pb.VerifyRequest)
+            header, rest = await header_and_parts(requests, pb.VerifyRequest)
             threshold = _threshold(header)
             store = await self._store()
             record = await self._blocking(lambda: store.get(tenant, header.voiceprint_id))
@@ -229,6 +228,18 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
 
         return await self._served("DeleteVoiceprint", context, work)
 
+    async def best_matches(
+        self, tenant: str, model_id: str, rows: np.ndarray
+    ) -> list[tuple[str, str, float] | None]:
+        """Each unit row's best voiceprint of the tenant made by `model_id`: (voiceprint id,
+        speaker id, cosine), or None when the tenant has none (Diarize's names)."""
+        await self._store()  # the index is loaded
+        found = await self._blocking(lambda: self.index.search(tenant, model_id, rows, 1))
+        return [
+            (ids[0], speakers[0], float(scores[0])) if ids else None
+            for ids, speakers, scores in zip(found.ids, found.speakers, found.scores, strict=True)
+        ]
+
     # --- one call ------------------------------------------------------------------------
 
     def _model_id(self) -> str:
@@ -237,86 +248,19 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
             raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
         return engine.model_id
 
-    async def _served(self, method: str, context: grpc.aio.ServicerContext,
-                      work: Callable[[str], Awaitable[T]]) -> T:  # fmt: skip
-        """Run `work(tenant)` with the call's metrics and log line; every failure becomes its
-        code (module doc), never UNKNOWN."""
-        started, code, request_id = time.perf_counter(), grpc.StatusCode.OK, ""
-        metrics = self.host.metrics
-        self.host._enter()
-        try:
-            if self.host.draining:
-                raise Rejection(
-                    grpc.StatusCode.UNAVAILABLE, "draining", "the server is draining; retry elsewhere"
-                )
-            request_id = _request_id(context)
-            response = await work(tenant_of(context.invocation_metadata(), self.authenticated))
-            if "request_id" in response.DESCRIPTOR.fields_by_name:  # type: ignore[attr-defined]
-                response.request_id = request_id  # type: ignore[attr-defined]
-            return response
-        except (Rejection, InputError, DuplicateSpeaker, StoreUnavailable) as error:
-            rejection = _rejection(error)
-            code = rejection.code
-            metrics.rejected.labels(reason=rejection.reason).inc()
-            log.log(rejection.level, "%s %s: %s %s", method, request_id, code.name, rejection.message)
-            await abort(context, rejection)
-            raise AssertionError("unreachable: abort raises") from error
-        except asyncio.CancelledError:
-            code, reason = cancellation(context)
-            metrics.rejected.labels(reason=reason).inc()
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as error:  # a server bug: INTERNAL, not UNKNOWN
-            code = grpc.StatusCode.INTERNAL
-            metrics.rejected.labels(reason="internal").inc()
-            log.exception("%s %s: INTERNAL unexpected %s", method, request_id, type(error).__name__)
-            await abort(
-                context,
-                Rejection(code, "internal", f"internal error ({type(error).__name__}); see the server log"),
-            )
-            raise AssertionError("unreachable: abort raises") from error
-        finally:
-            metrics.request_duration.labels(method=method, code=code.name).observe(
-                time.perf_counter() - started
-            )
-            self.host._leave()
-
-
-async def _header(
-    requests: AsyncIterator[bytes], kind: type[M]
-) -> tuple[object, AsyncIterator[tuple[str, object]]]:
-    """The call's header, and its other parts as (name, value) pairs: each message decoded
-    as a `kind` (undecodable bytes are INVALID_ARGUMENT naming its place in the stream)."""
-    decoded = decode_stream(kind, requests)
-    try:
-        first = await anext(decoded)
-    except StopAsyncIteration:
-        raise InputError("header", "the call ended before its header") from None
-    if first.WhichOneof("part") != "header":  # type: ignore[attr-defined]
-        raise InputError(
-            "header", f"the first message must be the header, got {first.WhichOneof('part') or 'nothing'}"
-        )  # type: ignore[attr-defined]
-
-    async def rest() -> AsyncIterator[tuple[str, object]]:
-        async for message in decoded:
-            part = message.WhichOneof("part")  # type: ignore[attr-defined]
-            if part is None:
-                raise InputError("part", "an empty message; set audio or masks")
-            yield part, getattr(message, part)
-
-    return first.header, rest()  # type: ignore[attr-defined]
-
-
-def _request_id(context: grpc.aio.ServicerContext) -> str:
-    """The x-request-id metadata when usable, else a fresh id: echoed in the response."""
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_KEY and value:
-            try:
-                return check_request_id(str(value), REQUEST_ID_KEY)
-            except RequestIdError as error:
-                raise InputError(error.field, error.message) from error
-    return fresh_request_id()
+    async def _served(
+        self, method: str, context: grpc.aio.ServicerContext, work: Callable[[str], Awaitable[T]]
+    ) -> T:
+        """Run `work(tenant)` as one call (api/calls.served): every failure becomes its code
+        (module doc), never UNKNOWN."""
+        return await served(
+            self.host,
+            method,
+            context,
+            work,
+            lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
+            _rejection,
+        )
 
 
 def _speaker_id(speaker_id: str) -> str:
@@ -346,19 +290,18 @@ def _not_found(voiceprint_id: str) -> Rejection:
     )
 
 
-def _rejection(error: Exception) -> Rejection:
-    if isinstance(error, Rejection):
-        return error
-    if isinstance(error, InputError):
-        return Rejection.invalid(error.field, error.message)
+def _rejection(error: Exception) -> Rejection | None:
+    """The voiceprint methods' own failures as Rejections (None: not one of them)."""
     if isinstance(error, DuplicateSpeaker):
         return Rejection(
             grpc.StatusCode.ALREADY_EXISTS, "already_exists",
             f"speaker_id: already enrolled as voiceprint {error.voiceprint_id}; set replace to replace it",
             "speaker_id", "a speaker id not enrolled yet, or replace = true",
         )  # fmt: skip
-    return Rejection(grpc.StatusCode.UNAVAILABLE, "store_unavailable",
-                     f"voiceprint store unavailable ({error}); nothing was written, retry")  # fmt: skip
+    if isinstance(error, StoreUnavailable):
+        return Rejection(grpc.StatusCode.UNAVAILABLE, "store_unavailable",
+                         f"voiceprint store unavailable ({error}); nothing was written, retry")  # fmt: skip
+    return None
 
 
 def _message(record: VoiceprintRecord) -> pb.Voiceprint:

@@ -1,0 +1,199 @@
+"""The `speakerd.v1.Diarization` gRPC service: `Diarize`, who spoke when, and by name.
+
+One call: the header (the recording's format and pyannote's options), then the audio. The
+recording goes through EmbedRecording's own path with `segment` (the same decoding,
+windows, admission, deadlines and errors): the server's segmentation and the embeddings
+under it, window by window. Then, on a thread, pyannote's SpeakerDiarization after its
+embeddings (speakerd.model.diarization: speaker count, clustering, reconstruction, turns),
+and with `names` each speaker's centroid looked up among the caller's voiceprints
+(Identify's search and threshold). Bad options are INVALID_ARGUMENT naming the field; a
+recording without speech is no turns, not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from speakerd.model.diarization import DiarizationOptions, diarize, rttm_text
+from speakerd.model.inputs import InputError
+from speakerd.model.voiceprint import check_threshold, normalize
+from speakerd.serving.api.calls import header_and_parts, served
+from speakerd.serving.api.errors import Rejection
+from speakerd.serving.api.recording import Host, RecordingService
+from speakerd.serving.voiceprints.service import DEFAULT_THRESHOLD, VoiceprintService
+from speakerd.serving.voiceprints.tenants import tenant_of
+from speakerd.v1 import speakerd_pb2 as pb
+from speakerd.v1.tensors import from_tensor, to_tensor
+
+#: The service's name on the wire (speakerd.proto).
+SERVICE_NAME = "speakerd.v1.Diarization"
+#: Threads clustering recordings at once: an hour's 3,591 windows x 3 speakers cluster in
+#: well under a second of NumPy and SciPy, so two keep a busy server's calls moving.
+CLUSTER_THREADS = 2
+#: Speakers a call may ask for: pyannote bounds nothing, but more clusters than an hour's
+#: windows x 3 local speakers cannot be formed.
+MAX_SPEAKERS_ASKED = 1000
+DEFAULT_URI = "recording"
+
+
+class DiarizationService:
+    """Diarize over `recordings` (the recording path), naming speakers from `voiceprints`
+    (None with `--voiceprints off`)."""
+
+    def __init__(
+        self,
+        host: Host,
+        recordings: RecordingService,
+        voiceprints: VoiceprintService | None,
+        authenticated: bool,
+    ) -> None:
+        self.host = host
+        self.recordings = recordings
+        self.voiceprints = voiceprints
+        self.authenticated = authenticated
+        self._pool = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="diarize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def Diarize(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+        async def work(tenant: str) -> pb.DiarizeResponse:
+            header, rest = await header_and_parts(requests, pb.DiarizeRequest)
+            assert isinstance(header, pb.DiarizeHeader)
+            options = diarization_options(header)
+            threshold = (
+                check_threshold(header.threshold) if header.HasField("threshold") else DEFAULT_THRESHOLD
+            )
+            if header.names and self.voiceprints is None:
+                raise Rejection(
+                    grpc.StatusCode.FAILED_PRECONDITION, "invalid_argument",
+                    "names: this server keeps no voiceprints (serve --voiceprints off); diarize "
+                    "without names",
+                    "names", "false on a server without voiceprints",
+                )  # fmt: skip
+            if not header.HasField("recording"):
+                raise InputError("recording", "missing; the recording's sample rate, channels and encoding")
+            segmentation, embeddings, last = [], [], None
+            async for response in self.recordings.windows(_messages(header.recording, rest), context):
+                segmentation.append(from_tensor(response.segmentation, "segmentation"))
+                embeddings.append(from_tensor(response.embeddings, "embeddings"))
+                last = response
+            assert last is not None, "a recording has at least one window"
+            step_s = header.recording.step_s or 1.0
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._pool,
+                lambda: diarize(np.concatenate(segmentation), np.concatenate(embeddings), step_s, options),
+            )
+            speakers = [
+                pb.DiarizedSpeaker(label=label, cluster=label, centroid=to_tensor(centroid), speech_s=seconds)
+                for label, centroid, seconds in zip(
+                    result.labels, result.centroids, result.speech_s, strict=True
+                )
+            ]
+            names: dict[str, str] = {}
+            if header.names and speakers and self.voiceprints is not None:
+                rows = normalize(np.asarray(result.centroids, np.float32), "centroids")
+                found = await self.voiceprints.best_matches(tenant, last.model_id, rows)
+                for speaker, match in zip(speakers, found, strict=True):
+                    if match is not None and match[2] >= threshold:
+                        speaker.voiceprint_id, speaker.speaker_id, speaker.score = match
+                        speaker.label = names[speaker.cluster] = match[1]
+                    elif match is not None:
+                        speaker.score = match[2]
+            uri = header.uri or DEFAULT_URI
+            turns = [
+                pb.SpeakerTurn(start_s=s, end_s=e, label=names.get(label, label))
+                for s, e, label in result.turns
+            ]
+            exclusive = [
+                pb.SpeakerTurn(start_s=s, end_s=e, label=names.get(label, label))
+                for s, e, label in result.exclusive_turns
+            ]
+            return pb.DiarizeResponse(
+                turns=turns,
+                exclusive_turns=exclusive,
+                speakers=speakers,
+                rttm=rttm_text([(t.start_s, t.end_s, t.label) for t in turns], uri),
+                windows=last.windows,
+                model_id=last.model_id,
+                segmentation_model_id=last.segmentation_model_id,
+            )
+
+        return await served(
+            self.host,
+            "Diarize",
+            context,
+            work,
+            lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
+        )
+
+
+def diarization_options(header: pb.DiarizeHeader) -> DiarizationOptions:
+    """The header's speaker counts and clustering, checked: INVALID_ARGUMENT naming the field."""
+    for field in ("num_speakers", "min_speakers", "max_speakers"):
+        value = getattr(header, field)
+        if not 0 <= value <= MAX_SPEAKERS_ASKED:
+            raise InputError(field, f"{value}, expected 0 (not given) to {MAX_SPEAKERS_ASKED}")
+    least, most = header.min_speakers or 1, header.max_speakers or None
+    if most is not None and least > most:
+        raise InputError("min_speakers", f"{least} is more than max_speakers {most}")
+    if header.num_speakers and (
+        header.num_speakers < least or (most is not None and header.num_speakers > most)
+    ):
+        field = "num_speakers"
+        raise InputError(
+            field,
+            f"{header.num_speakers} is outside min_speakers..max_speakers ({least}..{most or 'no bound'})",
+        )
+    clustering = header.clustering
+    if clustering.method not in ("", "agglomerative"):
+        raise InputError(
+            "clustering.method", f'{clustering.method!r}, expected "agglomerative" (or "" for it)'
+        )
+    if clustering.HasField("threshold") and not 0.0 < clustering.threshold <= 2.0:
+        raise InputError(
+            "clustering.threshold", f"{clustering.threshold}, expected a cosine distance in (0, 2]"
+        )
+    if clustering.min_cluster_size < 0:
+        raise InputError(
+            "clustering.min_cluster_size", f"{clustering.min_cluster_size}, expected >= 1 (0: 12)"
+        )
+    return DiarizationOptions(
+        num_speakers=header.num_speakers or None,
+        min_speakers=least,
+        max_speakers=most,
+        threshold=clustering.threshold if clustering.HasField("threshold") else None,
+        min_cluster_size=clustering.min_cluster_size or None,
+    )
+
+
+async def _messages(
+    recording: pb.RecordingHeader, rest: AsyncIterator[tuple[str, object]]
+) -> AsyncIterator[pb.EmbedRecordingRequest]:
+    """The call as EmbedRecording messages: its recording header with `segment`, then its audio."""
+    header = pb.RecordingHeader()
+    header.CopyFrom(recording)
+    header.segment = True
+    yield pb.EmbedRecordingRequest(header=header)
+    async for part, value in rest:
+        if part != "audio":
+            raise InputError(part, "Diarize takes the header, then audio pieces only")
+        assert isinstance(value, bytes)
+        yield pb.EmbedRecordingRequest(audio=value)
+
+
+def register(service: DiarizationService, server: grpc.aio.Server) -> None:
+    """Add `service` as the generated add_DiarizationServicer_to_server would, except that
+    requests arrive as raw bytes, decoded by the method (api/errors.decode_message says why)."""
+    handlers = {
+        "Diarize": grpc.stream_unary_rpc_method_handler(
+            service.Diarize, response_serializer=pb.DiarizeResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
