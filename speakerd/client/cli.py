@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from speakerd.client import files, loadgen, recording, verify, voiceprints
+from speakerd.client import diarize, files, loadgen, recording, verify, voiceprints
 from speakerd.client.client import SpeakerClient
 from speakerd.client.files import UsageError
 from speakerd.client.options import add_connection_flags, client_kwargs
@@ -43,6 +43,11 @@ def _embed(args: argparse.Namespace) -> int:
                "precision": result.precision, "empty_rows": int(result.empty.sum())}  # fmt: skip
     print(json.dumps(summary))
     return 0
+
+
+def _diarize(args: argparse.Namespace) -> int:
+    with diarize.DiarizationClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
+        return diarize.run(args, client)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -91,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="")
     health.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds")
     health.set_defaults(func=_health)
+    diarize_command = sub.add_parser("diarize", help="who spoke when in a recording (and by name: --names)")
+    diarize.configure(diarize_command)
+    diarize_command.set_defaults(func=_diarize)
+    add_connection_flags(
+        diarize_command, timeout_s=3600.0, timeout_help="deadline in seconds for the recording"
+    )
     for command in (embed, info, health):
         add_connection_flags(command, timeout_s=60.0)
     load = sub.add_parser("load", help="load generator: JSON with chunks/s, latency, errors, batch fill")

@@ -12,6 +12,11 @@ segmentation and embedding steps are timed by wrapping the pipeline's `get_segme
 and `get_embeddings`, so `embeddings_share` is the embedding step's part of the whole.
 `parity` compares the two runs: the embeddings' min cosine over non-empty rows and the
 diarization error rate between the two outputs (0 when they diarize alike).
+
+`--server-segmentation`: the served run is `remote_pipeline` (segmentation and embeddings from
+one server call per file, no weights in this process; the server must serve the same
+segmentation-3.0 as `--segmentation`, `serve --segmentation-model`), and `parity` also counts
+the (window, frame, speaker) cells where its segmentation differs from pyannote's.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pyannote.metrics.diarization import DiarizationErrorRate
 from speakerd.model.numerics import compare
 from speakerd.model.store import default_weights_path
 from speakerd.pyannote import models
+from speakerd.pyannote.remote import remote_pipeline
 from speakerd.pyannote.server import DEFAULT_TIMEOUT_S, use_server
 
 #: The issue's benchmark: an hour of audio.
@@ -85,6 +91,7 @@ def run(pipeline: Any, file: dict[str, Any]) -> dict[str, Any]:
         "speakers": len(output.speaker_diarization.labels()),
         "_output": output,
         "_embeddings": embeddings.result,
+        "_segmentations": segmentations.result,
     }
 
 
@@ -111,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="segmentation and embedding batch size of the pipeline")  # fmt: skip
     parser.add_argument("--exclude-overlap", action="store_true", help="embedding_exclude_overlap")
     parser.add_argument("--skip-local", action="store_true", help="time pyannote + speakerd only")
+    parser.add_argument(
+        "--server-segmentation",
+        action="store_true",
+        help="the server segments too: remote_pipeline, no weights in the client (module doc)",
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="one recording's deadline")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -139,12 +151,24 @@ def main(argv: list[str] | None = None) -> int:
     local = None if args.skip_local else measure(pipeline(), warmup, file)
 
     started = time.perf_counter()
-    served_pipeline = use_server(pipeline(), args.target, timeout_s=args.timeout)
+    if args.server_segmentation:
+        served_pipeline = remote_pipeline(
+            args.target,
+            exclude_overlap=args.exclude_overlap,
+            batch_size=args.batch_size,
+            timeout_s=args.timeout,
+        )
+    else:
+        served_pipeline = use_server(pipeline(), args.target, timeout_s=args.timeout)
     connect_s = time.perf_counter() - started
     embeddings = served_pipeline.get_embeddings
     info = embeddings.client.model_info()
     report["server"] = {"engine": info.engine, "precision": info.precision, "model_id": info.model_id[:16],
-                        "probe_min_cosine": round(embeddings.verified.min_cosine, 7)}  # fmt: skip
+                        "segmentation_engine": info.segmentation.engine,
+                        "segmentation_model_id": info.segmentation.model_id[:16]}  # fmt: skip
+    if embeddings.verified is not None:
+        report["server"]["probe_min_cosine"] = round(embeddings.verified.min_cosine, 7)
+    report["server_segmentation"] = args.server_segmentation
     served = measure(served_pipeline, warmup, file)
     served["use_server_s"] = round(connect_s, 3)
     served["windows"], served["bytes_sent"] = (
@@ -157,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         report["pyannote"] = _public(local)
         report["speedup_total"] = round(local["total_s"] / served["total_s"], 2)
         report["speedup_embeddings"] = round(local["embeddings_s"] / served["embeddings_s"], 2)
+        local_cells, served_cells = local["_segmentations"].data, served["_segmentations"].data
         report["parity"] = {
+            "segmentation_cells": int(local_cells.size),
+            "segmentation_cells_differ": int(np.sum(local_cells != served_cells)),
             "rows": parity.rows,
             "empty_rows": int(empty.sum()),
             "min_cosine": round(parity.min_cosine, 7),

@@ -1,0 +1,200 @@
+"""The client of `speakerd.v1.Diarization` (docs/diarization.md): a recording in, who spoke
+when (and by name) out; and the command line's `diarize`.
+
+A recording travels as EmbedRecording's does (the header, then PCM in 4 MiB pieces); the
+server segments, embeds, clusters and answers once. The call is retried on UNAVAILABLE and
+RESOURCE_EXHAUSTED by sending it again whole (its answer is a pure function of the audio),
+like `SpeakerClient.embed_recording`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from speakerd.client import recording
+from speakerd.client.client import SpeakerClient
+from speakerd.client.files import UsageError, read_audio, writable
+from speakerd.v1 import speakerd_pb2 as pb
+from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
+from speakerd.v1.tensors import from_tensor
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A speaker's turn: [start_s, end_s) seconds from the recording's start."""
+
+    start_s: float
+    end_s: float
+    label: str
+
+
+@dataclass(frozen=True)
+class Speaker:
+    label: str  # the name with `names` when a voiceprint matched, else the cluster's label
+    cluster: str  # pyannote's label, SPEAKER_nn
+    centroid: np.ndarray  # [256] float32
+    speech_s: float
+    speaker_id: str = ""  # the matched voiceprint's speaker ("" when none matched)
+    voiceprint_id: str = ""
+    score: float = 0.0
+
+
+@dataclass(frozen=True)
+class Diarization:
+    """What Diarize answered: pyannote's speaker_diarization and exclusive_speaker_diarization
+    as turns, the speakers, the RTTM text, and which models made it."""
+
+    turns: list[Turn]
+    exclusive_turns: list[Turn]
+    speakers: list[Speaker]
+    rttm: str
+    windows: int
+    model_id: str
+    segmentation_model_id: str
+    request_id: str = ""
+    labels: list[str] = field(default_factory=list)
+
+
+def parse(response: pb.DiarizeResponse) -> Diarization:
+    def turns(items: Any) -> list[Turn]:
+        return [Turn(t.start_s, t.end_s, t.label) for t in items]
+
+    speakers = [
+        Speaker(s.label, s.cluster, from_tensor(s.centroid, "centroid").astype(np.float32), s.speech_s,
+                s.speaker_id, s.voiceprint_id, s.score)
+        for s in response.speakers
+    ]  # fmt: skip
+    return Diarization(
+        turns(response.turns), turns(response.exclusive_turns), speakers, response.rttm, response.windows,
+        response.model_id, response.segmentation_model_id, response.request_id, [s.label for s in speakers],
+    )  # fmt: skip
+
+
+def diarize_requests(
+    samples: np.ndarray,
+    sample_rate: int,
+    header: pb.DiarizeHeader,
+    step_s: float,
+    exclude_overlap: bool,
+    piece_bytes: int = recording.PIECE_BYTES,
+) -> Iterator[pb.DiarizeRequest]:
+    """The call's messages: `header` with the recording's format (from the samples), then
+    the audio, cut as EmbedRecording's is."""
+    for message in recording.recording_requests(
+        samples, sample_rate, None, exclude_overlap, step_s, piece_bytes=piece_bytes
+    ):
+        if message.WhichOneof("part") == "header":
+            full = pb.DiarizeHeader()
+            full.CopyFrom(header)
+            full.recording.CopyFrom(message.header)
+            yield pb.DiarizeRequest(header=full)
+        else:
+            yield pb.DiarizeRequest(audio=message.audio)
+
+
+class DiarizationClient(SpeakerClient):
+    """SpeakerClient with Diarize, on the same channel."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._diarization = pb_grpc.DiarizationStub(self._channel)
+
+    def diarize(
+        self,
+        samples: np.ndarray,
+        sample_rate: int,
+        *,
+        num_speakers: int | None = None,
+        min_speakers: int | None = None,
+        max_speakers: int | None = None,
+        names: bool = False,
+        threshold: float | None = None,
+        exclude_overlap: bool = False,
+        clustering_threshold: float | None = None,
+        min_cluster_size: int | None = None,
+        step_s: float = recording.DEFAULT_STEP_S,
+        uri: str = "",
+        timeout_s: float | None = None,
+    ) -> Diarization:
+        """Who speaks when in a recording [N] or [N, C] (int16 or float32) at `sample_rate`:
+        pyannote's SpeakerDiarization on the server (speaker-diarization-3.1's clustering
+        unless told otherwise); with `names`, speakers matching the caller's voiceprints are
+        labelled with their speaker_id."""
+        header = pb.DiarizeHeader(
+            num_speakers=num_speakers or 0, min_speakers=min_speakers or 0, max_speakers=max_speakers or 0,
+            names=names, uri=uri,
+        )  # fmt: skip
+        if threshold is not None:
+            header.threshold = threshold
+        if clustering_threshold is not None:
+            header.clustering.threshold = clustering_threshold
+        if min_cluster_size is not None:
+            header.clustering.min_cluster_size = min_cluster_size
+        request_id = uuid.uuid4().hex[:16]
+
+        def attempt(_: None, timeout: float, metadata: recording.Metadata) -> Diarization:
+            messages = diarize_requests(samples, sample_rate, header, step_s, exclude_overlap)
+            return parse(self._diarization.Diarize(messages, timeout=timeout, metadata=metadata))
+
+        return self._call(attempt, None, timeout_s, request_id)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """`speakerd-client diarize --audio FILE [--rttm OUT] [--names] [--num-speakers N] ...`."""
+    parser.add_argument("--audio", required=True, help="a recording: WAV, FLAC or any file libsndfile reads")
+    parser.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
+    parser.add_argument("--rttm", help="also write the turns here as RTTM")
+    parser.add_argument("--names", action="store_true", help="label speakers with your enrolled voiceprints")
+    parser.add_argument("--threshold", type=float, help="cosine for a name (default: the server's)")
+    parser.add_argument("--num-speakers", type=int, help="the number of speakers, when known")
+    parser.add_argument("--min-speakers", type=int, help="at least this many speakers")
+    parser.add_argument("--max-speakers", type=int, help="at most this many speakers")
+    parser.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
+    parser.add_argument("--step", type=float, default=recording.DEFAULT_STEP_S, help="window step in seconds")
+    parser.add_argument(
+        "--uri", default="", help="the recording's name in the RTTM (default: the file's stem)"
+    )
+
+
+def run(args: argparse.Namespace, client: DiarizationClient) -> int:
+    """Diarize `args.audio`; print a JSON summary (speakers, turns), write `--rttm`."""
+    from pathlib import Path
+
+    rttm = writable("--rttm", args.rttm) if args.rttm else None
+    samples, rate = read_audio(args.audio, args.sample_rate)
+    for flag in ("num_speakers", "min_speakers", "max_speakers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: expected 1 or more")
+    result = client.diarize(
+        samples, rate, num_speakers=args.num_speakers, min_speakers=args.min_speakers,
+        max_speakers=args.max_speakers, names=args.names, threshold=args.threshold,
+        exclude_overlap=args.exclude_overlap, step_s=args.step, uri=args.uri or Path(args.audio).stem,
+    )  # fmt: skip
+    if rttm is not None:
+        Path(rttm).write_text(result.rttm)
+    summary = {
+        "speakers": [
+            {
+                "label": s.label,
+                "speech_s": round(s.speech_s, 2),
+                **({"speaker_id": s.speaker_id} if s.speaker_id else {}),
+            }
+            for s in result.speakers
+        ],
+        "turns": len(result.turns),
+        "windows": result.windows,
+        **({"rttm": args.rttm} if args.rttm else {}),
+    }
+    print(json.dumps(summary))
+    return 0
