@@ -15,16 +15,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
 
-from speakerd.model.diarization import DiarizationOptions, diarize, rttm_text
+from speakerd.model.diarization import (
+    SPEAKER_DIARIZATION_3_1,
+    AgglomerativeParameters,
+    Diarization,
+    Turn,
+    diarize,
+    to_rttm,
+)
 from speakerd.model.inputs import InputError
 from speakerd.model.voiceprint import check_threshold, normalize
 from speakerd.serving.api.calls import header_and_parts, served
 from speakerd.serving.api.errors import Rejection
-from speakerd.serving.api.recording import Host, RecordingService
+from speakerd.serving.api.recording import DEFAULT_STEP_S, Host, RecordingService
 from speakerd.serving.voiceprints.service import DEFAULT_THRESHOLD, VoiceprintService
 from speakerd.serving.voiceprints.tenants import tenant_of
 from speakerd.v1 import speakerd_pb2 as pb
@@ -66,9 +74,6 @@ class DiarizationService:
             header, rest = await header_and_parts(requests, pb.DiarizeRequest)
             assert isinstance(header, pb.DiarizeHeader)
             options = diarization_options(header)
-            threshold = (
-                check_threshold(header.threshold) if header.HasField("threshold") else DEFAULT_THRESHOLD
-            )
             if header.names and self.voiceprints is None:
                 raise Rejection(
                     grpc.StatusCode.FAILED_PRECONDITION, "invalid_argument",
@@ -84,41 +89,34 @@ class DiarizationService:
                 embeddings.append(from_tensor(response.embeddings, "embeddings"))
                 last = response
             assert last is not None, "a recording has at least one window"
-            step_s = header.recording.step_s or 1.0
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._pool,
-                lambda: diarize(np.concatenate(segmentation), np.concatenate(embeddings), step_s, options),
-            )
+            step_s = header.recording.step_s or DEFAULT_STEP_S
+
+            def cluster() -> Diarization:
+                return diarize(
+                    np.concatenate(segmentation), np.concatenate(embeddings), step_s, options.num_speakers,
+                    options.min_speakers, options.max_speakers, clustering=options.clustering,
+                )  # fmt: skip
+
+            result = await asyncio.get_running_loop().run_in_executor(self._pool, cluster)
             speakers = [
-                pb.DiarizedSpeaker(label=label, cluster=label, centroid=to_tensor(centroid), speech_s=seconds)
-                for label, centroid, seconds in zip(
-                    result.labels, result.centroids, result.speech_s, strict=True
+                pb.DiarizedSpeaker(
+                    label=label,
+                    cluster=label,
+                    speech_s=result.speech_s[label],
+                    centroid=to_tensor(np.asarray(centroid, np.float32)),
                 )
+                for label, centroid in zip(result.labels, result.centroids, strict=True)
             ]
             names: dict[str, str] = {}
             if header.names and speakers and self.voiceprints is not None:
-                rows = normalize(np.asarray(result.centroids, np.float32), "centroids")
-                found = await self.voiceprints.best_matches(tenant, last.model_id, rows)
-                for speaker, match in zip(speakers, found, strict=True):
-                    if match is not None and match[2] >= threshold:
-                        speaker.voiceprint_id, speaker.speaker_id, speaker.score = match
-                        speaker.label = names[speaker.cluster] = match[1]
-                    elif match is not None:
-                        speaker.score = match[2]
-            uri = header.uri or DEFAULT_URI
-            turns = [
-                pb.SpeakerTurn(start_s=s, end_s=e, label=names.get(label, label))
-                for s, e, label in result.turns
-            ]
-            exclusive = [
-                pb.SpeakerTurn(start_s=s, end_s=e, label=names.get(label, label))
-                for s, e, label in result.exclusive_turns
-            ]
+                names = await self._names(tenant, last.model_id, result, speakers, options.threshold)
+            turns = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.turns]
+            exclusive = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.exclusive_turns]
             return pb.DiarizeResponse(
-                turns=turns,
-                exclusive_turns=exclusive,
+                turns=_turns(turns),
+                exclusive_turns=_turns(exclusive),
                 speakers=speakers,
-                rttm=rttm_text([(t.start_s, t.end_s, t.label) for t in turns], uri),
+                rttm=to_rttm(turns, header.uri or DEFAULT_URI),
                 windows=last.windows,
                 model_id=last.model_id,
                 segmentation_model_id=last.segmentation_model_id,
@@ -132,8 +130,52 @@ class DiarizationService:
             lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
         )
 
+    async def _names(
+        self,
+        tenant: str,
+        model_id: str,
+        result: Diarization,
+        speakers: list[pb.DiarizedSpeaker],
+        threshold: float,
+    ) -> dict[str, str]:
+        """Label -> name of the speakers whose centroid's best voiceprint scores `threshold`
+        or more (Identify's rule); every speaker gets its best match's score."""
+        assert self.voiceprints is not None
+        centroids = np.asarray(result.centroids, np.float32)
+        usable = [
+            i for i, row in enumerate(centroids) if np.linalg.norm(row) > 0
+        ]  # a count-only speaker has none
+        found = await self.voiceprints.best_matches(
+            tenant, model_id, normalize(centroids[usable], "centroids")
+        )
+        names = {}
+        for index, match in zip(usable, found, strict=True):
+            if match is None:
+                continue
+            speaker = speakers[index]
+            speaker.score = match[2]
+            if match[2] >= threshold:
+                speaker.voiceprint_id, speaker.speaker_id = match[0], match[1]
+                speaker.label = names[speaker.cluster] = match[1]
+        return names
 
-def diarization_options(header: pb.DiarizeHeader) -> DiarizationOptions:
+
+@dataclass(frozen=True)
+class Options:
+    """A call's speaker bounds, clustering and naming threshold, checked."""
+
+    num_speakers: int | None
+    min_speakers: int
+    max_speakers: int | None
+    clustering: AgglomerativeParameters
+    threshold: float
+
+
+def _turns(turns: list[Turn]) -> list[pb.SpeakerTurn]:
+    return [pb.SpeakerTurn(start_s=t.start, end_s=t.end, label=t.speaker) for t in turns]
+
+
+def diarization_options(header: pb.DiarizeHeader) -> Options:
     """The header's speaker counts and clustering, checked: INVALID_ARGUMENT naming the field."""
     for field in ("num_speakers", "min_speakers", "max_speakers"):
         value = getattr(header, field)
@@ -163,13 +205,13 @@ def diarization_options(header: pb.DiarizeHeader) -> DiarizationOptions:
         raise InputError(
             "clustering.min_cluster_size", f"{clustering.min_cluster_size}, expected >= 1 (0: 12)"
         )
-    return DiarizationOptions(
-        num_speakers=header.num_speakers or None,
-        min_speakers=least,
-        max_speakers=most,
-        threshold=clustering.threshold if clustering.HasField("threshold") else None,
-        min_cluster_size=clustering.min_cluster_size or None,
-    )
+    parameters = SPEAKER_DIARIZATION_3_1
+    if clustering.HasField("threshold"):
+        parameters = replace(parameters, threshold=clustering.threshold)
+    if clustering.min_cluster_size:
+        parameters = replace(parameters, min_cluster_size=clustering.min_cluster_size)
+    threshold = check_threshold(header.threshold) if header.HasField("threshold") else DEFAULT_THRESHOLD
+    return Options(header.num_speakers or None, least, most, parameters, threshold)
 
 
 async def _messages(
