@@ -1,0 +1,44 @@
+"""Diarization after the embeddings, in NumPy and SciPy: pyannote.audio 4.0.7's
+`SpeakerDiarization` from its segmentations and embeddings to its turns, to the bit.
+
+    from speakerd.model.diarization import diarize
+    result = diarize(segmentations, embeddings, step_s=1.0, num_speakers=None)
+    result.turns, result.exclusive_turns, result.centroids, result.rttm("meeting")
+
+One job per module, in pipeline order: frames (pyannote's sliding-window arithmetic),
+aggregate (overlap-add of window frames), count (speakers per frame), clustering
+(AgglomerativeClustering), reconstruct (clusters -> 0/1 frames), turns (frames -> turns),
+rttm (turns -> RTTM), pipeline (`diarize`). SciPy is a server dependency: the thin client
+never imports this package.
+"""
+
+from speakerd.model.diarization.clustering import (
+    SPEAKER_DIARIZATION_3_1,
+    AgglomerativeParameters,
+    Clusters,
+    agglomerative_clustering,
+)
+from speakerd.model.diarization.count import SpeakerCount, speaker_count
+from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames
+from speakerd.model.diarization.pipeline import Diarization, bind_speakers, diarize
+from speakerd.model.diarization.reconstruct import reconstruct
+from speakerd.model.diarization.rttm import to_rttm
+from speakerd.model.diarization.turns import Turn, binarize
+
+__all__ = [
+    "SEGMENTATION_FRAMES",
+    "SPEAKER_DIARIZATION_3_1",
+    "AgglomerativeParameters",
+    "Clusters",
+    "Diarization",
+    "SlidingFrames",
+    "SpeakerCount",
+    "Turn",
+    "agglomerative_clustering",
+    "binarize",
+    "bind_speakers",
+    "diarize",
+    "reconstruct",
+    "speaker_count",
+    "to_rttm",
+]

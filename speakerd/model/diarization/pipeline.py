@@ -1,0 +1,183 @@
+"""Segmentations and embeddings -> a diarization: the end of pyannote's `SpeakerDiarization`.
+
+`diarize` is what pyannote.audio 4.0.7's `SpeakerDiarization.apply` does after
+`get_segmentations` and `get_embeddings`, with AgglomerativeClustering (the only clustering
+speakerd has: VBxClustering needs a PLDA, see docs): the same steps in the same order, so the
+turns are pyannote's to the bit.
+
+1. speaker bounds (`set_num_speakers`): num_speakers fixes both bounds; min defaults to 1,
+   max to no limit;
+2. frame-level speaker count (count.py); when no frame has a speaker, the diarization is
+   empty and nothing else runs;
+3. clustering of the (window, speaker) embeddings (clustering.py), bound by the speaker
+   numbers; a result outside the bounds (too few clean embeddings) is kept, with a warning;
+4. the count is capped at max_speakers; speakers silent in a whole window are taken out
+   of every cluster;
+5. reconstruction (reconstruct.py) and turns (turns.py), once with the count and once with
+   the count capped at 1 (the exclusive diarization, for transcription alignment);
+6. speakers named SPEAKER_00, SPEAKER_01, ... in the order of their cluster indices as
+   strings ("10" sorts before "2", as pyannote sorts labels), and the centroids reordered
+   to match; a speaker made only by the count exceeding the clusters has a zero centroid.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from speakerd.model.diarization.clustering import (
+    NO_CLUSTER,
+    SPEAKER_DIARIZATION_3_1,
+    AgglomerativeParameters,
+    agglomerative_clustering,
+)
+from speakerd.model.diarization.count import speaker_count
+from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, WINDOW_S, SlidingFrames, windows
+from speakerd.model.diarization.reconstruct import reconstruct
+from speakerd.model.diarization.rttm import to_rttm
+from speakerd.model.diarization.turns import Track, Turn, binarize, speech_seconds
+
+#: pyannote's speaker names: SPEAKER_ and the speaker's index, two digits at least.
+SPEAKER_PREFIX = "SPEAKER_"
+#: The exclusive diarization keeps at most this many speakers per frame.
+EXCLUSIVE_SPEAKERS = 1
+
+
+@dataclass(frozen=True)
+class Diarization:
+    """Who spoke when.
+
+    turns: pyannote's `speaker_diarization`, overlaps included; exclusive_turns: its
+    `exclusive_speaker_diarization` (one speaker at a time); labels: the speakers, sorted;
+    centroids [len(labels), dim]: each speaker's mean embedding (`speaker_embeddings`), zero
+    for a speaker without a cluster; speech_s: each speaker's speech in `turns`, seconds;
+    clusters: how many clusters the clustering made (may fall outside the speaker bounds).
+    """
+
+    turns: list[Turn]
+    exclusive_turns: list[Turn]
+    labels: list[str]
+    centroids: np.ndarray
+    speech_s: dict[str, float]
+    clusters: int
+
+    def rttm(self, uri: str | None, exclusive: bool = False) -> str:
+        """The RTTM text pyannote's `write_rttm` writes for these turns."""
+        return to_rttm(self.exclusive_turns if exclusive else self.turns, uri)
+
+
+def bind_speakers(
+    num_speakers: int | None = None, min_speakers: int | None = None, max_speakers: int | None = None
+) -> tuple[int | None, int, float]:
+    """(num_speakers, min_speakers, max_speakers) as pyannote's `set_num_speakers`:
+    num_speakers overrides both bounds, equal bounds fix num_speakers, max defaults to
+    infinity. 0 counts as not given, as in pyannote."""
+    low = num_speakers or min_speakers or 1
+    high = num_speakers or max_speakers or math.inf
+    if low > high:
+        raise ValueError(
+            f"min_speakers must be at most max_speakers (here min_speakers={low:g}, max_speakers={high:g})"
+        )
+    if low == high:
+        num_speakers = low
+    return num_speakers, low, high
+
+
+def _named(tracks: list[Track], names: dict[int, str]) -> list[Turn]:
+    # a column missing from `names` would keep pyannote's integer label: written as its digits
+    return [Turn(t.start, t.end, names.get(t.column, str(t.column))) for t in tracks]
+
+
+def diarize(
+    segmentations: np.ndarray,
+    embeddings: np.ndarray,
+    step_s: float,
+    num_speakers: int | None = None,
+    min_speakers: int | None = 1,
+    max_speakers: int | None = None,
+    *,
+    window_s: float = WINDOW_S,
+    start_s: float = 0.0,
+    frames: SlidingFrames = SEGMENTATION_FRAMES,
+    clustering: AgglomerativeParameters = SPEAKER_DIARIZATION_3_1,
+    min_duration_off: float = 0.0,
+) -> Diarization:
+    """segmentations [windows, frames, speakers] (0/1, pyannote's binarized segmentation),
+    embeddings [windows, speakers, dim] (`get_embeddings`' array) -> Diarization.
+
+    step_s, window_s, start_s: the segmentation windows (pyannote: 10 s every 1 s from 0);
+    frames: the segmentation model's frames; clustering: the hyper-parameters (default
+    pyannote/speaker-diarization-3.1's); min_duration_off: the pipeline's
+    `segmentation.min_duration_off` (0 in speaker-diarization-3.1).
+    """
+    segmentations = np.asarray(segmentations)
+    embeddings = np.asarray(embeddings)
+    if segmentations.ndim != 3 or embeddings.ndim != 3:
+        raise ValueError(
+            f"segmentations {segmentations.shape} and embeddings {embeddings.shape}: expected "
+            "[windows, frames, speakers] and [windows, speakers, dim]"
+        )
+    num_windows, _, num_local = segmentations.shape
+    if embeddings.shape[:2] != (num_windows, num_local):
+        raise ValueError(
+            f"embeddings {embeddings.shape} do not match segmentations {segmentations.shape}: "
+            f"expected [{num_windows}, {num_local}, dim]"
+        )
+    num_speakers, min_speakers, max_speakers = bind_speakers(num_speakers, min_speakers, max_speakers)
+    chunks = windows(step_s, window_s, start_s)
+    count = speaker_count(segmentations, step_s, window_s=window_s, start_s=start_s, frames=frames)
+    if np.nanmax(count.counts, initial=0) == 0:
+        return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0)
+
+    clusters = agglomerative_clustering(
+        embeddings,
+        segmentations,
+        num_clusters=num_speakers,
+        min_clusters=min_speakers,
+        max_clusters=max_speakers,
+        parameters=clustering,
+    )
+    found = int(np.max(clusters.hard)) + 1
+    if not min_speakers <= found <= max_speakers:
+        warnings.warn(
+            f"diarize: {found} speakers found, outside the bounds [{min_speakers}, {max_speakers}] "
+            "(too few clean embeddings for more clusters; a lower min_speakers may help)",
+            stacklevel=2,
+        )
+
+    capped = np.minimum(count.counts, max_speakers).astype(np.int8)
+    hard = np.array(clusters.hard, dtype=np.int64)
+    hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
+    tracks = binarize(
+        reconstruct(segmentations, hard, type(count)(capped, count.frames), chunks, frames),
+        count.frames,
+        min_duration_off=min_duration_off,
+    )
+    exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
+    exclusive_tracks = binarize(
+        reconstruct(segmentations, hard, type(count)(exclusive, count.frames), chunks, frames),
+        count.frames,
+        min_duration_off=min_duration_off,
+    )
+
+    columns = sorted({t.column for t in tracks}, key=str)
+    names = {column: f"{SPEAKER_PREFIX}{index:02d}" for index, column in enumerate(columns)}
+    labels = sorted(names.values())
+    column_of = {name: column for column, name in names.items()}
+    centroids = clusters.centroids
+    rows_needed = max(len(labels), max(columns, default=-1) + 1)
+    if centroids.shape[0] < rows_needed:
+        # the count made more speakers than clusters: theirs are zero (pyannote's padding)
+        centroids = np.pad(centroids, ((0, rows_needed - centroids.shape[0]), (0, 0)))
+    turns = _named(tracks, names)
+    return Diarization(
+        turns=turns,
+        exclusive_turns=_named(exclusive_tracks, names),
+        labels=labels,
+        centroids=centroids[[column_of[label] for label in labels]],
+        speech_s={label: speech_seconds(turns, label) for label in labels},
+        clusters=found,
+    )

@@ -1,0 +1,85 @@
+"""Clustered windows -> which speakers talk in each frame of the recording (0/1 per frame).
+
+pyannote.audio 4.0.7's `SpeakerDiarization.reconstruct` and `SpeakerDiarizationMixin.
+to_diarization`:
+
+1. per window, each cluster's activity is the max over the window's local speakers assigned
+   to it (a cluster absent from a window is NaN there, so that window does not vote);
+2. those activities are summed over the overlapping windows on the recording's frame grid
+   (overlap-add, no averaging): a cluster's value in a frame is how many windows heard it;
+3. in each frame, the `count` clusters with the largest sums are active (ties broken by
+   NumPy's `argsort` of the negated sums, as pyannote does). When the count exceeds the
+   number of clusters, silent extra columns are appended and take the surplus: they become
+   speakers of their own, with no centroid.
+
+The exclusive diarization is the same reconstruction with the count capped at 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from speakerd.model.diarization.aggregate import overlap_add
+from speakerd.model.diarization.clustering import NO_CLUSTER
+from speakerd.model.diarization.count import SpeakerCount
+from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames
+
+
+def clustered_segmentations(segmentations: np.ndarray, hard_clusters: np.ndarray) -> np.ndarray:
+    """segmentations [windows, frames, speakers], hard clusters [windows, speakers] ->
+    [windows, frames, clusters] float64: per window, the max activity of the speakers in each
+    cluster, NaN for clusters with none. NO_CLUSTER speakers are left out."""
+    num_windows, num_frames, num_speakers = segmentations.shape
+    if hard_clusters.shape != (num_windows, num_speakers):
+        raise ValueError(f"hard clusters {hard_clusters.shape}, expected {(num_windows, num_speakers)}")
+    num_clusters = int(np.max(hard_clusters)) + 1
+    clustered = np.full((num_windows, num_frames, num_clusters), np.nan)
+    for speaker in range(num_speakers):
+        cluster = hard_clusters[:, speaker].astype(np.int64)
+        rows = np.nonzero(cluster != NO_CLUSTER)[0]
+        if np.any(cluster[rows] < 0):
+            raise ValueError(
+                f"hard clusters: negative cluster {int(cluster[rows].min())} other than {NO_CLUSTER}"
+            )
+        # NaN (no speaker yet) yields to any activity; otherwise the larger activity wins
+        clustered[rows, :, cluster[rows]] = np.fmax(
+            clustered[rows, :, cluster[rows]], segmentations[rows, :, speaker]
+        )
+    return clustered
+
+
+def discrete_diarization(
+    clustered: np.ndarray,
+    count: SpeakerCount,
+    chunks: SlidingFrames,
+    frames: SlidingFrames = SEGMENTATION_FRAMES,
+) -> np.ndarray:
+    """clustered [windows, frames, clusters] + frame counts -> [num_frames, columns] float32
+    of 0/1 on `count.frames` (`to_diarization`); columns >= clusters when a count exceeds
+    the number of clusters."""
+    activations, _ = overlap_add(clustered, chunks, frames, average=False, missing=0.0)
+    counts = np.asarray(count.counts)
+    if activations.shape[0] != counts.shape[0]:
+        # pyannote crops both to their common extent; from the same windows they are equal
+        raise ValueError(f"{activations.shape[0]} activation frames but {counts.shape[0]} counted frames")
+    most = int(counts.max(initial=0))
+    if activations.shape[1] < most:
+        activations = np.pad(activations, ((0, 0), (0, most - activations.shape[1])))
+    ranked = np.argsort(-activations, axis=-1)
+    # frame t keeps its counts[t] best-ranked columns
+    keep = np.arange(activations.shape[1])[None, :] < counts.astype(np.int64)[:, None]
+    binary = np.zeros_like(activations)
+    np.put_along_axis(binary, ranked, keep.astype(binary.dtype), axis=-1)
+    return binary
+
+
+def reconstruct(
+    segmentations: np.ndarray,
+    hard_clusters: np.ndarray,
+    count: SpeakerCount,
+    chunks: SlidingFrames,
+    frames: SlidingFrames = SEGMENTATION_FRAMES,
+) -> np.ndarray:
+    """`SpeakerDiarization.reconstruct`: binarized segmentations [windows, frames, speakers]
+    and their clusters -> the 0/1 diarization [num_frames, columns] on `count.frames`."""
+    return discrete_diarization(clustered_segmentations(segmentations, hard_clusters), count, chunks, frames)
