@@ -1,0 +1,368 @@
+"""GpuSegmenter: PyanNet (pyannote/segmentation-3.0) over a group of windows in one CUDA-graph replay.
+
+Two maths (`math=`), both FP32 storage and FP32-accurate arithmetic; they differ in how the
+first layer treats each window's normalised samples:
+
+- "fp32" (the default, the parity mode): each window's samples are normalised as torch rounds
+  them (mean and variance over the window's 160000 samples in double, zero padding of a last
+  window included, then the normalisation in float32: norm_mode, see NORM_MODES) and each
+  window is convolved with the 80 sinc filters on its own. The normalised samples are made
+  on the fly inside the sinc kernel, which also takes abs and the max-pool, so the 15975 x 80
+  raw frames of a window never reach memory. Every GEMM is strict FP32 (cuBLAS default math).
+- "fast": the waveform instance norm is affine per window (y = a x + c) and the sinc
+  convolution linear, so conv(y) = a conv(x) + c sum(w): the convolution runs ONCE over the
+  group's samples (windows 1 s apart share 90% of their frames: ~10x less work) and each
+  window reads its frames with its own (a, c). Mathematically exact, but torch convolves the
+  float32-rounded y, and the network amplifies that rounding difference (~1e-4..3e-4 on the
+  log-probabilities, measured: tests/test_gpu_segmentation.py prints it). Its GEMMs (the LSTM
+  input projections and the first head linear) run on TF32 tensor cores over split operands
+  ([hi | lo | hi] x [W_hi | W_hi | W_lo], weights.py), which keeps FP32 accuracy (~1e-5 on
+  the log-probabilities, emulated on the CPU) at ~3x the speed of FP32 SGEMM. Plain TF32
+  anywhere in this network moves log-probabilities by ~5e-3: not used.
+
+The rest is shared: in0 is fused into the first conv's input loads (its statistics come from
+per-tile partial sums the sinc kernels write, reduced in a fixed order, so replay is bitwise
+eager); the small convs are register-tiled direct kernels with bias + max-pool; LSTM: one
+GEMM a layer projects every frame of every window for both directions, then the recurrence
+runs as `lstm_cluster` (W_hh held in the registers of a two-SM cluster, h exchanged through
+distributed shared memory; `lstm="simple"` is the first version, W_hh streamed from L2).
+A plan (all buffers) per window count, its forward captured once into a CUDA graph; replay is
+bit-identical to eager (same kernels, same cuBLAS workspaces, no atomics).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from speakerd.engine.gpu import kernels
+from speakerd.engine.gpu.segmentation import weights as W
+from speakerd.engine.segmenter import Segmentation, Segmenter
+from speakerd.model.segmentation.architecture import (
+    CLASSES,
+    CONV_CHANNELS,
+    LEAKY_SLOPE,
+    LSTM_GATE_ROWS,
+    LSTM_HIDDEN,
+    LSTM_LAYERS,
+    LSTM_OUTPUT,
+    NORM_EPS,
+    OUTPUT_FRAMES,
+    POOLED_CONV1_FRAMES,
+    POOLED_SINC_FRAMES,
+    SINC_FILTERS,
+    SINC_KERNEL,
+    SINC_STRIDE,
+    SPEAKERS,
+    WINDOW_SAMPLES,
+)
+from speakerd.model.segmentation.powerset import MAPPING
+
+SOURCE = "segmentation.cu"
+#: The maths (module docstring).
+MATHS = ("fp32", "fast")
+#: Instance-norm rounding modes of kernels/segmentation.cu's norm_apply: 0 is ATen's native
+#: CUDA formula ((x - mean) * invstd) * gamma + beta with every op rounded; the others are
+#: the roundings torch's cuDNN batch-norm path might use instead (the test's probe compares
+#: torch's own normalised samples with each).
+NORM_MODES = range(6)
+DEFAULT_NORM_MODE = 0
+LSTM_KERNELS = ("cluster", "simple")
+#: Tiles; each must equal its #define in kernels/segmentation.cu (the test checks them).
+SINC_TILE, SINC_HALF, POOL_TILE, SW_GROUP, CONV_TILE, LSTM_TB = 128, 40, 128, 20, 64, 16
+LC_THREADS, LC_CHUNK, LC_UNITS = 256, 16, 64
+#: lstm_cluster's dynamic shared memory, floats: h twice (double-buffered) and c per window,
+#: plus the partial gate sums of one chunk (16 windows x 4 k-quarters x 64 units x 4 gates).
+LC_FLOATS_PER_WINDOW = 2 * LSTM_HIDDEN + LC_UNITS
+LC_FIXED_FLOATS = LC_CHUNK * 4 * LC_UNITS * 4
+#: two SMs a cluster, one cluster a direction and tile: a wave of clusters holds SMs / 4 tiles
+SMS_PER_TILE = 4
+#: windows one call takes by default: ~9 MB of activations a window (fast math), so ~9 GB
+DEFAULT_MAX_WINDOWS = 1024
+#: pooled frames per window after each stage
+P1, P2, P3 = POOLED_SINC_FRAMES, POOLED_CONV1_FRAMES, OUTPUT_FRAMES
+#: the in0 partial sums: one per (window, filter, tile of POOL_TILE pooled frames)
+P1_TILES = -(-P1 // POOL_TILE)
+#: split rows ([hi | lo | hi]) are three times as wide
+SPLIT = 3
+NULL = np.uint64(0)
+KERNEL_NAMES = (
+    "window_stats", "sinc_window", "sinc_global", "sinc_shared_pool", "norm0_stats", "instnorm_leaky",
+    "conv5_pool", "lstm_layer", "lstm_cluster", "bias_leaky", "classify",
+)  # fmt: skip
+
+
+class _Plan:
+    """Every buffer one forward over `k` windows and up to `n_max` samples needs, plus its graph."""
+
+    def __init__(self, cp, k: int, n_max: int, fast: bool) -> None:
+        self.k, self.n_max = k, n_max
+        f = cp.float32
+        s = SPLIT if fast else 1
+        self.x = cp.zeros((n_max,), f)
+        self.starts = cp.zeros((k,), cp.int64)
+        self.stats = cp.zeros((k, 4), f)
+        if fast:
+            # shared sinc frames: enough for the last window to start at n_max - 10 (zero-padded)
+            g = (n_max + WINDOW_SAMPLES - SINC_KERNEL) // SINC_STRIDE + 1
+            self.G = -(-g // SINC_TILE) * SINC_TILE
+            self.raw = cp.zeros((SINC_FILTERS, self.G), f)
+        self.a1 = cp.zeros((k, SINC_FILTERS, P1), f)
+        self.part = cp.zeros((k, SINC_FILTERS, P1_TILES, 2), cp.float64)
+        self.ms0 = cp.zeros((k, SINC_FILTERS, 2), f)
+        self.a2 = cp.zeros((k, CONV_CHANNELS, P2), f)
+        self.a3 = cp.zeros((k, CONV_CHANNELS, P3), f)
+        self.seq = cp.zeros((k, P3, CONV_CHANNELS * s), f)
+        self.xp = cp.zeros((k, P3, 2 * LSTM_GATE_ROWS), f)
+        # one h buffer: a layer's projection reads all of it before its recurrence rewrites it
+        self.h = cp.zeros((k, P3, LSTM_OUTPUT * s), f)
+        self.l0 = cp.zeros((k, P3, LSTM_HIDDEN), f)
+        self.l1 = cp.zeros((k, P3, LSTM_HIDDEN), f)
+        self.logp = cp.zeros((k, P3, CLASSES), f)
+        self.ml = cp.zeros((k, P3, SPEAKERS), cp.uint8)
+        self.n = 0
+        self.graph = None
+
+
+class GpuSegmenter(Segmenter):
+    """pyannote/segmentation-3.0 on one CUDA device (CuPy + NVRTC kernels + cuBLAS)."""
+
+    name = "gpu-cupy"
+
+    def __init__(
+        self,
+        state: Mapping[str, np.ndarray],
+        model_id: str,
+        max_windows: int = DEFAULT_MAX_WINDOWS,
+        math: str = "fp32",
+        use_graph: bool = True,
+        norm_mode: int = DEFAULT_NORM_MODE,
+        lstm: str = "cluster",
+    ) -> None:
+        if math not in MATHS:
+            raise ValueError(f"math {math!r}: expected one of {MATHS}")
+        if norm_mode not in NORM_MODES:
+            raise ValueError(f"norm_mode {norm_mode}: expected one of {list(NORM_MODES)}")
+        if lstm not in LSTM_KERNELS:
+            raise ValueError(f"lstm {lstm!r}: expected one of {LSTM_KERNELS}")
+        import cupy as cp
+
+        from speakerd.engine.gpu.segmentation.blas import Gemms
+
+        self.cp, self.model_id, self.max_windows, self.math = cp, model_id, int(max_windows), math
+        self.fast = math == "fast"
+        self.use_graph, self.norm_mode, self.lstm = use_graph, int(norm_mode), lstm
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.gemms = Gemms(self.stream.ptr)
+        device = cp.cuda.Device()
+        self.sms = int(device.attributes["MultiProcessorCount"])
+        self.smem_optin = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
+        self.lc_max_tb = (
+            (self.smem_optin // 4 - LC_FIXED_FLOATS) // LC_FLOATS_PER_WINDOW // LC_CHUNK * LC_CHUNK
+        )
+        assert self.lc_max_tb >= LC_CHUNK, (
+            f"{self.smem_optin} B of shared memory a block is too little for lstm_cluster"
+        )
+        module = kernels.module(SOURCE)
+        self.k = {name: module.get_function(name) for name in KERNEL_NAMES if name != "lstm_cluster"}
+        self.k["lstm_cluster"] = kernels.entry(SOURCE, "lstm_cluster", self._lc_shared(self.lc_max_tb))
+        host = W.prepare(state)
+        with self.stream:
+            self.w = {key: cp.asarray(v) for key, v in host.items()}
+            self.mapping = cp.asarray(MAPPING)
+        self.stream.synchronize()
+        self.wav_gamma, self.wav_beta = (float(v) for v in host["wav_norm"])
+        self._plans: dict[tuple[int, int], _Plan] = {}
+
+    @staticmethod
+    def _lc_shared(tb: int) -> int:
+        return 4 * (LC_FIXED_FLOATS + LC_FLOATS_PER_WINDOW * tb)
+
+    def _lstm_tile(self, k: int) -> int:
+        """Windows a cluster takes: as few tiles as fill one wave of clusters (both directions)."""
+        per_wave = max(1, self.sms // SMS_PER_TILE)
+        windows = -(-k // per_wave)
+        return min(-(-windows // LC_CHUNK) * LC_CHUNK, self.lc_max_tb)
+
+    # -- forward -------------------------------------------------------------------------
+    def _forward(self, p: _Plan, mark: Callable[[str], None] | None = None) -> None:
+        mark = mark or (lambda name: None)
+        k, K, w, mode = p.k, self.k, self.w, np.int32(self.norm_mode)
+        i32, i64, f32 = np.int32, np.int64, np.float32
+        eps, slope = f32(NORM_EPS), f32(LEAKY_SLOPE)
+        gamma, beta = f32(self.wav_gamma), f32(self.wav_beta)
+        K["window_stats"]((k,), (512,), (p.x, i64(p.n), p.starts, gamma, beta, eps, p.stats))
+        if self.fast:
+            K["sinc_global"](
+                (p.G // SINC_TILE, SINC_FILTERS // SINC_HALF),
+                (SINC_TILE,),
+                (p.x, i64(p.n), w["sinc_wT"], i32(p.G), p.raw),
+            )
+            K["sinc_shared_pool"](
+                (P1_TILES, SINC_FILTERS, k),
+                (POOL_TILE,),
+                (p.raw, i32(p.G), p.starts, p.stats, w["sinc_wsum"], i32(P1), p.a1, p.part),
+            )
+        else:
+            K["sinc_window"](
+                (P1_TILES, SINC_FILTERS // SW_GROUP, k),
+                (POOL_TILE,),
+                (p.x, i64(p.n), p.starts, p.stats, gamma, beta, mode, w["sinc_wT"], i32(P1), p.a1, p.part),
+            )
+        mark("sinc")
+        rows0 = k * SINC_FILTERS
+        K["norm0_stats"](
+            ((rows0 + 255) // 256,), (256,), (p.part, i32(rows0), i32(P1_TILES), i32(P1), eps, p.ms0)
+        )
+        K["conv5_pool"](
+            ((P2 + CONV_TILE - 1) // CONV_TILE, k),
+            (CONV_TILE, 3),
+            (p.a1, i32(SINC_FILTERS), i32(P1), w["conv1_wT"], w["conv1_b"], i32(P2), p.a2,
+             p.ms0, w["in0_g"], w["in0_b"], slope, mode),
+        )  # fmt: skip
+        mark("in0+conv1")
+        K["instnorm_leaky"](
+            (k * CONV_CHANNELS,),
+            (256,),
+            (p.a2, i32(CONV_CHANNELS), i32(P2), w["in1_g"], w["in1_b"], eps, slope, mode, NULL, i32(0)),
+        )
+        K["conv5_pool"](
+            ((P3 + CONV_TILE - 1) // CONV_TILE, k),
+            (CONV_TILE, 3),
+            (p.a2, i32(CONV_CHANNELS), i32(P2), w["conv2_wT"], w["conv2_b"], i32(P3), p.a3,
+             NULL, NULL, NULL, slope, mode),
+        )  # fmt: skip
+        split = i32(1 if self.fast else 0)
+        K["instnorm_leaky"](
+            (k * CONV_CHANNELS,),
+            (256,),
+            (p.a3, i32(CONV_CHANNELS), i32(P3), w["in2_g"], w["in2_b"], eps, slope, mode, p.seq, split),
+        )
+        mark("in1+conv2+in2")
+        rows = k * P3
+        x, inner = p.seq, CONV_CHANNELS
+        tb = self._lstm_tile(k)
+        for layer in range(LSTM_LAYERS):
+            if self.fast:
+                wih, width = w[f"lstm{layer}_wih3"], SPLIT * inner
+            else:
+                wih, width = w[f"lstm{layer}_wih"], inner
+            self.gemms.linear(
+                x.data.ptr, wih.data.ptr, p.xp.data.ptr, rows, width, 2 * LSTM_GATE_ROWS, self.fast
+            )
+            mark(f"lstm{layer}.proj")
+            if self.lstm == "cluster":
+                tiles = -(-k // tb)
+                K["lstm_cluster"](
+                    (2 * tiles, 2),
+                    (LC_THREADS,),
+                    (p.xp, w[f"lstm{layer}_whh"], w[f"lstm{layer}_b"], p.h, i32(k), i32(P3), split, i32(tb)),
+                    shared_mem=self._lc_shared(tb),
+                )
+            else:
+                K["lstm_layer"](
+                    ((k + LSTM_TB - 1) // LSTM_TB, 2),
+                    (256,),
+                    (p.xp, w[f"lstm{layer}_whhT"], w[f"lstm{layer}_b"], p.h, i32(k), i32(P3), split),
+                )
+            mark(f"lstm{layer}.rec")
+            x, inner = p.h, LSTM_OUTPUT
+        n = rows * LSTM_HIDDEN
+        lin0 = w["lin0_w3"] if self.fast else w["lin0_w"]
+        self.gemms.linear(
+            p.h.data.ptr, lin0.data.ptr, p.l0.data.ptr, rows, lin0.shape[1], LSTM_HIDDEN, self.fast
+        )
+        K["bias_leaky"](((n + 255) // 256,), (256,), (p.l0, i64(n), i32(LSTM_HIDDEN), w["lin0_b"], slope))
+        self.gemms.linear(
+            p.l0.data.ptr, w["lin1_w"].data.ptr, p.l1.data.ptr, rows, LSTM_HIDDEN, LSTM_HIDDEN, False
+        )
+        K["bias_leaky"](((n + 255) // 256,), (256,), (p.l1, i64(n), i32(LSTM_HIDDEN), w["lin1_b"], slope))
+        K["classify"](
+            ((rows + 127) // 128,),
+            (128,),
+            (p.l1, i64(rows), w["cls_w"], w["cls_b"], self.mapping, p.logp, p.ml),
+        )
+        mark("head")
+
+    def _plan(self, k: int, n: int) -> _Plan:
+        # plans are keyed by window count and a sample capacity rounded up to whole seconds
+        # of windows, so a recording's groups of the same size reuse one graph
+        cap = max(k * 16000 + WINDOW_SAMPLES, n)
+        key = (k, cap)
+        if key not in self._plans:
+            with self.stream:
+                self._plans[key] = _Plan(self.cp, k, cap, self.fast)
+        return self._plans[key]
+
+    def _upload(self, samples: np.ndarray, starts: np.ndarray) -> _Plan:
+        samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
+        starts = np.ascontiguousarray(starts, dtype=np.int64).reshape(-1)
+        k = len(starts)
+        assert 1 <= k <= self.max_windows, f"{k} windows, max_windows is {self.max_windows}"
+        assert np.all(starts % SINC_STRIDE == 0), (
+            f"starts must be multiples of {SINC_STRIDE}: {starts[starts % SINC_STRIDE != 0][:4]}"
+        )
+        assert np.all(starts >= 0) and np.all(np.diff(starts) >= 0), "starts must be ascending and >= 0"
+        p = self._plan(k, len(samples))
+        # samples past n (a last window's zero padding) are never read: every kernel checks n
+        p.x[: len(samples)].set(samples, stream=self.stream)
+        p.starts.set(starts, stream=self.stream)
+        if p.n != len(samples):
+            p.n, p.graph = len(samples), None  # n is baked into the graph's arguments
+        return p
+
+    def run(self, samples: np.ndarray, starts: np.ndarray, graph: bool | None = None) -> _Plan:
+        """Upload, forward (graph replay or eager), and return the plan holding the outputs."""
+        use_graph = self.use_graph if graph is None else graph
+        with self.stream:
+            p = self._upload(samples, starts)
+            if use_graph:
+                if p.graph is None:
+                    self.stream.begin_capture()
+                    self._forward(p)
+                    p.graph = self.stream.end_capture()
+                p.graph.launch(self.stream)
+            else:
+                self._forward(p)
+        return p
+
+    def stage_times(self, samples: np.ndarray, starts: np.ndarray) -> dict[str, float]:
+        """One eager forward with a CUDA event after each stage: {stage: milliseconds}."""
+        cp = self.cp
+        events: list[tuple[str, object]] = []
+
+        def mark(name: str) -> None:
+            event = cp.cuda.Event()
+            event.record(self.stream)
+            events.append((name, event))
+
+        with self.stream:
+            mark("start")
+            p = self._upload(samples, starts)
+            mark("upload")
+            self._forward(p, mark)
+        self.stream.synchronize()
+        return {
+            name: cp.cuda.get_elapsed_time(a, b)
+            for (_, a), (name, b) in zip(events, events[1:], strict=False)
+        }
+
+    def log_probs(self, samples: np.ndarray, starts: np.ndarray, graph: bool | None = None) -> np.ndarray:
+        """[k, 589, 7] float32 powerset log-probabilities (the parity surface)."""
+        p = self.run(samples, starts, graph)
+        out = p.logp.get(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def segment(self, samples: np.ndarray, starts: np.ndarray) -> Segmentation:
+        t0 = time.perf_counter()
+        p = self.run(samples, starts)
+        ml = p.ml.get(stream=self.stream)
+        self.stream.synchronize()
+        return Segmentation(multilabel=ml, compute_s=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self._plans.clear()
+        self.gemms.close()
