@@ -13,8 +13,8 @@ Two parts:
   of the `weights_path` fixture) and runs `apply` with a hook that captures the segmentation
   and embeddings it used; `diarize` then gets those arrays. The segmentation is pyannote's,
   computed once. The embedding step is where the two differ on purpose: pyannote's own
-  (one ResNet run per window and speaker) took 110 s per run on this project's 2 shared
-  cores, so the pipeline's `get_embeddings` is replaced by arrays computed once outside it:
+  (one ResNet run per window and speaker) took 110 s per run on this project's 2 cores
+  shared with other work, so the pipeline's `get_embeddings` is replaced by arrays computed once outside it:
   the synthetic model's embeddings from speakerd's CPU engine under pyannote's masks (with
   and without `exclude_overlap`; tests/test_pyannote.py shows they are pyannote's to a
   cosine of 0.99999), and "planted" embeddings that follow sample.rttm's two real speakers,
@@ -95,7 +95,8 @@ SEGMENTATION = Path(
 PYANNOTE_3_1 = {"method": "centroid", "min_cluster_size": 12, "threshold": 0.7045654963945799}
 #: Planted embeddings: spread of a row around its speaker's direction (per dimension, so a
 #: row's noise has norm 0.35 against a unit direction: cosine ~0.94 to its own speaker, ~0
-#: to others; speaker-diarization-3.1 cuts at a cosine distance of 0.70).
+#: to others; speaker-diarization-3.1 cuts the centroid linkage of normalised rows at a
+#: Euclidean 0.70, a cosine of 0.75).
 PLANTED_NOISE = 0.35 / 16
 #: Planted rows are scaled by a factor in this range: centroids are means of raw rows,
 #: linkage sees normalised ones, so unequal norms tell the two apart.
