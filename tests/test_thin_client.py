@@ -20,10 +20,11 @@ import numpy as np
 from safetensors.numpy import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Server-side packages the client must never load: the CPU engine's and the GPU engine's.
+#: Server-side packages the client must never load: the CPU engine's and the GPU engine's, and
+#: SciPy (speakerd.model.diarization's clustering, a server extra).
 #: (grpc_reflection is a server extra too, but `import grpc` itself loads it when it is
 #: installed, so only the base-install test below can speak for it.)
-SERVER_ONLY = ("onnx", "onnxruntime", "cupy", "cudnn", "torch", "huggingface_hub")
+SERVER_ONLY = ("onnx", "onnxruntime", "cupy", "cudnn", "torch", "huggingface_hub", "scipy")
 CLIENT_MODULES = (
     "speakerd.client",
     "speakerd.client.client",

@@ -2,8 +2,8 @@
 
 `diarize` is what pyannote.audio 4.0.7's `SpeakerDiarization.apply` does after
 `get_segmentations` and `get_embeddings`, with AgglomerativeClustering (the only clustering
-speakerd has: VBxClustering needs a PLDA, see docs): the same steps in the same order, so the
-turns are pyannote's to the bit.
+here: VBxClustering needs a PLDA, see docs/diarization.md): the same steps in the same
+order, so the turns are pyannote's to the bit.
 
 1. speaker bounds (`set_num_speakers`): num_speakers fixes both bounds; min defaults to 1,
    max to no limit;
@@ -34,7 +34,7 @@ from speakerd.model.diarization.clustering import (
     AgglomerativeParameters,
     agglomerative_clustering,
 )
-from speakerd.model.diarization.count import speaker_count
+from speakerd.model.diarization.count import SpeakerCount, speaker_count
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, WINDOW_S, SlidingFrames, windows
 from speakerd.model.diarization.reconstruct import reconstruct
 from speakerd.model.diarization.rttm import to_rttm
@@ -152,13 +152,13 @@ def diarize(
     hard = np.array(clusters.hard, dtype=np.int64)
     hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
     tracks = binarize(
-        reconstruct(segmentations, hard, type(count)(capped, count.frames), chunks, frames),
+        reconstruct(segmentations, hard, SpeakerCount(capped, count.frames), chunks, frames),
         count.frames,
         min_duration_off=min_duration_off,
     )
     exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
     exclusive_tracks = binarize(
-        reconstruct(segmentations, hard, type(count)(exclusive, count.frames), chunks, frames),
+        reconstruct(segmentations, hard, SpeakerCount(exclusive, count.frames), chunks, frames),
         count.frames,
         min_duration_off=min_duration_off,
     )
