@@ -68,11 +68,27 @@ def sample() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pyannote_outputs(weights_path, sample) -> dict[str, Any]:
-    """case -> pyannote alone's DiarizeOutput on sample.wav (the same weights as the server)."""
+    """case -> pyannote alone's DiarizeOutput on sample.wav (the same weights as the server).
+
+    pyannote's embedding step dominates on a CPU (63 ResNet runs a pass), so each
+    exclude_overlap setting runs it once; the other cases apply the same pipeline with its
+    get_embeddings answering the arrays that run computed (pyannote's own, for the same
+    segmentation), which changes nothing else in `apply`."""
     segmentation, embedding = models.segmentation_model(SEGMENTATION), models.embedding_model(weights_path)
-    outputs = {}
+    outputs: dict[str, Any] = {}
+    computed: dict[bool, Any] = {}
     for case, bounds, exclude_overlap in CASES:
         pipeline = models.diarization_pipeline(segmentation, embedding, exclude_overlap)
+        if exclude_overlap in computed:
+            pipeline.get_embeddings = lambda *args, _kept=computed[exclude_overlap], **kwargs: _kept
+        else:
+            own = pipeline.get_embeddings
+
+            def keep(*args, _own=own, _flag=exclude_overlap, **kwargs):
+                computed[_flag] = _own(*args, **kwargs)
+                return computed[_flag]
+
+            pipeline.get_embeddings = keep
         with warnings.catch_warnings():
             warnings.simplefilter(
                 "ignore"
