@@ -7,9 +7,9 @@
 
 One job per module, in pipeline order: frames (pyannote's sliding-window arithmetic),
 aggregate (overlap-add of window frames), count (speakers per frame), clustering
-(AgglomerativeClustering), reconstruct (clusters -> 0/1 frames), turns (frames -> turns),
-rttm (turns -> RTTM), pipeline (`diarize`). SciPy is a server dependency: the thin client
-never imports this package.
+(AgglomerativeClustering) or vbx (VBxClustering, in the PLDA space of plda), reconstruct
+(clusters -> 0/1 frames), turns (frames -> turns), rttm (turns -> RTTM), pipeline (`diarize`).
+SciPy is a server dependency: the thin client never imports this package.
 """
 
 from speakerd.model.diarization.clustering import (
@@ -21,24 +21,32 @@ from speakerd.model.diarization.clustering import (
 from speakerd.model.diarization.count import SpeakerCount, speaker_count
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames
 from speakerd.model.diarization.pipeline import Diarization, bind_speakers, diarize
+from speakerd.model.diarization.plda import Plda, PldaError, load_plda
 from speakerd.model.diarization.reconstruct import reconstruct
 from speakerd.model.diarization.rttm import to_rttm
 from speakerd.model.diarization.turns import Turn, binarize
+from speakerd.model.diarization.vbx import COMMUNITY_1, VBxParameters, vbx_clustering
 
 __all__ = [
+    "COMMUNITY_1",
     "SEGMENTATION_FRAMES",
     "SPEAKER_DIARIZATION_3_1",
     "AgglomerativeParameters",
     "Clusters",
     "Diarization",
+    "Plda",
+    "PldaError",
     "SlidingFrames",
     "SpeakerCount",
     "Turn",
+    "VBxParameters",
     "agglomerative_clustering",
     "binarize",
     "bind_speakers",
     "diarize",
+    "load_plda",
     "reconstruct",
     "speaker_count",
     "to_rttm",
+    "vbx_clustering",
 ]

@@ -1,16 +1,17 @@
 """Segmentations and embeddings -> a diarization: the end of pyannote's `SpeakerDiarization`.
 
 `diarize` is what pyannote.audio 4.0.7's `SpeakerDiarization.apply` does after
-`get_segmentations` and `get_embeddings`, with AgglomerativeClustering (the only clustering
-here: VBxClustering needs a PLDA, see docs/diarization.md): the same steps in the same
-order, so the turns are pyannote's to the bit.
+`get_segmentations` and `get_embeddings`, with AgglomerativeClustering
+(speaker-diarization-3.1's, clustering.py) or VBxClustering (community-1's, vbx.py, with its
+PLDA): the same steps in the same order, so the turns are pyannote's to the bit.
 
 1. speaker bounds (`set_num_speakers`): num_speakers fixes both bounds; min defaults to 1,
    max to no limit;
 2. frame-level speaker count (count.py); when no frame has a speaker, the diarization is
    empty and nothing else runs;
-3. clustering of the (window, speaker) embeddings (clustering.py), bound by the speaker
-   numbers; a result outside the bounds (too few clean embeddings) is kept, with a warning;
+3. clustering of the (window, speaker) embeddings (clustering.py or vbx.py, as the
+   `clustering` parameters' type says), bound by the speaker numbers; a result outside the
+   bounds (too few clean embeddings) is kept, with a warning;
 4. the count is capped at max_speakers; speakers silent in a whole window are taken out
    of every cluster;
 5. reconstruction (reconstruct.py) and turns (turns.py), once with the count and once with
@@ -36,9 +37,11 @@ from speakerd.model.diarization.clustering import (
 )
 from speakerd.model.diarization.count import SpeakerCount, speaker_count
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, WINDOW_S, SlidingFrames, windows
+from speakerd.model.diarization.plda import Plda
 from speakerd.model.diarization.reconstruct import reconstruct
 from speakerd.model.diarization.rttm import to_rttm
 from speakerd.model.diarization.turns import Track, Turn, binarize, speech_seconds
+from speakerd.model.diarization.vbx import VBxParameters, vbx_clustering
 
 #: pyannote's speaker names: SPEAKER_ and the speaker's index, two digits at least.
 SPEAKER_PREFIX = "SPEAKER_"
@@ -102,17 +105,24 @@ def diarize(
     window_s: float = WINDOW_S,
     start_s: float = 0.0,
     frames: SlidingFrames = SEGMENTATION_FRAMES,
-    clustering: AgglomerativeParameters = SPEAKER_DIARIZATION_3_1,
+    clustering: AgglomerativeParameters | VBxParameters = SPEAKER_DIARIZATION_3_1,
+    plda: Plda | None = None,
     min_duration_off: float = 0.0,
 ) -> Diarization:
     """segmentations [windows, frames, speakers] (0/1, pyannote's binarized segmentation),
     embeddings [windows, speakers, dim] (`get_embeddings`' array) -> Diarization.
 
     step_s, window_s, start_s: the segmentation windows (pyannote: 10 s every 1 s from 0);
-    frames: the segmentation model's frames; clustering: the hyper-parameters (default
-    pyannote/speaker-diarization-3.1's); min_duration_off: the pipeline's
-    `segmentation.min_duration_off` (0 in speaker-diarization-3.1).
+    frames: the segmentation model's frames; clustering: the hyper-parameters, whose type
+    picks the clustering (default AgglomerativeParameters, pyannote/speaker-diarization-3.1's;
+    VBxParameters, e.g. vbx.COMMUNITY_1, for community-1's VBx, which needs `plda`, e.g.
+    plda.load_plda(directory)); min_duration_off: the pipeline's
+    `segmentation.min_duration_off` (0 in speaker-diarization-3.1 and community-1).
+    With VBx, speaker numbers it does not meet by itself (other than one speaker) raise
+    NotImplementedError: pyannote would re-cluster with scikit-learn's KMeans (vbx.py).
     """
+    if isinstance(clustering, VBxParameters) and plda is None:
+        raise ValueError("diarize: VBx clustering needs a PLDA (plda=load_plda(directory))")
     segmentations = np.asarray(segmentations)
     embeddings = np.asarray(embeddings)
     if segmentations.ndim != 3 or embeddings.ndim != 3:
@@ -132,14 +142,26 @@ def diarize(
     if np.nanmax(count.counts, initial=0) == 0:
         return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0)
 
-    clusters = agglomerative_clustering(
-        embeddings,
-        segmentations,
-        num_clusters=num_speakers,
-        min_clusters=min_speakers,
-        max_clusters=max_speakers,
-        parameters=clustering,
-    )
+    if isinstance(clustering, VBxParameters):
+        assert plda is not None  # checked above, before any work
+        clusters = vbx_clustering(
+            embeddings,
+            segmentations,
+            plda,
+            num_clusters=num_speakers,
+            min_clusters=min_speakers,
+            max_clusters=max_speakers,
+            parameters=clustering,
+        )
+    else:
+        clusters = agglomerative_clustering(
+            embeddings,
+            segmentations,
+            num_clusters=num_speakers,
+            min_clusters=min_speakers,
+            max_clusters=max_speakers,
+            parameters=clustering,
+        )
     found = int(np.max(clusters.hard)) + 1
     if not min_speakers <= found <= max_speakers:
         warnings.warn(

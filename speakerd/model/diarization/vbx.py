@@ -1,0 +1,243 @@
+"""Window speakers -> recording speakers: pyannote's VBx clustering (community-1's).
+
+pyannote.audio 4.0.7's `VBxClustering` (pipelines/clustering.py, with utils/vbx.py's `VBx`
+and `cluster_vbx`) is the clustering of pyannote/speaker-diarization-community-1. Where the
+agglomerative clustering of speaker-diarization-3.1 cuts a dendrogram and tidies its small
+clusters, VBx treats the clean embeddings as draws from a mixture of speakers in a PLDA
+space (plda.py) and refines an initial clustering by variational Bayes: speakers that
+explain too little of the data get a prior near zero and are dropped. The steps:
+
+1. clean pairs (`filter_embeddings`, the same as the agglomerative one: clustering.py's
+   `clean_speakers`). Fewer than two: no clustering, everything is cluster 0.
+2. initialisation: centroid linkage of the L2-normalised clean embeddings, cut at
+   `threshold` (a Euclidean distance between unit vectors: 0.6 is a cosine of 0.82), with
+   no small-cluster handling; each row starts with its cluster's one-hot responsibilities,
+   smoothed by a softmax with temperature 1/7.
+3. VB iterations on the PLDA features with community-1's `Fa` (scales the data's weight)
+   and `Fb` (speaker regularisation: the larger, the fewer speakers): at most 20 updates,
+   stopping when the ELBO gains less than 1e-4.
+4. speakers whose prior stays above 1e-7 are kept; their centroids are the
+   responsibility-weighted means of the raw clean embeddings.
+5. a forced or bounded number of speakers that VBx's count misses: pyannote re-clusters
+   with scikit-learn's KMeans (k-means++ seeding from a seeded RandomState, 3 runs, Lloyd
+   iterations in compiled OpenMP code with their own summation order). Reproducing its
+   labels bit for bit with NumPy alone is not attempted, and scikit-learn is not a server
+   dependency, so that case raises NotImplementedError; a number VBx already meets needs no
+   KMeans, and a forced single cluster (e.g. max_speakers=1) is every row in cluster 0,
+   which needs no KMeans either.
+6. assignment: each pair to its most similar centroid (2 - cosine distance). community-1
+   uses the constrained (Hungarian, one cluster per speaker of a window) assignment, with
+   the window's silent speakers given a score below every real one; the KMeans path turns
+   it off.
+
+The same NumPy and SciPy calls run in the same order and on the same dtypes as pyannote's,
+so the responsibilities, the kept speakers, the centroids and the clusters are its bits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.spatial.distance import cdist
+from scipy.special import logsumexp, softmax
+
+from speakerd.model.diarization.clustering import (
+    SIMILARITY_OFFSET,
+    Clusters,
+    clean_speakers,
+    constrained_argmax,
+)
+from speakerd.model.diarization.plda import Plda
+
+log = logging.getLogger(__name__)
+
+#: VB updates at most: `VBxClustering` passes maxIters=20 to `cluster_vbx` (VBx's own
+#: default is 10).
+MAX_ITERATIONS = 20
+#: Stop once an update raises the ELBO by less than this (`VBx`'s default epsilon).
+ELBO_EPSILON = 1e-4
+#: Softmax temperature (inverse) turning the one-hot AHC labels into initial
+#: responsibilities: 7 makes a row's own cluster e^7 ≈ 1100 times likelier than any other
+#: (`cluster_vbx`'s init_smoothing).
+INIT_SMOOTHING = 7.0
+#: Added to the speaker priors before their log, so a pruned speaker's log prior is
+#: log(1e-8), not -inf (`VBx`'s eps).
+PRIOR_FLOOR = 1e-8
+#: A speaker whose final prior is at most this is dropped (`VBxClustering`'s sp > 1e-7).
+KEPT_PRIOR = 1e-7
+#: Fewer clean embeddings than this: no clustering, one cluster.
+MIN_TRAIN_EMBEDDINGS = 2
+#: The one forced number of clusters whose KMeans result needs no KMeans: every row in
+#: cluster 0.
+KMEANS_ONE_CLUSTER = 1
+#: Added below the lowest similarity for the silent speakers of a window, so the Hungarian
+#: assignment prefers any real speaker (`VBxClustering`'s const = min - 1).
+SILENT_MARGIN = 1.0
+
+
+@dataclass(frozen=True)
+class VBxParameters:
+    """The VBx clustering's hyper-parameters; the defaults are
+    pyannote/speaker-diarization-community-1's (`SpeakerDiarization.default_parameters`:
+    `clustering: {threshold: 0.6, Fa: 0.07, Fb: 0.8}`), the embedding model's cosine metric,
+    and `VBxClustering`'s constrained assignment. Fa and Fb keep pyannote's names so that a
+    pipeline config's `clustering` mapping passes as keywords."""
+
+    threshold: float = 0.6
+    Fa: float = 0.07
+    Fb: float = 0.8
+    metric: str = "cosine"
+    constrained_assignment: bool = True
+
+
+#: pyannote/speaker-diarization-community-1's clustering.
+COMMUNITY_1 = VBxParameters()
+
+
+def ahc_init(train: np.ndarray, threshold: float) -> np.ndarray:
+    """[n, dim] clean embeddings -> initial cluster per row, 0..k-1: centroid linkage of the
+    unit rows cut at `threshold`, labels renumbered in sorted order."""
+    unit = train / np.linalg.norm(train, axis=1, keepdims=True)
+    dendrogram = linkage(unit, method="centroid", metric="euclidean")
+    clusters = fcluster(dendrogram, threshold, criterion="distance") - 1
+    return np.unique(clusters, return_inverse=True)[1]
+
+
+def vb_iterations(
+    features: np.ndarray,
+    phi: np.ndarray,
+    responsibilities: np.ndarray,
+    Fa: float,
+    Fb: float,
+    max_iterations: int = MAX_ITERATIONS,
+    epsilon: float = ELBO_EPSILON,
+) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """Variational Bayes for a mixture of speakers in the PLDA space (utils/vbx.py's `VBx`
+    without the HMM, the only form pyannote 4 keeps; Landini et al. 2022, "Bayesian HMM
+    clustering of x-vector sequences (VBx)", whose equation numbers the comments give).
+
+    features [n, d] PLDA features, phi [d] between-speaker variances (zero mean, identity
+    within-speaker covariance), responsibilities [n, s] the initial ones. Returns the final
+    responsibilities [n, s], the speaker priors [s] and the ELBO per update.
+    """
+    num_speakers = responsibilities.shape[1]
+    priors = np.ones(num_speakers) / num_speakers
+    dim = features.shape[1]
+    # per-row constant of the log-likelihood (23), and the features scaled to unit prior (18)
+    row_constant = -0.5 * (np.sum(features**2, axis=1, keepdims=True) + dim * np.log(2 * np.pi))
+    scaled = features * np.sqrt(phi)
+    gamma = responsibilities
+    elbos: list[float] = []
+    for iteration in range(max_iterations):
+        # speaker posteriors: precision (17) and mean (16) of each speaker's latent vector
+        inv_precision = 1.0 / (1 + Fa / Fb * gamma.sum(axis=0, keepdims=True).T * phi)
+        mean = Fa / Fb * inv_precision * gamma.T.dot(scaled)
+        # expected log-likelihood of each row under each speaker (23)
+        log_likelihood = Fa * (scaled.dot(mean.T) - 0.5 * (inv_precision + mean**2).dot(phi) + row_constant)
+        log_prior = np.log(priors + PRIOR_FLOOR)
+        log_marginal = logsumexp(log_likelihood + log_prior, axis=-1)
+        total = np.sum(log_marginal, axis=0)
+        # responsibilities and priors: a mixture (GMM) update
+        gamma = np.exp(log_likelihood + log_prior - log_marginal[:, None])
+        priors = np.sum(gamma, axis=0)
+        priors = priors / priors.sum()
+        # the bound (25): data term plus the speakers' KL to their prior
+        elbo = total + Fb * 0.5 * np.sum(np.log(inv_precision) - inv_precision - mean**2 + 1)
+        elbos.append(elbo)
+        if iteration > 0 and elbo - elbos[-2] < epsilon:
+            if elbo < elbos[-2]:
+                log.info("vbx: the ELBO decreased at update %d (%g -> %g)", iteration, elbos[-2], elbo)
+            break
+    return gamma, priors, elbos
+
+
+def vbx_responsibilities(
+    initial: np.ndarray, features: np.ndarray, phi: np.ndarray, Fa: float, Fb: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Initial clusters [n] -> (responsibilities [n, k], priors [k]) (`cluster_vbx`):
+    one-hot labels smoothed by a softmax, then the VB updates."""
+    one_hot = np.zeros((len(initial), initial.max() + 1))
+    one_hot[range(len(initial)), initial.astype(int)] = 1.0
+    start = softmax(one_hot * INIT_SMOOTHING, axis=1)
+    gamma, priors, _ = vb_iterations(features, phi, start, Fa=Fa, Fb=Fb)
+    return gamma, priors
+
+
+def vbx_clustering(
+    embeddings: np.ndarray,
+    segmentations: np.ndarray,
+    plda: Plda,
+    num_clusters: int | None = None,
+    min_clusters: int | None = None,
+    max_clusters: float | None = None,
+    parameters: VBxParameters = COMMUNITY_1,
+) -> Clusters:
+    """embeddings [windows, speakers, dim], binarized segmentations [windows, frames,
+    speakers] -> Clusters, as `VBxClustering.__call__` (module docstring).
+
+    The speaker numbers are the pipeline's (`set_num_speakers`): min defaults to 1, max to
+    no limit; unlike the agglomerative clustering they are not clipped to the number of
+    clean embeddings. Raises NotImplementedError when they make pyannote fall back to KMeans.
+    """
+    if embeddings.ndim != 3 or segmentations.ndim != 3:
+        raise ValueError(
+            f"embeddings {embeddings.shape} and segmentations {segmentations.shape}: expected "
+            "[windows, speakers, dim] and [windows, frames, speakers]"
+        )
+    if embeddings.shape[-1] != plda.embedding_dimension:
+        raise ValueError(
+            f"embeddings of {embeddings.shape[-1]} dimensions, the PLDA transforms {plda.embedding_dimension}"
+        )
+    min_clusters = 1 if min_clusters is None else min_clusters
+    max_clusters = math.inf if max_clusters is None else max_clusters
+    num_windows, num_speakers, dim = embeddings.shape
+    train_windows, train_speakers = clean_speakers(embeddings, segmentations)
+    train = embeddings[train_windows, train_speakers]
+    if train.shape[0] < MIN_TRAIN_EMBEDDINGS:
+        # no clustering; the centroid is NaN when no pair was clean (a mean of nothing)
+        if train.shape[0] == 0:
+            centroids = np.full((1, dim), np.nan, dtype=np.mean(np.zeros(1, dtype=train.dtype)).dtype)
+        else:
+            centroids = np.mean(train, axis=0, keepdims=True)
+        return Clusters(
+            hard=np.zeros((num_windows, num_speakers), dtype=np.int8),
+            soft=np.ones((num_windows, num_speakers, 1)),
+            centroids=centroids,
+        )
+
+    initial = ahc_init(train, parameters.threshold)
+    gamma, priors = vbx_responsibilities(
+        initial, plda.transform(train), plda.phi, Fa=parameters.Fa, Fb=parameters.Fb
+    )
+    weights = gamma[:, priors > KEPT_PRIOR]
+    centroids = weights.T @ train.reshape(-1, dim) / weights.sum(0, keepdims=True).T
+
+    found = centroids.shape[0]
+    if found < min_clusters:
+        num_clusters = min_clusters
+    elif found > max_clusters:
+        num_clusters = max_clusters
+    constrained = parameters.constrained_assignment
+    if num_clusters and num_clusters != found:
+        if num_clusters != KMEANS_ONE_CLUSTER:
+            raise NotImplementedError(
+                f"VBx found {found} speakers where {num_clusters} are wanted: pyannote re-clusters "
+                "with scikit-learn's KMeans there, which speakerd does not reproduce (docs/diarization.md)"
+            )
+        # KMeans with one cluster labels every row 0: its centroid is the mean clean embedding
+        constrained = False
+        centroids = np.vstack([np.mean(train, axis=0)])
+        found = 1
+
+    distance = cdist(embeddings.reshape(num_windows * num_speakers, dim), centroids, metric=parameters.metric)
+    soft = SIMILARITY_OFFSET - distance.reshape(num_windows, num_speakers, found)
+    if constrained:
+        soft[segmentations.sum(1) == 0] = soft.min() - SILENT_MARGIN
+        hard = constrained_argmax(soft)
+    else:
+        hard = np.argmax(soft, axis=2)
+    return Clusters(hard=hard, soft=soft, centroids=centroids)
