@@ -14,7 +14,7 @@ import logging
 from speakerd.engine.cpu_segmenter import CpuSegmenter
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.segmentation.weights import SegmentationModel, load_model
-from speakerd.model.source import ModelError, ResolvedModel, resolve_segmentation_model
+from speakerd.model.source import SEGMENTATION, ModelError, ResolvedModel, resolve_model
 from speakerd.serving.server.config import UsageError
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def resolve(spec: str) -> ResolvedModel:
     """An explicit --segmentation-model's safetensors (downloaded, converted, cached as
     needed); UsageError naming the flag otherwise."""
     try:
-        return resolve_segmentation_model(spec)
+        return resolve_model(spec, FLAG, SEGMENTATION)
     except ModelError as error:
         raise UsageError(str(error)) from error
 

@@ -560,7 +560,7 @@ class SpeakerServer:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._device_lost(device, left)))
 
         def build() -> Engine:
-            from speakerd.model.source import resolve_model, resolve_segmentation_model
+            from speakerd.model.source import SEGMENTATION, resolve_model
 
             # the default models are made here, on first use, while health answers NOT_SERVING
             resolved = self.prepared.resolved or resolve_model(None)
@@ -568,7 +568,7 @@ class SpeakerServer:
             if self.prepared.segmentation is not None:
                 found, weights = self.prepared.segmentation
             else:
-                found = resolve_segmentation_model(None)
+                found = resolve_model(None, kind=SEGMENTATION)
                 weights = segmentation.load(found, None)
             self.segmentation_source = found.source
             self.segmenter = segmentation.build(weights)
