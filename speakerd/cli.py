@@ -15,10 +15,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("speakerd.serving.server.serve", "run the gRPC server (GPU when present, else CPU)"),
     "embed": ("speakerd.tools.embed", "embed an .npz of fbank or waveform chunks offline"),
     "make-model": ("speakerd.model.synthetic", "write the deterministic synthetic default model"),
+    "make-segmentation-model": (
+        "speakerd.model.segmentation.synthetic",
+        "write the deterministic synthetic segmentation model",
+    ),
     "make-references": ("speakerd.reference.references", "write ONNX Runtime CPU reference cases"),
     "convert": ("speakerd.tools.convert", "convert pyannote's pytorch_model.bin to safetensors"),
     "fetch-model": ("speakerd.tools.fetch_model", "download and convert --model into the caches serve reads"),
     "bench": ("speakerd.tools.bench", "benchmark the engine's plans, print JSON lines"),
+    "bench-segmentation": (
+        "speakerd.tools.bench_segmentation",
+        "time the NumPy segmentation forward on a long recording",
+    ),
 }
 
 

@@ -56,6 +56,14 @@ def weights_path(speakerd_cache):
 
 
 @pytest.fixture(scope="session")
+def segmentation_path(speakerd_cache):
+    """The synthetic segmentation model (seed 0), made on first use in the session cache."""
+    from speakerd.model.segmentation.store import default_segmentation_path
+
+    return default_segmentation_path()
+
+
+@pytest.fixture(scope="session")
 def folded_model(weights_path):
     """The default model loaded and BatchNorm-folded."""
     from speakerd.model.weights import load_model

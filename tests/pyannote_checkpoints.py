@@ -1,8 +1,10 @@
-"""pyannote's own WeSpeakerResNet34 with random weights, saved the ways checkpoints are found.
+"""pyannote's own WeSpeakerResNet34 and PyanNet with random weights, saved the ways checkpoints are found.
 
 `pyannote.audio.models.embedding.WeSpeakerResNet34` (4.0.7) builds the module tree; its
 weights and BatchNorm statistics are drawn from a seeded generator (trained-looking running
-statistics, so every value differs), and it is saved
+statistics, so every value differs). `random_pyannet` is pyannote's segmentation model,
+`PyanNet` with segmentation-3.0's hyper-parameters and task (the powerset of 3 speakers,
+at most 2 at once), torch's own initialisation from a seed. Either is saved
 - "lightning": as pyannote saves it, a Lightning checkpoint written by
   `Trainer.save_checkpoint`, with pyannote's `on_save_checkpoint` metadata (the task
   `Specifications` beside the weights): what `pytorch_model.bin` on the hub is;
@@ -21,10 +23,31 @@ from typing import Any
 # pyannote.audio 4 sends usage telemetry to its vendor unless told not to; tests send nothing
 os.environ["PYANNOTE_METRICS_ENABLED"] = "false"
 
+#: Where .ci/run (scripts/pyannote_segmentation.sh) extracts segmentation-3.0's checkpoint
+#: (the hub repo is gated); SPEAKERD_PYANNOTE_SEGMENTATION names another place.
+SEGMENTATION_CHECKPOINT = Path(
+    os.environ.get(
+        "SPEAKERD_PYANNOTE_SEGMENTATION",
+        Path(__file__).resolve().parent.parent / ".cache/pyannote/segmentation-3.0/pytorch_model.bin",
+    )
+)
+SEGMENTATION_MISSING = (
+    f"segmentation-3.0 checkpoint not found at {SEGMENTATION_CHECKPOINT}: run "
+    "scripts/pyannote_segmentation.sh (or set SPEAKERD_PYANNOTE_SEGMENTATION)"
+)
 LAYOUTS = ("bare", "lightning", "dataparallel")
 PRECISIONS = ("fp32", "fp16")
 TORCH_MISSING = "torch is not installed (.ci/run installs the CPU build of 2.13.0)"
 PYANNOTE_MISSING = "pyannote.audio is not installed (.ci/run installs 4.0.7)"
+
+
+def require_pyannote() -> Any:
+    """torch, or the calling test module skipped saying which of torch and pyannote.audio is missing."""
+    import pytest
+
+    torch = pytest.importorskip("torch", reason=TORCH_MISSING)
+    pytest.importorskip("pyannote.audio", reason=PYANNOTE_MISSING)
+    return torch
 
 
 def random_wespeaker(seed: int) -> Any:
@@ -47,6 +70,36 @@ def random_wespeaker(seed: int) -> Any:
     model.specifications = Specifications(
         problem=Problem.REPRESENTATION, resolution=Resolution.CHUNK, duration=10.0
     )
+    return model.eval()
+
+
+#: segmentation-3.0's config.yaml: PyanNet's hyper-parameters.
+PYANNET_HPARAMS: dict[str, Any] = {
+    "sincnet": {"stride": 10},
+    "lstm": {"hidden_size": 128, "num_layers": 4, "bidirectional": True, "monolithic": True},
+    "linear": {"hidden_size": 128, "num_layers": 2},
+}
+
+
+def random_pyannet(seed: int) -> Any:
+    """pyannote's PyanNet as segmentation-3.0 builds it, eval mode, torch's init from `seed`."""
+    import torch
+    from pyannote.audio.core.task import Problem, Resolution, Specifications
+    from pyannote.audio.models.segmentation import PyanNet
+
+    torch.manual_seed(seed)
+    model = PyanNet(**PYANNET_HPARAMS)
+    # what pyannote's SpeakerDiarization task (max_speakers_per_chunk 3, per_frame 2) sets;
+    # on_load_checkpoint does the same, then setup() adds the classifier
+    model.specifications = Specifications(
+        problem=Problem.MONO_LABEL_CLASSIFICATION,
+        resolution=Resolution.FRAME,
+        duration=10.0,
+        classes=["speaker#1", "speaker#2", "speaker#3"],
+        powerset_max_classes=2,
+        permutation_invariant=True,
+    )
+    model.setup()
     return model.eval()
 
 

@@ -18,7 +18,6 @@ import copy
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,15 +46,10 @@ from speakerd.pyannote import (
     use_server,
 )
 from speakerd.pyannote.remote import weightless_segmentation
+from tests.pyannote_checkpoints import SEGMENTATION_CHECKPOINT, SEGMENTATION_MISSING
 from tests.serving import scrape, serve_module
 
-ROOT = Path(__file__).resolve().parent.parent
-#: Where .ci/run (scripts/pyannote_segmentation.sh) extracts segmentation-3.0's checkpoint.
-SEGMENTATION = Path(
-    os.environ.get(
-        "SPEAKERD_PYANNOTE_SEGMENTATION", ROOT / ".cache/pyannote/segmentation-3.0/pytorch_model.bin"
-    )
-)
+SEGMENTATION = SEGMENTATION_CHECKPOINT
 #: Nothing listens on port 1 of loopback (a privileged port no test server takes).
 UNREACHABLE = "127.0.0.1:1"
 #: Two quick attempts: the unreachable tests need the retry path, not its full patience.
@@ -69,11 +63,7 @@ SHORT_SECONDS = 12
 
 pytestmark = pytest.mark.slow
 if not SEGMENTATION.is_file():
-    pytest.skip(
-        f"segmentation-3.0 checkpoint not found at {SEGMENTATION}: run scripts/pyannote_segmentation.sh "
-        "(or set SPEAKERD_PYANNOTE_SEGMENTATION)",
-        allow_module_level=True,
-    )
+    pytest.skip(SEGMENTATION_MISSING, allow_module_level=True)
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""The torch-based converter speakerd had before its torch-free one: the oracle of tests/test_convert.py.
+"""The torch-based converter speakerd had before its torch-free one: the oracle of tests/test_convert.py
+and tests/test_segmentation_convert.py.
 
 `torch.load` (weights_only first; for pyannote's Lightning checkpoints, which pickle task
 objects, torch's loader with a restricted pickle module that turns every non-tensor class
 into an inert placeholder), then `tensor.to(torch.float32).numpy()` for floating-point
-tensors, integer counters kept, and speakerd's `save_state_dict`. The torch-free converter
-must write the same bytes.
+tensors, integer counters kept, and speakerd's `save_state_dict` with the network's
+validator (the embedding model's by default). The torch-free converter must write the same
+bytes.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from speakerd.model.architecture import SEG_WEIGHT
+from speakerd.model.checkpoint import EMBEDDING, Network
 from speakerd.model.weights import save_state_dict
 
 WRAPPER_PREFIXES = ("module.", "model.")
-PYANNOTE_PREFIX = "resnet."
 
 
 class _Inert:
@@ -63,7 +64,8 @@ def load_checkpoint(path: Path) -> Any:
         )
 
 
-def torch_convert(checkpoint_path: Path, out_path: Path) -> None:
+def torch_convert(checkpoint_path: Path, out_path: Path, network: Network = EMBEDDING) -> None:
+    """`network`'s checkpoint (its keys, prefix and validator) -> safetensors, through torch."""
     checkpoint = load_checkpoint(checkpoint_path)
     layout = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     node = layout if isinstance(layout, dict) else checkpoint
@@ -71,12 +73,13 @@ def torch_convert(checkpoint_path: Path, out_path: Path) -> None:
     for prefix in WRAPPER_PREFIXES:
         if all(key.startswith(prefix) for key in tensors):
             tensors = {key[len(prefix) :]: value for key, value in tensors.items()}
-    if SEG_WEIGHT not in tensors and SEG_WEIGHT[len(PYANNOTE_PREFIX) :] in tensors:
-        tensors = {PYANNOTE_PREFIX + key: value for key, value in tensors.items()}
+    bare = network.marker[len(network.attribute) :]
+    if network.attribute and network.marker not in tensors and bare in tensors:
+        tensors = {network.attribute + key: value for key, value in tensors.items()}
     state: dict[str, np.ndarray] = {}
     for key, tensor in tensors.items():
         tensor = tensor.detach().cpu()
         if tensor.is_floating_point():
             tensor = tensor.to(torch.float32)
         state[key] = tensor.numpy().copy()
-    save_state_dict(state, out_path)
+    save_state_dict(state, out_path, network.validate)

@@ -1,6 +1,10 @@
 """`--model NAME_OR_PATH`: the weights to serve, from a Hugging Face repo, a local file, or the default.
 
-- nothing: the synthetic default model (store.py), made on first use;
+The same resolution serves both networks speakerd knows, each a `ModelKind`: EMBEDDING
+(`--model`, pyannote/wespeaker-voxceleb-resnet34-LM) and SEGMENTATION (`--segmentation-model`,
+pyannote/segmentation-3.0, speakerd/model/segmentation/); below, "the model" is either.
+
+- nothing: the synthetic default model (store.py, segmentation/store.py), made on first use;
 - a local `.safetensors` file: served as it is;
 - a local `.bin` / `.ckpt` (pyannote's checkpoint; `.pt`, `.pth` too), or a directory holding
   pyannote's `pytorch_model.bin`: converted once, without torch (checkpoint.py);
@@ -10,8 +14,11 @@
   mean what they mean to pyannote.
 
 A converted checkpoint is cached by the sha256 of the checkpoint's bytes: for a hub download
-in the repo's own cache folder (`models--org--name/speakerd/`, next to `blobs/` and
-`snapshots/`, so one volume holds both), for a local file in `$SPEAKERD_CACHE/converted/`.
+in the repo's own cache folder (`models--org--name/speakerd-converted-v1/`, next to `blobs/`
+and `snapshots/`, so one volume holds both), for a local file in
+`$SPEAKERD_CACHE/speakerd-converted-v1/`; each kind in its own folder (the segmentation
+model's: `speakerd-converted-segmentation-v1/`), so a file converted as one network is never
+served as the other.
 It is written to a temporary file and renamed into place under a lock, so a restart or a
 second replica (even one starting at the same moment) converts nothing and never reads a
 half-written file. The served model id stays the sha256 of the safetensors file.
@@ -27,11 +34,14 @@ import fcntl
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from speakerd.model import checkpoint, torch_pickle
+from speakerd.model.segmentation import weights as segmentation_weights
+from speakerd.model.segmentation.store import default_segmentation_path
 from speakerd.model.store import cache_dir, default_weights_path
 from speakerd.model.weights import WeightsError, file_sha256
 
@@ -42,6 +52,7 @@ REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w
 #: Converted files' folder; the version is in the name so a future converter writing other
 #: bytes never reuses an older one's output.
 CONVERTED_DIR = "speakerd-converted-v1"
+SEGMENTATION_CONVERTED_DIR = "speakerd-converted-segmentation-v1"
 SAFETENSORS_SUFFIX = ".safetensors"
 #: A blob in the hub cache named by 64 hex digits is an LFS file named by its sha256.
 SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
@@ -57,6 +68,15 @@ MODEL_HELP = (
 )
 
 
+#: Read when --segmentation-model is not given.
+SEGMENTATION_MODEL_ENV = "SPEAKERD_SEGMENTATION_MODEL"
+SEGMENTATION_MODEL_HELP = (
+    "the segmentation model: Hugging Face repo id (org/name[@revision]: its pytorch_model.bin, e.g. "
+    "pyannote/segmentation-3.0) or a local .safetensors, .bin or .ckpt file or directory (default: the "
+    "synthetic segmentation model, made on first use in $SPEAKERD_CACHE, ~/.cache/speakerd)"
+)
+
+
 def env_model() -> str | None:
     """$SPEAKERD_MODEL, else $SPEAKERD_WEIGHTS, else None (the default model)."""
     return os.environ.get(MODEL_ENV) or os.environ.get(WEIGHTS_ENV) or None
@@ -66,6 +86,16 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     """`--model` (`--weights` is the same flag under its older name), defaulting to the environment."""
     parser.add_argument(
         "--model", "--weights", dest="model", default=env_model(), help=f"{MODEL_HELP} [{MODEL_ENV}]"
+    )
+
+
+def add_segmentation_model_flag(parser: argparse.ArgumentParser) -> None:
+    """`--segmentation-model` (dest `segmentation_model`), defaulting to $SPEAKERD_SEGMENTATION_MODEL."""
+    parser.add_argument(
+        "--segmentation-model",
+        dest="segmentation_model",
+        default=os.environ.get(SEGMENTATION_MODEL_ENV) or None,
+        help=f"{SEGMENTATION_MODEL_HELP} [{SEGMENTATION_MODEL_ENV}]",
     )
 
 
@@ -89,25 +119,41 @@ class ResolvedModel:
     source: ModelSource
 
 
-def resolve_model(spec: str | Path | None, flag: str = "--model") -> ResolvedModel:
-    """The safetensors to serve for `spec` (see module doc); ModelError otherwise."""
+@dataclass(frozen=True)
+class ModelKind:
+    """One network a flag names: what its checkpoint must be, its synthetic default, and the
+    folder its conversions are cached in."""
+
+    network: checkpoint.Network
+    default: Callable[[], Path]  # the synthetic default's safetensors, made on first use
+    converted_dir: str
+
+
+EMBEDDING = ModelKind(checkpoint.EMBEDDING, default_weights_path, CONVERTED_DIR)
+SEGMENTATION = ModelKind(segmentation_weights.NETWORK, default_segmentation_path, SEGMENTATION_CONVERTED_DIR)
+
+
+def resolve_model(
+    spec: str | Path | None, flag: str = "--model", kind: ModelKind = EMBEDDING
+) -> ResolvedModel:
+    """The safetensors of `kind` to serve for `spec` (see module doc); ModelError otherwise."""
     text = "" if spec is None else str(spec).strip()
     if not text:
-        path = default_weights_path()
+        path = kind.default()
         return ResolvedModel(path, ModelSource(filename=path.name, sha256=file_sha256(path)))
     local = Path(text).expanduser()
     if local.exists():
-        return _resolve_local(local, f"{flag} {text}")
+        return _resolve_local(local, f"{flag} {text}", kind)
     match = REPO_ID.match(text)
     if match is None or text.startswith((".", "/", "~")):
         raise ModelError(
             f"{flag} {text}: no such file or directory, and not a Hugging Face repo id "
             "(org/name or org/name@revision)"
         )
-    return _resolve_hub(match["repo"], match["revision"], f"{flag} {text}")
+    return _resolve_hub(match["repo"], match["revision"], f"{flag} {text}", kind)
 
 
-def _resolve_local(path: Path, said: str) -> ResolvedModel:
+def _resolve_local(path: Path, said: str, kind: ModelKind) -> ResolvedModel:
     if path.is_dir():
         inside = path / HUB_FILENAME
         if not inside.is_file():
@@ -123,12 +169,13 @@ def _resolve_local(path: Path, said: str) -> ResolvedModel:
     if path.suffix not in checkpoint.CHECKPOINT_SUFFIXES:
         kinds = ", ".join((*checkpoint.CHECKPOINT_SUFFIXES, SAFETENSORS_SUFFIX))
         raise ModelError(f"{said}: expected a checkpoint or weights file ({kinds}) or a directory")
-    return ResolvedModel(converted(path, digest, cache_dir() / CONVERTED_DIR, said), source)
+    return ResolvedModel(converted(path, digest, cache_dir() / kind.converted_dir, said, kind), source)
 
 
-def converted(source: Path, digest: str, folder: Path, said: str) -> Path:
-    """The safetensors for checkpoint `source` (sha256 `digest`) in `folder`, converted now
-    unless a previous run (or another process, while we waited for the lock) already did."""
+def converted(source: Path, digest: str, folder: Path, said: str, kind: ModelKind = EMBEDDING) -> Path:
+    """The safetensors for checkpoint `source` (sha256 `digest`) in `folder`, converted as
+    `kind` now unless a previous run (or another process, while we waited for the lock)
+    already did."""
     target = folder / f"{digest}{SAFETENSORS_SUFFIX}"
     if target.is_file():
         return target
@@ -137,13 +184,13 @@ def converted(source: Path, digest: str, folder: Path, said: str) -> Path:
         with open(folder / f"{digest}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not target.is_file():
-                checkpoint.convert(source, target)
+                checkpoint.convert(source, target, kind.network)
     except torch_pickle.CheckpointError as error:
         raise ModelError(f"{said}: {str(error).removeprefix(f'{source}: ')}") from error
     except WeightsError as error:
         raise ModelError(
-            f"{said}: not pyannote's WeSpeaker ResNet34 checkpoint: {error}; "
-            "give pyannote/wespeaker-voxceleb-resnet34-LM's pytorch_model.bin"
+            f"{said}: not pyannote's {kind.network.name} checkpoint: {error}; "
+            f"give {kind.network.repo}'s {HUB_FILENAME}"
         ) from error
     except OSError as error:
         if error.errno == errno.ENOSPC:
@@ -167,7 +214,7 @@ def hub_cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def _resolve_hub(repo_id: str, revision: str | None, said: str) -> ResolvedModel:
+def _resolve_hub(repo_id: str, revision: str | None, said: str, kind: ModelKind) -> ResolvedModel:
     try:
         import huggingface_hub
     except ImportError as error:
@@ -199,7 +246,7 @@ def _resolve_hub(repo_id: str, revision: str | None, said: str) -> ResolvedModel
             f"the hub's is {blob.name[:12]}...): delete {blob} and start again to download it anew"
         )
     source = ModelSource(repo_id=repo_id, revision=commit, filename=HUB_FILENAME, sha256=digest)
-    return ResolvedModel(converted(downloaded, digest, repo_folder / CONVERTED_DIR, said), source)
+    return ResolvedModel(converted(downloaded, digest, repo_folder / kind.converted_dir, said, kind), source)
 
 
 def _version() -> str:
@@ -213,8 +260,9 @@ def _version() -> str:
 
 
 def fetch_command(said: str) -> str:
-    """The command that fills the caches for `said` ("--model NAME"), wherever the hub is reachable."""
-    return f"speakerd fetch-model --model {said.split(' ', 1)[1]}"
+    """The command that fills the caches for `said` ("--model NAME", "--segmentation-model
+    NAME"), wherever the hub is reachable."""
+    return f"speakerd fetch-model {said}"
 
 
 def _hub_error(error: Exception, repo_id: str, revision: str | None, said: str, constants: Any) -> str:

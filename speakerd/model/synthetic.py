@@ -194,13 +194,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def report_written(args: argparse.Namespace, started: float) -> None:
+    """The line `make-model` (and `make-segmentation-model`) ends with."""
+    print(
+        f"wrote {args.out} (seed {args.seed}, model id {file_sha256(args.out)}) "
+        f"in {time.perf_counter() - started:.1f} s"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     state, ranges = make_model(args.seed)
     save_state_dict(state, args.out)
     print(format_ranges(ranges))
-    print(
-        f"wrote {args.out} (seed {args.seed}, model id {file_sha256(args.out)}) "
-        f"in {time.perf_counter() - started:.1f} s"
-    )
+    report_written(args, started)
     return 0

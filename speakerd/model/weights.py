@@ -2,11 +2,16 @@
 
 Every engine (ONNX Runtime, NumPy reference, GPU) consumes the same folded float32
 weights, so parity between them measures arithmetic only, never a different fold.
+
+The file helpers (`check_state_dict`, `load_state_dict`, `save_state_dict`, `file_sha256`)
+take the network's validator, so the segmentation model's weights
+(speakerd/model/segmentation/weights.py) are read, checked and written by the same code.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +30,11 @@ from speakerd.model.architecture import (
 
 
 class WeightsError(ValueError):
-    """A checkpoint that is not a WeSpeakerResNet34 state dict; the message names the key."""
+    """A checkpoint that is not the expected network's state dict; the message names the key."""
+
+
+#: Raises WeightsError naming the first key that makes a state dict not the expected network's.
+Validator = Callable[[Mapping[str, np.ndarray]], None]
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,10 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def validate_state_dict(state: dict[str, np.ndarray]) -> None:
-    """Raise WeightsError naming the first missing, unexpected or mis-shaped key."""
-    expected = state_dict_shapes()
+def check_state_dict(state: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise WeightsError naming the first missing, unexpected or mis-shaped key of `state`
+    against `expected` (key -> shape), or a tensor that is not finite floating point (the
+    BatchNorm counters `*num_batches_tracked` are integers). Shared by both networks."""
     missing = sorted(set(expected) - set(state))
     if missing:
         raise WeightsError(
@@ -96,6 +106,12 @@ def validate_state_dict(state: dict[str, np.ndarray]) -> None:
             raise WeightsError(f"key {key!r} has dtype {array.dtype}, expected float32")
         if not np.all(np.isfinite(array)):
             raise WeightsError(f"key {key!r} holds NaN or Inf")
+
+
+def validate_state_dict(state: Mapping[str, np.ndarray]) -> None:
+    """Raise WeightsError naming the first key that makes `state` no WeSpeakerResNet34 state dict."""
+    check_state_dict(state, state_dict_shapes())
+    for key, array in state.items():
         if key.endswith("running_var") and np.any(array < 0):
             raise WeightsError(f"key {key!r} has a negative variance")
 
@@ -132,15 +148,16 @@ def fold_state_dict(state: dict[str, np.ndarray], model_id: str) -> FoldedModel:
     )
 
 
-def load_state_dict(path: str | Path) -> dict[str, np.ndarray]:
-    """Read a safetensors checkpoint; WeightsError if it cannot be read or is not ours."""
+def load_state_dict(path: str | Path, validate: Validator = validate_state_dict) -> dict[str, np.ndarray]:
+    """Read a safetensors checkpoint; WeightsError if it cannot be read or `validate` (by
+    default: is it a WeSpeakerResNet34?) refuses it."""
     try:
         state = load_file(str(path))
     except FileNotFoundError:
         raise
     except Exception as error:  # safetensors raises its own types for a corrupt header
         raise WeightsError(f"{path}: not a readable safetensors file ({error})") from error
-    validate_state_dict(state)
+    validate(state)
     return state
 
 
@@ -149,12 +166,15 @@ def load_model(path: str | Path) -> FoldedModel:
     return fold_state_dict(load_state_dict(path), file_sha256(path))
 
 
-def save_state_dict(state: dict[str, np.ndarray], path: str | Path) -> None:
-    """Validate, then write with pyannote's keys (contiguous float32, int64 counters).
+def save_state_dict(
+    state: dict[str, np.ndarray], path: str | Path, validate: Validator = validate_state_dict
+) -> None:
+    """Validate (by default as a WeSpeakerResNet34), then write with pyannote's keys
+    (contiguous float32, int64 counters).
 
     The bytes are made in memory and written by Python (not safetensors' own file writer),
     so a full disk is an OSError (ENOSPC) that callers can name, not a serializer error."""
-    validate_state_dict(state)
+    validate(state)
     # np.asarray(order="C"), not np.ascontiguousarray: the latter turns the 0-d
     # num_batches_tracked counters into shape (1,), which pyannote's keys do not have.
     clean = {key: np.asarray(value, order="C") for key, value in state.items()}

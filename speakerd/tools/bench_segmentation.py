@@ -1,92 +1,90 @@
-"""Benchmark: segment an hour of audio (3591 windows, 1 s step) on the GPU; JSON lines.
+"""`python -m speakerd bench-segmentation`: the NumPy segmentation forward on a long recording.
 
-One line per measurement, all in one process on one GPU so the numbers compare: the engine
-(engine/gpu/segmentation) for each math and group size, then the PyTorch anchor
-(scripts/anchors/torch_segmentation.py) at pyannote's batch 32 and larger batches. An engine
-line carries `stages_ms`: one eager pass over the same hour with a CUDA event after each
-stage (summed over the hour's groups; eager, so its total exceeds the graph replay's by the
-launch gaps). Audio upload is included for the engine (it is part of `segment`); the
-anchor's windows are already on the GPU (its favour).
-Usage: python -m speakerd.tools.bench_segmentation [--ckpt PATH] [--maths fp32,fast] [--groups 1024,3591]
+Times `recording_log_probs` (the filter bank shared over the recording) on a synthetic
+speech-like recording of `--seconds` with pyannote's windows (10 s, step 1 s: 591 for 10
+minutes), with the segmentation model `--segmentation-model` names (the synthetic one by
+default: the timing does not depend on the weights). `--straight` times `log_probs` on the
+same windows too; `--pyannote CHECKPOINT` times pyannote.audio's own model (torch, its
+default threads, batches of 32 as the pipeline's `segmentation_batch_size`) on them, in the
+same run, as the anchor. Prints one line per measurement and the peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import resource
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-HOUR_S, STEP, WINDOW, SR = 3600, 16000, 160000, 16000
-HOUR_WINDOWS = (HOUR_S * SR - WINDOW) // STEP + 1  # 3591
-#: timed hours per configuration (the best is reported), after one that builds plans and graphs
-REPS = 3
+from speakerd.model.audio import synthetic_recording
+from speakerd.model.fbank import chunk_recording, chunk_starts
+from speakerd.model.segmentation import forward
+from speakerd.model.segmentation.weights import load_model
+from speakerd.model.source import SEGMENTATION, ModelError, add_segmentation_model_flag, resolve_model
+
+USAGE_EXIT = 2
+#: pyannote's hub pipelines segment in batches of 32 windows (speakerd.pyannote.models).
+PYANNOTE_BATCH = 32
+#: The recording's seed: any speech-like audio times the same.
+AUDIO_SEED = 3
 
 
-def _line(**fields) -> None:
-    print(json.dumps(fields), flush=True)
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seconds", type=float, default=600.0, help="length of the recording")
+    add_segmentation_model_flag(parser)
+    parser.add_argument("--straight", action="store_true", help="time log_probs (per window) too")
+    parser.add_argument(
+        "--pyannote", type=Path, help="time pyannote's own model of this pytorch_model.bin too"
+    )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", default=str(ROOT / ".cache/pyannote/segmentation-3.0/pytorch_model.bin"))
-    ap.add_argument("--maths", default="fp32,fast")
-    ap.add_argument("--groups", default="1024,3591")
-    ap.add_argument("--anchor-batches", default="32,128,512")
-    args = ap.parse_args()
-    import cupy as cp
+def _report(name: str, seconds: float, elapsed: float, windows: int) -> None:
+    print(
+        f"{name}: {seconds:.0f} s of audio, {windows} windows in {elapsed:.2f} s "
+        f"({elapsed / windows * 1e3:.1f} ms a window, {seconds / elapsed:.0f}x real time)"
+    )
 
-    sys.path.insert(0, str(ROOT / "scripts/anchors"))
-    from torch_segmentation import PyanNet, hour_seconds, load_state_dict
 
-    from speakerd.engine.gpu.segmentation import GpuSegmenter
-
-    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    sd = load_state_dict(args.ckpt)
-    rng = np.random.default_rng(0)
-    audio = (rng.standard_normal(HOUR_S * SR) * 0.1).astype(np.float32)
-    starts_all = np.arange(HOUR_WINDOWS, dtype=np.int64) * STEP
-    for math in args.maths.split(","):
-        for g in (int(v) for v in args.groups.split(",")):
-            seg = GpuSegmenter(sd, model_id="bench", max_windows=g, math=math)
-            groups = [starts_all[i : i + g] for i in range(0, HOUR_WINDOWS, g)]
-
-            def hour(seg=seg, groups=groups):
-                for st in groups:
-                    seg.segment(audio[st[0] : st[-1] + WINDOW], st - st[0])
-
-            hour()  # plans + graph capture
-            best = float("inf")
-            for _ in range(REPS):
-                t0 = time.perf_counter()
-                hour()
-                best = min(best, time.perf_counter() - t0)
-            stages: dict[str, float] = {}
-            for st in groups:
-                for name, ms in seg.stage_times(audio[st[0] : st[-1] + WINDOW], st - st[0]).items():
-                    stages[name] = stages.get(name, 0.0) + ms
-            _line(engine=seg.name, math=math, group=g, windows=HOUR_WINDOWS, ms_per_hour=round(best * 1e3, 2),
-                  windows_per_s=round(HOUR_WINDOWS / best, 1), device=dev,
-                  stages_ms={k: round(v, 2) for k, v in stages.items()},
-                  stages_total_ms=round(sum(stages.values()), 2))  # fmt: skip
-            seg.close()
-            del seg
-            cp.get_default_memory_pool().free_all_blocks()
+def _time_pyannote(checkpoint: Path, windows: np.ndarray) -> float:
+    os.environ.setdefault("PYANNOTE_METRICS_ENABLED", "false")
     import torch
+    from pyannote.audio import Model
 
-    torch.backends.cudnn.benchmark = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    model = PyanNet(sd).cuda().eval()
-    for b in (int(v) for v in args.anchor_batches.split(",")):
-        s = hour_seconds(model, b)
-        _line(engine="torch-pyannet-anchor", math="fp32", group=b, windows=HOUR_WINDOWS, ms_per_hour=round(s * 1e3, 2),
-              windows_per_s=round(HOUR_WINDOWS / s, 1), device=dev)  # fmt: skip
+    model = Model.from_pretrained(str(checkpoint)).eval()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, windows.shape[0], PYANNOTE_BATCH):
+            model(torch.from_numpy(windows[first : first + PYANNOTE_BATCH, None]))
+    return time.perf_counter() - started
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace) -> int:
+    try:
+        model = load_model(resolve_model(args.segmentation_model, "--segmentation-model", SEGMENTATION).path)
+    except ModelError as error:
+        print(f"bench-segmentation: {error}", file=sys.stderr)
+        return USAGE_EXIT
+    recording = synthetic_recording(args.seconds, seed=AUDIO_SEED)
+    starts = chunk_starts(recording.samples.shape[0])
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, {forward.GROUP_WINDOWS}-window groups"
+    )
+    started = time.perf_counter()
+    forward.recording_log_probs(model, recording.samples, starts)
+    _report("recording_log_probs", args.seconds, time.perf_counter() - started, starts.shape[0])
+    if args.straight or args.pyannote:
+        windows = chunk_recording(recording.samples).waveforms
+        if args.straight:
+            started = time.perf_counter()
+            forward.log_probs(model, windows)
+            _report("log_probs", args.seconds, time.perf_counter() - started, windows.shape[0])
+        if args.pyannote:
+            _report(
+                "pyannote (torch)", args.seconds, _time_pyannote(args.pyannote, windows), windows.shape[0]
+            )
+    print(f"peak resident memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+    return 0

@@ -4,8 +4,9 @@ Downloads pyannote's checkpoint into the Hugging Face cache (or reads a local on
 writes its converted safetensors next to it, exactly as `serve --model` would at start-up.
 Run it where the hub is reachable (a Kubernetes init container, a build step, a laptop),
 and servers started later with `HF_HUB_OFFLINE=1` and the same cache convert and download
-nothing. Prints the safetensors path, the model id and the source; a failure is one line
-and exit code 2.
+nothing. `--segmentation-model NAME_OR_PATH` does the same for the segmentation model
+(pyannote/segmentation-3.0), alone or beside `--model`. Prints the safetensors path, the
+model id and the source of each; a failure is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speakerd.model.source import MODEL_ENV, ModelError, add_model_flag, resolve_model
+from speakerd.model.source import (
+    EMBEDDING,
+    MODEL_ENV,
+    SEGMENTATION,
+    SEGMENTATION_MODEL_ENV,
+    ModelError,
+    ModelKind,
+    add_model_flag,
+    add_segmentation_model_flag,
+    resolve_model,
+)
 from speakerd.model.weights import file_sha256
 
 USAGE_EXIT = 2
@@ -21,20 +32,33 @@ USAGE_EXIT = 2
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_model_flag(parser)
+    add_segmentation_model_flag(parser)
+
+
+def _fetch(spec: str, flag: str, kind: ModelKind, label: str) -> None:
+    """Resolve one model and print its lines, each starting with `label`."""
+    resolved = resolve_model(spec, flag, kind)
+    source = resolved.source
+    print(f"{label}weights {resolved.path}")
+    print(f"{label}model id {file_sha256(resolved.path)}")
+    where = f"{source.repo_id}@{source.revision} " if source.repo_id else ""
+    print(f"{label}source {where}{source.filename} sha256 {source.sha256}")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.model:
-        print(f"fetch-model: error: give --model (or {MODEL_ENV}): a repo id or a path", file=sys.stderr)
+    if not args.model and not args.segmentation_model:
+        print(
+            f"fetch-model: error: give --model (or {MODEL_ENV}) or --segmentation-model (or "
+            f"{SEGMENTATION_MODEL_ENV}): a repo id or a path",
+            file=sys.stderr,
+        )
         return USAGE_EXIT
     try:
-        resolved = resolve_model(args.model)
+        if args.model:
+            _fetch(args.model, "--model", EMBEDDING, "")
+        if args.segmentation_model:
+            _fetch(args.segmentation_model, "--segmentation-model", SEGMENTATION, "segmentation ")
     except ModelError as error:
         print(f"fetch-model: {error}", file=sys.stderr)
         return USAGE_EXIT
-    source = resolved.source
-    print(f"weights {resolved.path}")
-    print(f"model id {file_sha256(resolved.path)}")
-    where = f"{source.repo_id}@{source.revision} " if source.repo_id else ""
-    print(f"source {where}{source.filename} sha256 {source.sha256}")
     return 0

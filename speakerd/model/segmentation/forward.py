@@ -1,210 +1,179 @@
-"""segmentation-3.0's forward in NumPy float32: 10 s windows -> [589, 7] powerset log-probabilities.
+"""segmentation-3.0's forward in NumPy float32: per window, and over a whole recording.
 
-The math is pyannote.audio 4.0.7's `PyanNet.forward` (architecture.py draws it); the
-arithmetic is arranged for two CPU cores, on two observations:
+Two entry points give the same numbers, both held to pyannote's own `PyanNet` on the real
+weights by tests/test_segmentation_parity.py (log-probabilities within 1e-4, the same hard
+multilabel output):
 
-- The waveform's instance norm is an affine map per window (y = a x + c with a = gamma /
-  std, c = beta - a mean), and the first convolution is linear, so conv(y) = a conv(x) +
-  c sum(w). Windows overlap 9 s in 10, so the sinc convolution of a group of consecutive
-  windows runs once over their samples (window k's frames are the global frames
-  start_k / 10 + j, the starts being multiples of the stride) and each window takes its
-  frames with its own a and c: 10x less work than per window at the default 1 s step.
-  `log_probs` (per window, straight) is the yardstick `recording_log_probs` is tested against.
-- The LSTM runs all windows of a group at once, both directions in one batched matmul per
-  step, after one matmul per layer for every input projection.
+- `log_probs(model, windows)`: windows [n, 160000] -> [n, 589, 7], straight, each window as
+  pyannote's `Model` sees it: its waveform InstanceNorm applied to the samples, then the
+  filter bank. The reference.
+- `recording_log_probs(model, samples, starts)`: the windows of one recording, sharing the
+  filter bank's convolution. A window starts at a multiple of the stride (10 samples; the
+  pipeline's step is 16,000), so window k's filter-bank frames are the recording's frames
+  start_k / 10 + j: the convolution runs once over the recording (zero-padded past its end,
+  as pyannote pads the last window) instead of ten times. Each window's waveform
+  InstanceNorm is an affine map a x + c of its samples, so its frames are
+  conv(a x + c) = a conv(x) + c sum(w), computed exactly (float64).
 
-Parity with pyannote's own forward on the real checkpoint: tests/test_segmentation_model.py.
+torch convolves the normalised samples rounded to float32, though, and where the audio
+leaves a band empty (sample.wav above 7 kHz) that rounding's own convolution is a visible
+part of the band's channel, which the InstanceNorm after it scales up to unit variance: left
+out, it moved sample.wav's log-probabilities by 1.3e-4. So per window, each channel whose
+rounding share (the rounding's rms through the filter, over the channel's spread after
+pooling) exceeds ROUNDING_SHARE gets conv(rounding) added, in float32 (`rounding_bands`);
+on full-band speech none does.
+
+Then per window the rest of SincNet (layers.py), and the LSTM and classifier over a group
+of windows at once (lstm.py). Windows go in groups of GROUP_WINDOWS, which bounds memory
+whatever the recording's length; the output itself is 16.5 kB a window (59 MB for an
+hour's 3,591 windows). Threads: workers.py.
+
+Measured on this project's 2-core machine (AMD EPYC, AVX2, OpenBLAS 0.3.31), the synthetic
+model, `python -m speakerd.tools.bench_segmentation --seconds 600` (591 windows): see
+docs/segmentation.md for the figures and pyannote's own on the same audio.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from speakerd.model.segmentation import sincnet
 from speakerd.model.segmentation.architecture import (
-    CLASSIFIER,
-    CONV_KERNEL,
-    CONVS,
-    LEAKY_SLOPE,
-    LINEARS,
-    LSTM_DIRECTIONS,
-    LSTM_HIDDEN,
-    LSTM_LAYERS,
-    NORM_EPS,
-    NORMS,
+    CLASSES,
     OUTPUT_FRAMES,
-    POOL,
+    SINC_FRAMES,
     SINC_KERNEL,
     SINC_STRIDE,
-    WAV_NORM,
     WINDOW_SAMPLES,
-    lstm_key,
 )
+from speakerd.model.segmentation.layers import (
+    SINC_BLOCK_FRAMES,
+    front_end,
+    normalised_window,
+    pooled_abs,
+    sinc_frame_count,
+    sinc_frames,
+    wav_norm_terms,
+)
+from speakerd.model.segmentation.lstm import head
+from speakerd.model.segmentation.weights import SegmentationModel
+from speakerd.model.segmentation.workers import one_blas_thread, spread
 
 F32 = np.float32
-#: Windows whose convolutions run at once: bounds the im2col copies (a conv1d.1 input of
-#: one window is 5321 x 400 float32, 8.5 MB).
-CONV_WINDOWS = 8
+#: Windows whose LSTM runs as one batch. Per group: each LSTM direction's input
+#: projections (1.2 MB a window), a layer's input and output (0.6 MB each) and the
+#: recording's shared filter-bank frames in float64 (1,600 new frames a window: 1 MB); per
+#: window in flight (one per worker), about 40 MB. The peak is then 350 MB resident
+#: (measured, the process included) for 2 minutes or an hour alike. 32 windows make the
+#: recurrence's matmuls [32, 128] x [128, 512]: a quarter less time a window than 16.
+GROUP_WINDOWS = 32
+#: A channel whose float32 rounding of the normalised waveform moves it by more than this
+#: share of its spread gets that rounding reproduced (see module doc). Measured: the
+#: channels of sample.wav's empty bands above 7 kHz sit at 1e-4 to 4e-4; every other
+#: channel of it, and every channel of the synthetic speech, below 1e-5.
+ROUNDING_SHARE = 1e-5
 
 
-@dataclass(frozen=True)
-class Network:
-    """The checkpoint's arrays arranged for the forward (once, when the weights load)."""
-
-    wav_norm: tuple[float, float]  # gamma, beta of the waveform's instance norm
-    filters: np.ndarray  # [251, 80]: the sinc kernels, column per filter
-    filter_sums: np.ndarray  # [80]
-    convs: tuple[tuple[np.ndarray, np.ndarray], ...]  # ([K * C_in, C_out] tap-major, bias [C_out])
-    norms: tuple[tuple[np.ndarray, np.ndarray], ...]  # (gamma [C], beta [C])
-    lstm: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]  # per layer: W_ih^T [2, in, 512], W_hh^T [2, 128, 512], b [2, 512]
-    linears: tuple[tuple[np.ndarray, np.ndarray], ...]  # (W^T, b), the classifier last
-
-    @classmethod
-    def from_state(cls, state: dict[str, np.ndarray]) -> Network:
-        def f32(key: str) -> np.ndarray:
-            return np.ascontiguousarray(state[key], dtype=F32)
-
-        bank = sincnet.filters(state)[:, 0, :]  # [80, 251]
-        convs = []
-        for key in CONVS:
-            weight = f32(f"{key}.weight")  # [C_out, C_in, K]
-            # tap-major columns: row k * C_in + c of the im2col of a [T, C] signal
-            convs.append((np.ascontiguousarray(weight.transpose(2, 1, 0).reshape(-1, weight.shape[0])), f32(f"{key}.bias")))
-        lstm = []
-        for layer in range(LSTM_LAYERS):
-            w_ih = np.stack([f32(lstm_key("weight_ih", layer, d)).T for d in LSTM_DIRECTIONS])
-            w_hh = np.stack([f32(lstm_key("weight_hh", layer, d)).T for d in LSTM_DIRECTIONS])
-            bias = np.stack([f32(lstm_key("bias_ih", layer, d)) + f32(lstm_key("bias_hh", layer, d)) for d in LSTM_DIRECTIONS])
-            lstm.append((np.ascontiguousarray(w_ih), np.ascontiguousarray(w_hh), bias))
-        linears = [(np.ascontiguousarray(f32(f"{key}.weight").T), f32(f"{key}.bias")) for key in (*LINEARS, CLASSIFIER)]
-        return cls(
-            wav_norm=(float(f32(f"{WAV_NORM}.weight")[0]), float(f32(f"{WAV_NORM}.bias")[0])),
-            filters=np.ascontiguousarray(bank.T),
-            filter_sums=bank.sum(axis=1, dtype=F32),
-            convs=tuple(convs),
-            norms=tuple((f32(f"{key}.weight"), f32(f"{key}.bias")) for key in NORMS),
-            lstm=tuple(lstm),
-            linears=tuple(linears),
-        )
+def window_features(model: SegmentationModel, window: np.ndarray) -> np.ndarray:
+    """One window [160000] -> the LSTM's input [589, 60], the waveform norm applied first."""
+    normalised, _ = normalised_window(window, model.wav_norm)
+    return front_end(model, pooled_abs(sinc_frames(normalised, model.filters)))
 
 
-def _leaky(x: np.ndarray) -> np.ndarray:
-    return np.where(x >= 0, x, x * F32(LEAKY_SLOPE))
+def rounding_bands(
+    model: SegmentationModel, window: np.ndarray, frames: np.ndarray, pooled: np.ndarray
+) -> None:
+    """Add the convolution of the window's normalisation rounding to the channels where it
+    shows (see module doc): `frames` [15975, 80] float64 and `pooled` [5325, 80] in place."""
+    _, rounding = normalised_window(window, model.wav_norm)
+    share = np.sqrt(np.mean(np.square(rounding))) * model.filter_norms
+    noisy = np.flatnonzero(share > ROUNDING_SHARE * pooled.std(axis=0, dtype=np.float64))
+    if noisy.size:
+        bands = frames[:, noisy] + sinc_frames(rounding.astype(F32), model.filters[:, noisy], F32)
+        pooled[:, noisy] = pooled_abs(bands)
 
 
-def _instance_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
-    """[B, T, C] normalised over T per (window, channel), biased variance, torch's eps, and
-    torch's rounding: ((x - mean) * invstd) * gamma + beta in float32."""
-    mean = x.mean(axis=1, keepdims=True, dtype=np.float64)
-    var = ((x - mean) ** 2).mean(axis=1, keepdims=True)
-    invstd = (1.0 / np.sqrt(var + NORM_EPS)).astype(F32)
-    return ((x - mean.astype(F32)) * invstd) * gamma + beta
+def recording_window_features(model: SegmentationModel, window: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """One window [160000] of a recording and its rows [15975, 80] of the recording's
+    filter-bank frames (float64, of the raw samples) -> the LSTM's input [589, 60]."""
+    alpha, beta = wav_norm_terms(window, model.wav_norm)
+    frames = shared * np.float64(alpha)
+    frames += np.float64(beta) * model.filter_sums
+    pooled = pooled_abs(frames)
+    rounding_bands(model, window, frames, pooled)
+    return front_end(model, pooled)
 
 
-def _pool(x: np.ndarray) -> np.ndarray:
-    """MaxPool1d(3, 3) over T of [B, T, C] (the last T % 3 frames dropped)."""
-    frames = x.shape[1] // POOL
-    return x[:, : frames * POOL].reshape(x.shape[0], frames, POOL, x.shape[2]).max(axis=2)
-
-
-def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """Conv1d (stride 1, no padding) of [B, T, C_in] -> [B, T - K + 1, C_out]."""
-    batch, frames, channels = x.shape
-    out = np.empty((batch, frames - CONV_KERNEL + 1, weight.shape[1]), F32)
-    for start in range(0, batch, CONV_WINDOWS):
-        part = x[start : start + CONV_WINDOWS]
-        taps = np.lib.stride_tricks.sliding_window_view(part, CONV_KERNEL, axis=1)  # [b, T', C, K]
-        columns = np.ascontiguousarray(taps.transpose(0, 1, 3, 2)).reshape(part.shape[0], -1, CONV_KERNEL * channels)
-        out[start : start + CONV_WINDOWS] = columns @ weight + bias
+def log_probs(model: SegmentationModel, windows: np.ndarray) -> np.ndarray:
+    """[n, 160000] float32 windows -> [n, 589, 7] float32 powerset log-probabilities, each
+    window as pyannote's `Model` computes it (the reference for `recording_log_probs`)."""
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[1] != WINDOW_SAMPLES:
+        raise ValueError(f"windows of shape {windows.shape}, expected [n, {WINDOW_SAMPLES}]")
+    windows = np.ascontiguousarray(windows, dtype=F32)
+    out = np.empty((windows.shape[0], OUTPUT_FRAMES, CLASSES), dtype=F32)
+    with one_blas_thread():
+        for first in range(0, windows.shape[0], GROUP_WINDOWS):
+            group = windows[first : first + GROUP_WINDOWS]
+            features = spread(lambda window: window_features(model, window), group)
+            out[first : first + group.shape[0]] = head(model, np.stack(features))
     return out
 
 
-def _sinc_frames(samples: np.ndarray, filters: np.ndarray) -> np.ndarray:
-    """The sinc convolution (stride 10) of 1-D `samples` -> [frames, 80]."""
-    taps = np.lib.stride_tricks.sliding_window_view(samples, SINC_KERNEL)[::SINC_STRIDE]
-    return np.ascontiguousarray(taps) @ filters
+def _window_starts(samples: int, starts: np.ndarray) -> np.ndarray:
+    starts = np.asarray(starts)
+    if starts.ndim != 1 or starts.size == 0 or starts.dtype.kind not in "iu":
+        raise ValueError(
+            f"window starts {starts.dtype} of shape {starts.shape}, expected [n] integers, n >= 1"
+        )
+    starts = starts.astype(np.int64)
+    if np.any(starts % SINC_STRIDE) or np.any(starts < 0) or np.any(starts >= samples):
+        raise ValueError(
+            f"window starts must be multiples of {SINC_STRIDE} samples inside the recording's {samples}"
+        )
+    if np.any(np.diff(starts) < 0):
+        raise ValueError("window starts must be in increasing order")
+    return starts
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return F32(1) / (F32(1) + np.exp(-x))
+def shared_sinc_frames(model: SegmentationModel, span: np.ndarray) -> np.ndarray:
+    """`sinc_frames` of a group's span of the recording, in blocks spread over the workers."""
+    firsts = range(0, sinc_frame_count(span.shape[0]), SINC_BLOCK_FRAMES)
+    last_sample = (SINC_BLOCK_FRAMES - 1) * SINC_STRIDE + SINC_KERNEL
+    pieces = spread(
+        lambda first: sinc_frames(
+            span[first * SINC_STRIDE : first * SINC_STRIDE + last_sample], model.filters
+        ),
+        firsts,
+    )
+    return np.concatenate(pieces)
 
 
-def _lstm(x: np.ndarray, net: Network) -> np.ndarray:
-    """Four bidirectional layers over [B, 589, 60] -> [B, 589, 256] (forward half first)."""
-    batch, frames, _ = x.shape
-    hidden = LSTM_HIDDEN
-    for w_ih, w_hh, bias in net.lstm:
-        # every step's input projections at once: [2, B, T, 512]
-        projected = np.stack([x @ w_ih[d] + bias[d] for d in range(2)])
-        out = np.empty((batch, frames, 2 * hidden), F32)
-        h = np.zeros((2, batch, hidden), F32)
-        c = np.zeros((2, batch, hidden), F32)
-        for step in range(frames):
-            back = frames - 1 - step  # the reverse direction's frame
-            gates = np.matmul(h, w_hh)  # [2, B, 512]
-            gates[0] += projected[0, :, step]
-            gates[1] += projected[1, :, back]
-            i = _sigmoid(gates[..., :hidden])
-            f = _sigmoid(gates[..., hidden : 2 * hidden])
-            g = np.tanh(gates[..., 2 * hidden : 3 * hidden])
-            o = _sigmoid(gates[..., 3 * hidden :])
-            c = f * c + i * g
-            h = o * np.tanh(c)
-            out[:, step, :hidden] = h[0]
-            out[:, back, hidden:] = h[1]
-        x = out
-    return x
-
-
-def _head(x: np.ndarray, net: Network) -> np.ndarray:
-    """The two linear layers, the classifier and log_softmax: [B, 589, 256] -> [B, 589, 7]."""
-    for weight, bias in net.linears[:-1]:
-        x = _leaky(x @ weight + bias)
-    weight, bias = net.linears[-1]
-    scores = x @ weight + bias
-    shifted = scores - scores.max(axis=-1, keepdims=True)
-    return (shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))).astype(F32)
-
-
-def _after_sinc(sinc: np.ndarray, net: Network) -> np.ndarray:
-    """SincNet after its first convolution, then the LSTM and the head: [B, 15975, 80] -> [B, 589, 7]."""
-    x = np.abs(sinc)
-    for index in range(3):
-        if index:
-            x = _conv(x, *net.convs[index - 1])
-        x = _leaky(_instance_norm(_pool(x), *net.norms[index]))
-    assert x.shape[1] == OUTPUT_FRAMES, f"{x.shape[1]} frames after SincNet, expected {OUTPUT_FRAMES}"
-    return _head(_lstm(x, net), net)
-
-
-def _normalised(windows: np.ndarray, net: Network) -> np.ndarray:
-    """The waveform instance norm, rounded as torch rounds it: ((x - mean) * invstd) * gamma + beta
-    in float32 (a rounding of the samples here moves the log-probabilities by ~1e-5)."""
-    mean = windows.mean(axis=1, keepdims=True, dtype=np.float64).astype(F32)
-    var = windows.var(axis=1, keepdims=True, dtype=np.float64)
-    invstd = (1.0 / np.sqrt(var + NORM_EPS)).astype(F32)
-    gamma, beta = net.wav_norm
-    return ((windows - mean) * invstd) * F32(gamma) + F32(beta)
-
-
-def log_probs(network: Network, windows: np.ndarray) -> np.ndarray:
-    """[B, 160000] float32 windows -> [B, 589, 7] log-probabilities."""
-    windows = np.asarray(windows, dtype=F32)
-    assert windows.ndim == 2 and windows.shape[1] == WINDOW_SAMPLES, windows.shape
-    normalised = _normalised(windows, network)
-    sinc = np.stack([_sinc_frames(window, network.filters) for window in normalised])
-    return _after_sinc(sinc, network)
-
-
-def recording_log_probs(network: Network, samples: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Windows starting at `starts` (sample offsets into `samples`, ascending; a window past
-    the end zero-padded, as pyannote pads the last one) -> [B, 589, 7]."""
-    samples = np.asarray(samples, dtype=F32)
-    windows = np.zeros((len(starts), WINDOW_SAMPLES), F32)
-    for row, start in enumerate(np.asarray(starts, dtype=np.int64)):
-        part = samples[start : start + WINDOW_SAMPLES]
-        windows[row, : part.shape[0]] = part
-    return log_probs(network, windows)
+def recording_log_probs(model: SegmentationModel, samples: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Windows of one recording [N] float32 starting at `starts` (sample offsets, multiples of
+    10, increasing; pyannote's: speakerd.model.fbank.chunk_starts) -> [n, 589, 7] float32,
+    each window zero-padded past the recording's end. `log_probs` of the same windows to
+    float32 rounding, with the filter bank convolved once (see module doc)."""
+    samples = np.asarray(samples)
+    if samples.ndim != 1:
+        raise ValueError(f"samples of shape {samples.shape}, expected a mono recording [N]")
+    samples = np.ascontiguousarray(samples, dtype=F32)
+    starts = _window_starts(samples.shape[0], starts)
+    out = np.empty((starts.shape[0], OUTPUT_FRAMES, CLASSES), dtype=F32)
+    with one_blas_thread():
+        for first in range(0, starts.shape[0], GROUP_WINDOWS):
+            group = starts[first : first + GROUP_WINDOWS]
+            span = np.zeros(int(group[-1] - group[0]) + WINDOW_SAMPLES, dtype=F32)
+            available = samples[group[0] : group[0] + span.shape[0]]
+            span[: available.shape[0]] = available
+            shared = shared_sinc_frames(model, span)
+            offsets = [int(start - group[0]) for start in group]
+            features = spread(
+                lambda offset, span=span, shared=shared: recording_window_features(
+                    model,
+                    span[offset : offset + WINDOW_SAMPLES],
+                    shared[offset // SINC_STRIDE : offset // SINC_STRIDE + SINC_FRAMES],
+                ),
+                offsets,
+            )
+            out[first : first + group.shape[0]] = head(model, np.stack(features))
+    return out

@@ -1,10 +1,11 @@
-"""pyannote's powerset of 3 local speakers with at most 2 at once, and its hard conversion.
+"""segmentation-3.0's 7 powerset classes as speaker sets, and pyannote's hard conversion to
+per-speaker activity.
 
-segmentation-3.0 classifies each frame into one of 7 sets of speakers, in the order of
-`pyannote.audio.utils.powerset.Powerset(3, 2).powerset_classes` (sets by size, then in
-`itertools.combinations` order): {}, {0}, {1}, {2}, {0, 1}, {0, 2}, {1, 2}.
-`to_multilabel` is `Powerset.to_multilabel(soft=False)`: the class of highest
-log-probability (the first one on an exact tie, as torch.argmax) as its speakers' 0/1 row.
+The classifier scores every set of at most 2 of the window's 3 local speakers, in
+pyannote.audio's `Powerset(3, 2)` order (sets by size, then `itertools.combinations`
+order): {}, {0}, {1}, {2}, {0, 1}, {0, 2}, {1, 2}. `to_multilabel` is
+`Powerset.to_multilabel(soft=False)`: the most likely class per frame (its first index on
+a tie, as torch.argmax), one-hot, times the [7, 3] mapping, i.e. that class's row of it.
 """
 
 from __future__ import annotations
@@ -15,16 +16,34 @@ import numpy as np
 
 from speakerd.model.segmentation.architecture import CLASSES, MAX_SET_SIZE, SPEAKERS
 
-#: The speaker sets of the 7 classes, in pyannote's order.
-POWERSET_CLASSES: tuple[frozenset[int], ...] = tuple(
-    frozenset(members) for size in range(MAX_SET_SIZE + 1) for members in combinations(range(SPEAKERS), size)
+
+def powerset_classes(
+    speakers: int = SPEAKERS, max_set_size: int = MAX_SET_SIZE
+) -> tuple[tuple[int, ...], ...]:
+    """The speaker sets in pyannote's order: by size, then `combinations` order within a size."""
+    return tuple(chosen for size in range(max_set_size + 1) for chosen in combinations(range(speakers), size))
+
+
+def build_mapping(speakers: int = SPEAKERS, max_set_size: int = MAX_SET_SIZE) -> np.ndarray:
+    """[classes, speakers] float32: mapping[k, s] = 1 iff speaker s is in class k's set."""
+    sets = powerset_classes(speakers, max_set_size)
+    mapping = np.zeros((len(sets), speakers), dtype=np.float32)
+    for index, chosen in enumerate(sets):
+        mapping[index, list(chosen)] = 1.0
+    return mapping
+
+
+#: segmentation-3.0's mapping: [7, 3].
+MAPPING = build_mapping()
+assert MAPPING.shape == (CLASSES, SPEAKERS), (
+    f"powerset mapping {MAPPING.shape}, expected ({CLASSES}, {SPEAKERS})"
 )
-assert len(POWERSET_CLASSES) == CLASSES, f"{len(POWERSET_CLASSES)} powerset classes, expected {CLASSES}"
-#: [7, 3] uint8: MAPPING[c, s] = 1 iff speaker s is in class c (pyannote's `mapping` buffer).
-MAPPING = np.array([[int(s in members) for s in range(SPEAKERS)] for members in POWERSET_CLASSES], np.uint8)
-MAPPING.flags.writeable = False
+MAPPING.setflags(write=False)
 
 
 def to_multilabel(log_probs: np.ndarray) -> np.ndarray:
-    """[..., 7] powerset scores -> [..., 3] uint8 speakers of each frame's most likely class."""
+    """[..., 7] powerset scores -> [..., 3] float32 hard speaker activity (0 or 1)."""
+    log_probs = np.asarray(log_probs)
+    if log_probs.shape[-1:] != (CLASSES,):
+        raise ValueError(f"powerset scores of shape {log_probs.shape}, expected [..., {CLASSES}]")
     return MAPPING[np.argmax(log_probs, axis=-1)]

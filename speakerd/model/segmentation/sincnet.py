@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from speakerd.model.architecture import SAMPLE_RATE
 from speakerd.model.segmentation.architecture import (
     BAND_HZ,
     LOW_HZ,
@@ -33,7 +34,6 @@ from speakerd.model.segmentation.architecture import (
     SINC_TIME,
     SINC_WINDOW,
 )
-from speakerd.model.architecture import SAMPLE_RATE
 
 F32 = np.float32
 
@@ -58,7 +58,9 @@ def filters(state: dict[str, np.ndarray]) -> np.ndarray:
     sin_left = ((_rounded(np.cos, ft_low) - _rounded(np.cos, ft_high)) / half_time) * window
     scale = (F32(2) * band)[:, None]
     cos_filters = np.concatenate([cos_left, F32(2) * band[:, None], cos_left[:, ::-1]], axis=1) / scale
-    sin_filters = np.concatenate([sin_left, np.zeros((SINC_BANDS, 1), F32), -sin_left[:, ::-1]], axis=1) / scale
+    sin_filters = (
+        np.concatenate([sin_left, np.zeros((SINC_BANDS, 1), F32), -sin_left[:, ::-1]], axis=1) / scale
+    )
     bank = np.concatenate([cos_filters, sin_filters], axis=0).astype(F32)
     assert bank.shape == (2 * SINC_BANDS, SINC_KERNEL), f"filter bank {bank.shape}"
     return np.ascontiguousarray(bank[:, None, :])
