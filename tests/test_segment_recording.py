@@ -16,9 +16,6 @@ import json
 import grpc
 import numpy as np
 import pytest
-from speakerd.model.segmentation.forward import log_probs
-from speakerd.model.segmentation.powerset import to_multilabel
-from speakerd.model.segmentation.weights import load_model
 
 from speakerd.client.cli import main as cli_main
 from speakerd.client.client import SpeakerClient
@@ -26,6 +23,9 @@ from speakerd.client.voiceprints import VoiceprintClient
 from speakerd.model.audio import synthetic_recording
 from speakerd.model.fbank import chunk_recording
 from speakerd.model.segmentation.architecture import CLASSES, OUTPUT_FRAMES, SPEAKERS
+from speakerd.model.segmentation.forward import log_probs
+from speakerd.model.segmentation.powerset import to_multilabel
+from speakerd.model.segmentation.weights import load_model
 from speakerd.model.weights import file_sha256
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
@@ -43,10 +43,8 @@ TIE_MARGIN = 1e-4
 
 
 @pytest.fixture(scope="module")
-def server(weights_path, segmentation_weights_path):
-    yield from serve_module(
-        weights_path, "--plans", PLANS, "--segmentation-model", str(segmentation_weights_path)
-    )
+def server(weights_path, segmentation_path):
+    yield from serve_module(weights_path, "--plans", PLANS, "--segmentation-model", str(segmentation_path))
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +68,8 @@ def segmented(client, speech):
     }
 
 
-def test_segmentation_is_the_served_models(segmented, speech, segmentation_weights_path) -> None:
-    weights = load_model(segmentation_weights_path)
+def test_segmentation_is_the_served_models(segmented, speech, segmentation_path) -> None:
+    weights = load_model(segmentation_path)
     chunks = chunk_recording(speech.samples)
     reference = log_probs(weights, chunks.waveforms)
     expected = to_multilabel(reference)
@@ -126,9 +124,9 @@ def test_masks_beside_segment_are_invalid_argument(server, speech) -> None:
     assert [field for field, _ in field_violations(error)] == ["masks"], field_violations(error)
 
 
-def test_model_info_names_the_segmentation_model(client, segmentation_weights_path) -> None:
+def test_model_info_names_the_segmentation_model(client, segmentation_path) -> None:
     info = client.model_info().segmentation
-    assert info.model_id == file_sha256(segmentation_weights_path)
+    assert info.model_id == file_sha256(segmentation_path)
     assert (info.engine, info.frames, info.speakers, info.classes) == (
         "cpu-numpy",
         OUTPUT_FRAMES,

@@ -19,10 +19,10 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from speakerd.model.segmentation.architecture import WINDOW_SAMPLES
 
 from speakerd.model.fbank import chunk_starts
 from speakerd.model.recording import FbankSource, complete_windows
+from speakerd.model.segmentation.architecture import WINDOW_SAMPLES
 
 
 class SegmentingSource:
