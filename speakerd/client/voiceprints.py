@@ -63,6 +63,8 @@ class VoiceprintClient(SpeakerClient):
         windows, or speech `segments` in seconds, or (`segment`) the frames where the server's
         segmentation hears one speaker, or (none of these) the whole audio."""
 
+        check_speech(masks, segments, segment)
+
         def messages() -> Iterator[pb.EnrollRequest]:
             parts = speech_parts(samples, sample_rate, masks, segments, step_s, segment)
             return _requests(
@@ -88,6 +90,8 @@ class VoiceprintClient(SpeakerClient):
     ) -> pb.IdentifyResponse:
         """The best voiceprints for each row of `embeddings` [m, 256], or for each speaker
         (mask column) of a recording."""
+
+        check_speech(masks, segments, segment)
 
         def messages() -> Iterator[pb.IdentifyRequest]:
             parts = _query(embeddings, samples, sample_rate, masks, segments, step_s, segment)
@@ -115,6 +119,8 @@ class VoiceprintClient(SpeakerClient):
         """Score one voiceprint against an embedding [256] / [1, 256] or a recording of one speaker."""
         rows = None if embedding is None else np.asarray(embedding, np.float32).reshape(1, -1)
 
+        check_speech(masks, segments, segment)
+
         def messages() -> Iterator[pb.VerifyRequest]:
             parts = _query(rows, samples, sample_rate, masks, segments, step_s, segment)
             return _requests(
@@ -139,6 +145,13 @@ class VoiceprintClient(SpeakerClient):
         return self._call(self._voiceprints.DeleteVoiceprint, request, timeout_s, uuid.uuid4().hex[:16])
 
 
+def check_speech(masks: np.ndarray | None, segments: Sequence[tuple[float, float]], segment: bool) -> None:
+    """ValueError before any call when the speech is given twice (a generator's error would
+    only surface inside gRPC's request iterator, as UNKNOWN)."""
+    if segment and (masks is not None or segments):
+        raise ValueError("segment: the server finds the speech itself; give no masks or segments with it")
+
+
 def speech_parts(
     samples: np.ndarray,
     sample_rate: int,
@@ -151,8 +164,6 @@ def speech_parts(
     recording, cut as EmbedRecording's messages are (recording.recording_requests). Without
     masks only the audio travels: the server builds the masks from the segments (or the
     whole audio), or with `segment` finds the speech itself."""
-    if segment and (masks is not None or segments):
-        raise ValueError("segment: the server finds the speech itself; give no masks or segments with it")
     messages = recording.recording_requests(samples, sample_rate, masks, step_s=step_s)
     spans = [pb.SpeechSegment(start_s=start, end_s=end) for start, end in segments]
     for message in messages:
