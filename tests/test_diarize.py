@@ -3,8 +3,9 @@
 A real CPU server serving the synthetic embedding model and the real segmentation-3.0
 checkpoint, against pyannote.audio 4.0.7's own SpeakerDiarization pipeline on the same
 weights (AgglomerativeClustering with speaker-diarization-3.1's parameters) on pyannote's
-sample.wav: the same turns, track for track (DER 0), with the speaker counts free or bound
-and exclude_overlap on; the names of enrolled voiceprints on the speakers whose centroid
+sample.wav: the same turns, track for track (DER 0), with the speaker count free or bound
+and exclude_overlap on (tests/test_diarization_math.py holds every other bound to pyannote on
+the same arrays, without a server); the names of enrolled voiceprints on the speakers whose centroid
 matches; every bad option INVALID_ARGUMENT naming its field; silence no turns. Skips, saying
 why, without pyannote.audio or the segmentation checkpoint (.ci/run installs both).
 """
@@ -49,8 +50,6 @@ TIMEOUT_S = 600.0
 CASES = [
     ("free", {}, False),
     ("num_speakers=2", {"num_speakers": 2}, False),
-    ("max_speakers=1", {"max_speakers": 1}, False),
-    ("min_speakers=3", {"min_speakers": 3}, False),
     ("exclude_overlap", {}, True),
 ]
 
@@ -129,7 +128,7 @@ def test_turns_equal_pyannotes(server, sample, pyannote_outputs) -> None:
 def test_names_label_the_speakers_their_voiceprints_match(server, sample) -> None:
     samples = sample["waveform"].numpy().T
     with VoiceprintClient(server.target, timeout_s=TIMEOUT_S) as voiceprints:
-        voiceprints.enroll("alice", samples[: 8 * 16_000], 16_000, segment=True, replace=True)
+        voiceprints.enroll("alice", samples, 16_000, segment=True, replace=True)
     with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
         plain = client.diarize(samples, 16_000)
         named = client.diarize(samples, 16_000, names=True, threshold=-1.0)  # every speaker matches someone

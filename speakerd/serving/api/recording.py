@@ -128,10 +128,11 @@ DECODE_THREADS = 2
 #: keep the cores busy through each other's single-threaded NumPy steps.
 SEGMENT_THREADS = 2
 #: Groups of windows (the segmenter's `max_windows` each) whose samples a segmenting call may
-#: hold before its reader waits for the segmenter: enough that the segmenter always has its
-#: next group, bounded so that a fast upload holds at most about 4 x 41 s of audio (2.6 MB a
-#: group of 32 windows at the default step) instead of the whole recording.
-MAX_KEPT_WINDOW_GROUPS = 4
+#: hold before its reader waits for the segmenter: the group being segmented and the next one
+#: arriving, so the segmenter never waits for audio that is on the wire while a fast upload
+#: holds at most two groups' span (a window plus 64 s of audio, 4.1 MB, for the CPU
+#: segmenter's 32 windows at the default step) instead of the whole recording.
+MAX_KEPT_WINDOW_GROUPS = 2
 #: pyannote's Inference window; the model's chunk admits no other.
 WINDOW_S = CHUNK_SAMPLES / SAMPLE_RATE
 DEFAULT_STEP_S = 1.0
