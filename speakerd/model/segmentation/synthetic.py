@@ -99,11 +99,11 @@ def _to_hz(mel: np.ndarray) -> np.ndarray:
 
 
 def _filter_bank(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """ParamSincFB's parameters and buffers as asteroid_filterbanks 0.4 makes them (float32),
-    the band edges jittered."""
+    """ParamSincFB's parameters and buffers as asteroid_filterbanks 0.4 initialises them, the
+    band edges jittered. The mel spacing is computed in float64 and rounded once (asteroid
+    uses float32 powers, whose last bit may differ between math libraries: the file must not)."""
     high_hz = SAMPLE_RATE / 2 - (MIN_LOW_HZ + MIN_BAND_HZ)
-    mel = np.linspace(_to_mel(FIRST_BAND_HZ), _to_mel(high_hz), SINC_BANDS + 1, dtype=F32)
-    hz = _to_hz(mel).astype(F32)
+    hz = _to_hz(np.linspace(_to_mel(FIRST_BAND_HZ), _to_mel(high_hz), SINC_BANDS + 1))
     low = hz[:-1] * rng.uniform(1 - BAND_JITTER, 1 + BAND_JITTER, SINC_BANDS)
     band = np.diff(hz) * rng.uniform(1 - BAND_JITTER, 1 + BAND_JITTER, SINC_BANDS)
     time = np.arange(-SINC_HALF, 0, dtype=F32) / F32(SAMPLE_RATE) * F32(2 * np.pi)
