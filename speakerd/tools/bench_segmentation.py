@@ -4,9 +4,12 @@ Times `recording_log_probs` (the filter bank shared over the recording) on a syn
 speech-like recording of `--seconds` with pyannote's windows (10 s, step 1 s: 591 for 10
 minutes), with the segmentation model `--segmentation-model` names (the synthetic one by
 default: the timing does not depend on the weights). `--straight` times `log_probs` on the
-same windows too; `--pyannote CHECKPOINT` times pyannote.audio's own model (torch, its
-default threads, batches of 32 as the pipeline's `segmentation_batch_size`) on them, in the
-same run, as the anchor. Prints one line per measurement and the peak resident memory.
+same windows too; `--pyannote CHECKPOINT` times pyannote.audio's own model (torch, batches
+of 32 as the pipeline's `segmentation_batch_size`) on them, in the same run, as the anchor
+(`--torch-threads`: torch's thread count; its OpenMP threads spin while they wait, which on
+cores shared with other work costs it far more than a thread less). Prints one line per
+measurement (wall and CPU seconds: on a loaded machine the CPU time is the steadier
+figure) and the peak resident memory.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,26 +44,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pyannote", type=Path, help="time pyannote's own model of this pytorch_model.bin too"
     )
-
-
-def _report(name: str, seconds: float, elapsed: float, windows: int) -> None:
-    print(
-        f"{name}: {seconds:.0f} s of audio, {windows} windows in {elapsed:.2f} s "
-        f"({elapsed / windows * 1e3:.1f} ms a window, {seconds / elapsed:.0f}x real time)"
+    parser.add_argument(
+        "--torch-threads", type=int, help="torch.set_num_threads for --pyannote (default: torch's)"
     )
 
 
-def _time_pyannote(checkpoint: Path, windows: np.ndarray) -> float:
+def _timed(function: Callable[[], object]) -> tuple[float, float]:
+    """(wall, CPU) seconds of `function()`; CPU counts every thread of the process."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    function()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _report(name: str, seconds: float, timed: tuple[float, float], windows: int) -> None:
+    wall, cpu = timed
+    print(
+        f"{name}: {seconds:.0f} s of audio, {windows} windows in {wall:.2f} s "
+        f"({wall / windows * 1e3:.1f} ms a window, {seconds / wall:.0f}x real time), "
+        f"{cpu:.2f} CPU s ({cpu / windows * 1e3:.1f} ms a window)"
+    )
+
+
+def _pyannote(checkpoint: Path, windows: np.ndarray, threads: int | None) -> Callable[[], None]:
+    """pyannote's own forward over `windows`, ready to time (the model loaded first)."""
     os.environ.setdefault("PYANNOTE_METRICS_ENABLED", "false")
     import torch
     from pyannote.audio import Model
 
+    if threads:
+        torch.set_num_threads(threads)
     model = Model.from_pretrained(str(checkpoint)).eval()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        for first in range(0, windows.shape[0], PYANNOTE_BATCH):
-            model(torch.from_numpy(windows[first : first + PYANNOTE_BATCH, None]))
-    return time.perf_counter() - started
+
+    def run() -> None:
+        with torch.inference_mode():
+            for first in range(0, windows.shape[0], PYANNOTE_BATCH):
+                model(torch.from_numpy(windows[first : first + PYANNOTE_BATCH, None]))
+
+    return run
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,21 +91,22 @@ def run(args: argparse.Namespace) -> int:
         return USAGE_EXIT
     recording = synthetic_recording(args.seconds, seed=AUDIO_SEED)
     starts = chunk_starts(recording.samples.shape[0])
-    print(
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, {forward.GROUP_WINDOWS}-window groups"
-    )
-    started = time.perf_counter()
-    forward.recording_log_probs(model, recording.samples, starts)
-    _report("recording_log_probs", args.seconds, time.perf_counter() - started, starts.shape[0])
-    if args.straight or args.pyannote:
-        windows = chunk_recording(recording.samples).waveforms
-        if args.straight:
-            started = time.perf_counter()
-            forward.log_probs(model, windows)
-            _report("log_probs", args.seconds, time.perf_counter() - started, windows.shape[0])
-        if args.pyannote:
-            _report(
-                "pyannote (torch)", args.seconds, _time_pyannote(args.pyannote, windows), windows.shape[0]
-            )
+    load = os.getloadavg()[0]
+    print(f"{os.cpu_count()} CPUs, load average {load:.2f}, {forward.GROUP_WINDOWS}-window groups")
+    timed = _timed(lambda: forward.recording_log_probs(model, recording.samples, starts))
+    _report("recording_log_probs", args.seconds, timed, starts.shape[0])
+    windows = chunk_recording(recording.samples).waveforms
+    if args.straight:
+        _report(
+            "log_probs", args.seconds, _timed(lambda: forward.log_probs(model, windows)), windows.shape[0]
+        )
+    if args.pyannote:
+        name = f"pyannote (torch, {args.torch_threads or 'default'} threads)"
+        _report(
+            name,
+            args.seconds,
+            _timed(_pyannote(args.pyannote, windows, args.torch_threads)),
+            windows.shape[0],
+        )
     print(f"peak resident memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
     return 0

@@ -28,9 +28,12 @@ of windows at once (lstm.py). Windows go in groups of GROUP_WINDOWS, which bound
 whatever the recording's length; the output itself is 16.5 kB a window (59 MB for an
 hour's 3,591 windows). Threads: workers.py.
 
-Measured on this project's 2-core machine (AMD EPYC, AVX2, OpenBLAS 0.3.31), the synthetic
-model, `python -m speakerd.tools.bench_segmentation --seconds 600` (591 windows): see
-docs/segmentation.md for the figures and pyannote's own on the same audio.
+Measured on this project's 2-core machine (AMD EPYC, AVX2, NumPy 2.4 with OpenBLAS 0.3.31),
+shared with other jobs at the time (load average 3 to 7), 10 minutes of synthetic speech
+(591 windows), `python -m speakerd bench-segmentation --seconds 600 --pyannote
+.cache/pyannote/segmentation-3.0/pytorch_model.bin --torch-threads 1`: recording_log_probs
+54.4 s (37.2 CPU s, 63 ms a window); pyannote's own PyanNet in the same run (torch 2.13, one
+thread, batches of 32) 65.4 s (42.4 CPU s). docs/segmentation.md has the details.
 """
 
 from __future__ import annotations
@@ -62,9 +65,10 @@ F32 = np.float32
 #: Windows whose LSTM runs as one batch. Per group: each LSTM direction's input
 #: projections (1.2 MB a window), a layer's input and output (0.6 MB each) and the
 #: recording's shared filter-bank frames in float64 (1,600 new frames a window: 1 MB); per
-#: window in flight (one per worker), about 40 MB. The peak is then 350 MB resident
-#: (measured, the process included) for 2 minutes or an hour alike. 32 windows make the
-#: recurrence's matmuls [32, 128] x [128, 512]: a quarter less time a window than 16.
+#: window in flight (one per worker), about 40 MB. Measured with tracemalloc: 162 MB of
+#: working arrays at the peak for 111 windows and for 591 alike, plus the output. 32 windows
+#: make the recurrence's matmuls [32, 128] x [128, 512]: the LSTM takes a seventh less time
+#: a window than with 16 (measured: 5.1 against 5.95 ms a layer and direction).
 GROUP_WINDOWS = 32
 #: A channel whose float32 rounding of the normalised waveform moves it by more than this
 #: share of its spread gets that rounding reproduced (see module doc). Measured: the
