@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fetch-model: error: give --model (or {MODEL_ENV}): a repo id or a path", file=sys.stderr)
         return USAGE_EXIT
     try:
-        resolved = resolve_model(args.model)
+        resolved = resolve_model(args.model, fetching=True)
     except ModelError as error:
         print(f"fetch-model: {error}", file=sys.stderr)
         return USAGE_EXIT
