@@ -161,16 +161,28 @@ async def _aiter(items: Iterable[pb.EmbedRecordingRequest]) -> AsyncIterable[pb.
         yield item
 
 
-def configure(embed: argparse.ArgumentParser) -> None:
-    """`client embed --audio FILE --masks FILE.npy`: the recording form of the embed command."""
-    embed.add_argument(
+def add_audio_flags(parser: argparse.ArgumentParser) -> None:
+    """`--audio`, `--sample-rate` and `--step`: how every command that takes a recording
+    (embed, enroll, identify, voiceprints verify) reads it, so that a file one accepts, and
+    the advice its errors give, hold for all of them."""
+    parser.add_argument(
         "--audio",
         help="a whole recording: WAV, FLAC or any file libsndfile reads, or .npy with --sample-rate",
     )
+    parser.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
+    parser.add_argument("--step", type=float, default=DEFAULT_STEP_S, help="window step in seconds")
+
+
+def read_recording(args: argparse.Namespace) -> tuple[np.ndarray, int]:
+    """(samples, rate) of the audio flags; UsageError naming the flag and file otherwise."""
+    return read_audio(args.audio, args.sample_rate)
+
+
+def configure(embed: argparse.ArgumentParser) -> None:
+    """`client embed --audio FILE --masks FILE.npy`: the recording form of the embed command."""
+    add_audio_flags(embed)
     embed.add_argument("--masks", help="with --audio: .npy [n, s, F] masks of the recording's n windows")
-    embed.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
     embed.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
-    embed.add_argument("--step", type=float, default=DEFAULT_STEP_S, help="window step in seconds")
 
 
 def run(args: argparse.Namespace, client: Any) -> int:
@@ -179,7 +191,7 @@ def run(args: argparse.Namespace, client: Any) -> int:
     if not args.masks:
         raise UsageError("embed --audio needs --masks FILE.npy ([n, s, F] for the recording's n windows)")
     output = writable("--output", args.output)
-    samples, rate = read_audio(args.audio, args.sample_rate)
+    samples, rate = read_recording(args)
     masks = read_masks(args.masks)
     result = client.embed_recording(samples, rate, masks, args.exclude_overlap, args.step)
     np.savez(output, embeddings=result.embeddings, empty=result.empty,
