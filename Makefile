@@ -10,6 +10,13 @@ METRICS_PORT ?= $(or $(SPEAKERD_METRICS_PORT),9100)
 SPEAKERD_CACHE ?= $(HOME)/.cache/speakerd
 # requires-python in pyproject.toml
 MIN_PYTHON := 3.11
+# `make test` runs the test files on 2 pytest-xdist workers, each file whole on one worker
+# (its module's server started once), the slow files first (tests/conftest.py orders them):
+# on CI's 2 cores much of the suite waits on one core (process start-ups, imports, the test's
+# own Python), and the other runs the next file meanwhile. PYTEST_WORKERS=0 runs them in
+# one process; PYTEST_FLAGS adds flags (.ci/run: --durations=25).
+PYTEST_WORKERS ?= 2
+PYTEST_FLAGS ?=
 # the GPU extra is installed when an NVIDIA driver answers; CUDA 13 drivers get cupy-cuda13x
 GPU_EXTRA := $(shell nvidia-smi >/dev/null 2>&1 && (nvidia-smi | grep -q 'CUDA Version: 1[3-9]' && echo ,gpu-cuda13 || echo ,gpu))
 
@@ -47,7 +54,7 @@ lint: venv
 	$(BIN)/lint-imports  # the package's layers (pyproject.toml [tool.importlinter])
 
 pytest: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_FLAGS)
 
 test: lint pytest
 

@@ -7,7 +7,11 @@ the device we run with REQUIRE_GPU=1, which turns every such skip into a failure
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -26,18 +30,45 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
 
 
 # ---------------------------------------------------------------------------------------
-# Model and reference fixtures, made once per test session.
+# Model and reference fixtures, made once per test run.
 #
-# The synthetic default model and the reference cases are generated into a per-session
+# The synthetic default model and the reference cases are generated into the run's
 # temporary directory (never committed, never downloaded): SPEAKERD_CACHE points there so
 # that a server started by a test finds the same default model without regenerating it.
+# Under pytest-xdist (`-n 2`, as `make test` runs) each worker is a session of its own; the
+# workers share one directory, so the model and the references are made once, by whichever
+# worker asks first, under a file lock.
 # ---------------------------------------------------------------------------------------
+
+
+def run_directory(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """`name` in this run's temporary directory, shared by every xdist worker of the run."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/popen-gw0 -> pytest-N, the run's
+    directory = base / name
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def made_once(directory: Path) -> Iterator[bool]:
+    """Hold `directory`'s lock; yield whether its content still has to be made (then mark it
+    made when the block ends without an error)."""
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = directory / ".made"
+        make = not done.exists()
+        yield make
+        if make:
+            done.touch()
 
 
 @pytest.fixture(scope="session")
 def speakerd_cache(tmp_path_factory: pytest.TempPathFactory):
-    """A private SPEAKERD_CACHE for the session (subprocess servers inherit it)."""
-    directory = tmp_path_factory.mktemp("speakerd-cache")
+    """A private SPEAKERD_CACHE for the run (subprocess servers inherit it; the default
+    model in it is made under store.py's own lock)."""
+    directory = run_directory(tmp_path_factory, "speakerd-cache")
     previous = os.environ.get("SPEAKERD_CACHE")
     os.environ["SPEAKERD_CACHE"] = str(directory)
     yield directory
@@ -76,8 +107,10 @@ def references_dir(tmp_path_factory: pytest.TempPathFactory, weights_path):
     """Every reference case of docs/model.md written by `make-references` for the default model."""
     from speakerd.reference.references import make_references
 
-    directory = tmp_path_factory.mktemp("references")
-    make_references(directory, weights_path)
+    directory = run_directory(tmp_path_factory, "references")
+    with made_once(directory) as make:
+        if make:
+            make_references(directory, weights_path)
     return directory
 
 
@@ -87,3 +120,29 @@ def reference_cases(references_dir):
     from speakerd.model.cases import load_cases
 
     return load_cases(references_dir)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a `slow` test first, each file's tests kept together and in order. Under
+    `make test`'s two workers (each takes a whole file, in this order) the long files start
+    at once and the short ones fill in after them, instead of one long file starting last
+    while the other worker has nothing left to do."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file stays
+
+
+#: The shared server's plans: b8 keeps a CPU batch near 1 s, so a request spans batches.
+SHARED_PLANS = "1,8"
+
+
+@pytest.fixture(scope="session")
+def shared_server(weights_path):
+    """One CPU server (`--plans 1,8`) for every module that needs a plain server and no state
+    of its own (test_client, test_load_sizing, test_pyannote, test_service): a start costs
+    5-15 s of 2 cores (engine build, self-check, plan timing), so each worker starts it once.
+    A module whose tests read the log, count metrics without a before/after pair, or change
+    the server (flags, a backlog left behind, a cancellation it must find in the log) starts
+    its own. It must still have drained and exited 0 at the end of the run."""
+    from tests.serving import serve_module
+
+    yield from serve_module(weights_path, "--plans", SHARED_PLANS)

@@ -23,6 +23,9 @@ import pytest
 
 #: pg_ctl's own wait for the server to accept connections (start) or exit (stop).
 PG_CTL_WAIT_S = 60
+#: Starts tried, each on a newly picked free port: between picking a port and PostgreSQL
+#: binding it, a test running beside this one (pytest-xdist) may take it.
+START_ATTEMPTS = 3
 
 
 def _binary(name: str) -> str | None:
@@ -97,6 +100,13 @@ def start_cluster() -> Cluster:
         os.chown(directory, owner.pw_uid, owner.pw_gid)
     command = [*runner, initdb, "-D", str(directory / "data"), "-U", "postgres", "--auth=trust", "-E", "UTF8"]
     subprocess.run(command, check=True, capture_output=True, text=True)
-    cluster = Cluster(directory, _free_port(), runner, pg_ctl)
-    cluster.start()
-    return cluster
+    attempts = START_ATTEMPTS
+    while True:
+        cluster = Cluster(directory, _free_port(), runner, pg_ctl)
+        try:
+            cluster.start()
+            return cluster
+        except subprocess.CalledProcessError:  # its log names the cause: kept for the last one
+            attempts -= 1
+            if attempts == 0:
+                raise

@@ -22,14 +22,12 @@ from speakerd.client.loadgen_window import Window
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.architecture import EMBEDDING_DIM
 from speakerd.model.numerics import Math
-from tests.serving import ServerProcess, start_server
+from tests.serving import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(weights_path):
-    running = start_server(weights_path, "--plans", "1,4")
-    yield running
-    assert running.terminate() == 0, running.log()
+def server(shared_server: ServerProcess) -> ServerProcess:
+    return shared_server
 
 
 def _closed_port() -> int:
@@ -57,7 +55,7 @@ def test_info_prints_the_served_model(server: ServerProcess, folded_model, capsy
     assert main(["info", "--target", server.target]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model_id"] == folded_model.model_id and info["engine"] == "cpu-onnxruntime"
-    assert info["plan_sizes"] == [1, 4] and info["precision"] == "fp32"
+    assert info["plan_sizes"] == [1, 8] and info["precision"] == "fp32"
 
 
 def test_embed_npz_round_trip(

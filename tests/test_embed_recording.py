@@ -35,6 +35,8 @@ from speakerd.v1.tensors import to_tensor
 from tests.serving import scrape, start_server
 from tests.test_bad_inputs import field_violations
 
+pytestmark = pytest.mark.slow  # a CPU server doing seconds of engine work per test
+
 #: b8 keeps a CPU batch near 1 s, so a recording spans several batches.
 PLANS = "1,8"
 MAX_BATCH = 8

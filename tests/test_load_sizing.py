@@ -25,7 +25,7 @@ from speakerd.client.load_sizing import (
     _stretch,
 )
 from speakerd.client.loadgen_window import outcome
-from tests.serving import ServerProcess, serve_module
+from tests.serving import ServerProcess
 
 #: A one-chunk probe that took 0.125 s: the CPU engine's 8 chunks/s on 2 idle cores.
 CPU_PROBE = Probe(engine="cpu-onnxruntime", max_batch=32, seconds=0.125)
@@ -65,8 +65,8 @@ def test_window_and_warm_up_are_lengthened_to_the_calls() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(weights_path):
-    yield from serve_module(weights_path, "--plans", "1,8")
+def server(shared_server: ServerProcess) -> ServerProcess:
+    return shared_server
 
 
 def _run(argv: list[str], capsys) -> tuple[int, dict[str, object]]:

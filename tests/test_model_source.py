@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,11 @@ REPO = "pyannote/wespeaker-voxceleb-resnet34-LM"
 TOKEN = "hf_speakerd_test_token"
 #: One plan keeps each CPU server's start (plan build, self-check) short.
 PLANS = "1"
+#: An endpoint nothing listens on: every connection is refused at once.
+UNREACHABLE = "http://127.0.0.1:1"
+#: How long `serve` may take to say the hub is unreachable: its start-up and one refused
+#: request on 2 busy cores. huggingface_hub's own retries alone sleep 23 s (1+2+4+8+8).
+UNREACHABLE_S = 15.0
 #: Environment variables of huggingface_hub and speakerd that each command gets fresh.
 HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE", "SPEAKERD_MODEL",
            "SPEAKERD_WEIGHTS", "SPEAKERD_CACHE")  # fmt: skip
@@ -250,6 +256,25 @@ def test_offline_and_not_cached(tmp_path: Path) -> None:
     line = serve_error(REPO, environment(tmp_path, HF_HUB_OFFLINE="1"))
     assert f"not in the Hugging Face cache {tmp_path / 'hf' / 'hub'}" in line, line
     assert f"speakerd fetch-model --model {REPO}" in line and "HF_HUB_OFFLINE" in line, line
+
+
+def test_unreachable_hub_is_one_line_at_once(tmp_path: Path) -> None:
+    """No hub and no cache: one line within seconds (before, 24 lines over 24 s: each of
+    huggingface_hub's retry warnings twice), saying what to do on a machine without the hub;
+    fetch-model's advice does not tell it to run fetch-model."""
+    env = environment(tmp_path, HF_ENDPOINT=UNREACHABLE)
+    started_at = time.monotonic()
+    line = serve_error(REPO, env)
+    elapsed = time.monotonic() - started_at
+    assert elapsed < UNREACHABLE_S, f"{elapsed:.1f} s to say the hub is unreachable"
+    assert f"cannot reach {UNREACHABLE} (ConnectError)" in line, line
+    assert f"speakerd fetch-model --model {REPO} on a machine that can reach the hub" in line, line
+    assert "HF_HUB_OFFLINE=1" in line, line
+    done = speakerd("fetch-model", "--model", REPO, env=env)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    cache = tmp_path / "hf" / "hub"
+    assert f"copy its Hugging Face cache into {cache}" in done.stderr, done.stderr
+    assert "HF_HUB_OFFLINE=1" in done.stderr and "fetch-model --model" not in done.stderr, done.stderr
 
 
 def test_gated_without_token(hub: Hub, tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES
 from tests.serving import ServerProcess, scrape, start_server
 
+pytestmark = pytest.mark.slow  # a CPU server doing seconds of engine work per test
+
 #: b8 keeps CPU batches short (~2 s) yet several requests share one.
 PLANS = "1,8"
 RECEIVERS = 2

@@ -28,6 +28,8 @@ from speakerd.serving.batching.batcher import Batcher, DeadlinePassed, Draining,
 from speakerd.serving.observability.metrics import Metrics
 from tests.serving import ServerProcess, scrape, start_server
 
+pytestmark = pytest.mark.slow  # a CPU server doing seconds of engine work per test
+
 #: Plans of the engines here: b8 keeps a CPU batch short while a request spans several.
 PLANS = (1, 8)
 MAX_BATCH = PLANS[-1]

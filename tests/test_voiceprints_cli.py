@@ -4,6 +4,7 @@ against a real server in tests/test_voiceprints.py."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,8 @@ from speakerd.client.voiceprints import parse_segments
 
 #: Nothing listens here: a command that got as far as calling would fail with exit 1.
 NOWHERE = "127.0.0.1:9"
+#: The flags with which every command that takes a recording reads it (recording.add_audio_flags).
+AUDIO_FLAGS = {"--audio", "--sample-rate", "--step"}
 
 
 def one_line_usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -50,5 +53,52 @@ def test_segments_parse_or_name_the_flag() -> None:
 
 def test_an_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["voiceprints", "list", "--target", NOWHERE, "--timeout", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "UNAVAILABLE" in err, err
+
+
+def audio_commands() -> dict[str, set[str]]:
+    """Every client command that takes --audio, by its words, with its flags."""
+    from speakerd.client.cli import build_parser
+
+    found: dict[str, set[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, words: str) -> None:
+        flags = {option for action in parser._actions for option in action.option_strings}
+        if "--audio" in flags:
+            found[words] = flags
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{words} {name}".strip())
+
+    walk(build_parser(), "")
+    return found
+
+
+def test_every_command_that_takes_audio_takes_the_same_audio_flags() -> None:
+    commands = audio_commands()
+    assert set(commands) == {"embed", "enroll", "identify", "voiceprints verify"}, sorted(commands)
+    for words, flags in commands.items():
+        missing = sorted(AUDIO_FLAGS - flags)
+        assert not missing, f"{words} takes --audio but not {missing}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["enroll", "--speaker-id", "a"], ["identify"], ["voiceprints", "verify", "0" * 32]],
+    ids=lambda command: " ".join(command[:2]),
+)
+def test_a_npy_recording_with_its_sample_rate(
+    command: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A .npy recording is read with --sample-rate, as by embed (before, these commands
+    refused the flag their own error asked for); without it, the error names a flag they take."""
+    audio = tmp_path / "recording.npy"
+    np.save(audio, np.zeros(16000, np.float32))
+    err = one_line_usage_error(capsys, [*command, "--audio", str(audio)])
+    assert "needs --sample-rate HZ" in err, err
+    argv = [*command, "--audio", str(audio), "--sample-rate", "16000", "--target", NOWHERE, "--timeout", "2"]
+    assert main(argv) == 1  # the file was read and the call made: nothing listens there
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "UNAVAILABLE" in err, err

@@ -21,10 +21,7 @@ from speakerd.client import diarize, files, loadgen, recording, verify, voicepri
 from speakerd.client.client import SpeakerClient
 from speakerd.client.files import UsageError
 from speakerd.client.options import add_connection_flags, client_kwargs
-
-#: Exit codes: the server failed the call (or was not there); the command line was unusable.
-CALL_FAILED_EXIT = 1
-USAGE_EXIT = 2
+from speakerd.client.outcome import CALL_FAILED_EXIT, describe, run_command
 
 
 def _embed(args: argparse.Namespace) -> int:
@@ -66,20 +63,13 @@ def _health(args: argparse.Namespace) -> int:
             else:
                 status = client.health(args.service, timeout_s=args.timeout)
         except grpc.RpcError as error:
-            print(f"UNREACHABLE: {args.target} answered {_describe(error)}", file=sys.stderr)
+            print(f"UNREACHABLE: {args.target} answered {describe(error)}", file=sys.stderr)
             return CALL_FAILED_EXIT
         except TimeoutError as error:
             print(f"UNREACHABLE: {args.target}: {error}", file=sys.stderr)
             return CALL_FAILED_EXIT
     print(status)
     return 0 if status == "SERVING" else 1
-
-
-def _describe(error: grpc.RpcError) -> str:
-    """'UNAVAILABLE (failed to connect ...)': the code and the server's or gRPC's detail."""
-    code = error.code() if callable(getattr(error, "code", None)) else None
-    details = error.details() if callable(getattr(error, "details", None)) else str(error)
-    return f"{code.name if code is not None else 'an error'} ({' '.join(str(details).split())})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,12 +108,4 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Its outcome is its exit code: 0 done, 1 a call failed (or the server
     was not there), 2 a flag or file that cannot be used; each failure is one stderr line."""
     args = build_parser().parse_args(argv)
-    name = f"speakerd.client {args.command}"
-    try:
-        return int(args.func(args))
-    except grpc.RpcError as error:
-        print(f"{name}: {args.target} answered {_describe(error)}", file=sys.stderr)
-        return CALL_FAILED_EXIT
-    except (ValueError, OSError) as error:  # UsageError, and the TLS and token files' errors
-        print(f"{name}: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return USAGE_EXIT
+    return run_command(f"speakerd.client {args.command}", args.func, args)

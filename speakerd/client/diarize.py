@@ -20,7 +20,7 @@ import numpy as np
 
 from speakerd.client import recording
 from speakerd.client.client import SpeakerClient
-from speakerd.client.files import UsageError, read_audio, writable
+from speakerd.client.files import UsageError, writable
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import from_tensor
@@ -151,8 +151,7 @@ class DiarizationClient(SpeakerClient):
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """`speakerd-client diarize --audio FILE [--rttm OUT] [--names] [--num-speakers N] ...`."""
-    parser.add_argument("--audio", required=True, help="a recording: WAV, FLAC or any file libsndfile reads")
-    parser.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
+    recording.add_audio_flags(parser)
     parser.add_argument("--rttm", help="also write the turns here as RTTM")
     parser.add_argument("--names", action="store_true", help="label speakers with your enrolled voiceprints")
     parser.add_argument("--threshold", type=float, help="cosine for a name (default: the server's)")
@@ -160,7 +159,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-speakers", type=int, help="at least this many speakers")
     parser.add_argument("--max-speakers", type=int, help="at most this many speakers")
     parser.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
-    parser.add_argument("--step", type=float, default=recording.DEFAULT_STEP_S, help="window step in seconds")
     parser.add_argument(
         "--uri", default="", help="the recording's name in the RTTM (default: the file's stem)"
     )
@@ -171,7 +169,9 @@ def run(args: argparse.Namespace, client: DiarizationClient) -> int:
     from pathlib import Path
 
     rttm = writable("--rttm", args.rttm) if args.rttm else None
-    samples, rate = read_audio(args.audio, args.sample_rate)
+    if not args.audio:
+        raise UsageError("diarize needs --audio FILE (a recording)")
+    samples, rate = recording.read_recording(args)
     for flag in ("num_speakers", "min_speakers", "max_speakers"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -179,12 +179,26 @@ async def _aiter(items: Iterable[pb.EmbedRecordingRequest]) -> AsyncIterable[pb.
         yield item
 
 
-def configure(embed: argparse.ArgumentParser) -> None:
-    """`client embed --audio FILE --masks FILE.npy`: the recording form of the embed command."""
-    embed.add_argument(
+def add_audio_flags(parser: argparse.ArgumentParser) -> None:
+    """`--audio`, `--sample-rate` and `--step`: how every command that takes a recording
+    (embed, enroll, identify, voiceprints verify) reads it, so that a file one accepts, and
+    the advice its errors give, hold for all of them."""
+    parser.add_argument(
         "--audio",
         help="a whole recording: WAV, FLAC or any file libsndfile reads, or .npy with --sample-rate",
     )
+    parser.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
+    parser.add_argument("--step", type=float, default=DEFAULT_STEP_S, help="window step in seconds")
+
+
+def read_recording(args: argparse.Namespace) -> tuple[np.ndarray, int]:
+    """(samples, rate) of the audio flags; UsageError naming the flag and file otherwise."""
+    return read_audio(args.audio, args.sample_rate)
+
+
+def configure(embed: argparse.ArgumentParser) -> None:
+    """`client embed --audio FILE --masks FILE.npy`: the recording form of the embed command."""
+    add_audio_flags(embed)
     embed.add_argument("--masks", help="with --audio: .npy [n, s, F] masks of the recording's n windows")
     embed.add_argument(
         "--segment",
@@ -192,9 +206,7 @@ def configure(embed: argparse.ArgumentParser) -> None:
         help="with --audio, instead of --masks: the server segments the recording (its segmentation "
         "model, pyannote's get_segmentations) and the output holds the segmentation [n, 589, 3] too",
     )
-    embed.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")
     embed.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
-    embed.add_argument("--step", type=float, default=DEFAULT_STEP_S, help="window step in seconds")
 
 
 def run(args: argparse.Namespace, client: Any) -> int:
@@ -206,7 +218,7 @@ def run(args: argparse.Namespace, client: Any) -> int:
             "(the server finds them), one of the two"
         )
     output = writable("--output", args.output)
-    samples, rate = read_audio(args.audio, args.sample_rate)
+    samples, rate = read_recording(args)
     masks = read_masks(args.masks) if args.masks else None
     result = client.embed_recording(samples, rate, masks, args.exclude_overlap, args.step)
     arrays = {"embeddings": result.embeddings, "empty": result.empty,

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from speakerd.client.client import SpeakerClient
 from speakerd.client.files import UsageError
 from speakerd.client.options import add_connection_flags, client_kwargs
+from speakerd.client.outcome import run_command
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.cases import ReferenceCase, load_cases
 from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
@@ -64,10 +65,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m speakerd.client verify`, whose failures are one line (cli.main)."""
-    from speakerd.client.cli import main as client_main  # cli imports this module
-
-    return client_main(["verify", *(sys.argv[1:] if argv is None else argv)])
+    """`python -m speakerd.client.verify`: `speakerd-client verify`, with the same one-line
+    failures and exit codes (outcome.py)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m speakerd.client.verify", description=__doc__.splitlines()[0]
+    )
+    configure(parser)
+    return run_command("speakerd.client verify", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

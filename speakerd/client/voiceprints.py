@@ -22,6 +22,7 @@ from google.protobuf.json_format import MessageToDict
 
 from speakerd.client import recording
 from speakerd.client.client import SpeakerClient
+from speakerd.client.files import read_masks
 from speakerd.client.options import add_connection_flags, client_kwargs
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
@@ -217,7 +218,7 @@ def parse_segments(text: str) -> list[tuple[float, float]]:
 
 
 def _speech_flags(parser: argparse.ArgumentParser, column_help: str) -> None:
-    parser.add_argument("--audio", help="a recording: WAV, FLAC or any file libsndfile reads")
+    recording.add_audio_flags(parser)  # the same --audio, --sample-rate and --step as embed
     parser.add_argument("--masks", help=".npy [n, s, F] masks of the recording's n windows (segmentation)")
     parser.add_argument("--column", type=int, help=column_help)
     parser.add_argument(
@@ -229,19 +230,16 @@ def _speech_flags(parser: argparse.ArgumentParser, column_help: str) -> None:
         help="without --masks or --segments: the server's segmentation finds the speech (the frames "
         "where exactly one speaker talks)",
     )
-    parser.add_argument("--step", type=float, default=recording.DEFAULT_STEP_S, help="window step in seconds")
 
 
 def _speech(args: argparse.Namespace, one_speaker: bool) -> dict[str, Any]:
     """The recording keyword arguments of the client's methods from the flags."""
     if not args.audio:
         raise ValueError("give --audio FILE (with --masks FILE.npy, --segments, or neither for all of it)")
-    samples, rate = recording.read_audio(args.audio)
+    samples, rate = recording.read_recording(args)
     masks = None
     if args.masks:
-        masks = np.load(args.masks)
-        if masks.ndim != 3:
-            raise ValueError(f"--masks {args.masks}: shape {list(masks.shape)}, expected [n, s, F]")
+        masks = read_masks(args.masks)
         if args.column is not None:
             if not 0 <= args.column < masks.shape[1]:
                 raise ValueError(f"--column {args.column}: expected 0..{masks.shape[1] - 1}")

@@ -22,19 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS, SAMPLE_RATE
-from speakerd.model.segmentation.architecture import (
-    FRAME_CENTER_SAMPLES,
-    FRAME_FIELD_SAMPLES,
-    FRAME_STEP_SAMPLES,
-)
 
-# pyannote segmentation-3.0 (PyanNet, SincNet stride 10) frame timing, from its receptive field
-# (speakerd/model/segmentation/architecture.py): one output frame advances 270 samples
-# (16.875 ms) and sees 991 samples (61.94 ms), centred 495 samples after its first sample:
-# 589 frames per 160,000-sample chunk.
-SEGMENTATION_STEP_SAMPLES = FRAME_STEP_SAMPLES
-SEGMENTATION_FIELD_SAMPLES = FRAME_FIELD_SAMPLES
-SEGMENTATION_CENTER_SAMPLES = FRAME_CENTER_SAMPLES
+# pyannote segmentation-3.0 (PyanNet, SincNet stride 10) frame timing, from its receptive field:
+# conv1d k=251 stride 10, then three max-pools k=3 stride 3 around two conv1d k=5. One output
+# frame advances 10 * 3 * 3 * 3 = 270 samples (16.875 ms) and sees 991 samples (61.94 ms),
+# centred 495 samples after its first sample: 589 frames per 160,000-sample chunk. (The
+# segmentation package derives the same numbers from its layers and imports this module, so
+# they are stated here rather than imported from it.)
+SEGMENTATION_STEP_SAMPLES = 270
+SEGMENTATION_FIELD_SAMPLES = 991
+SEGMENTATION_CENTER_SAMPLES = (SEGMENTATION_FIELD_SAMPLES - 1) // 2
 
 #: Peak level of the mix: speech-like headroom, well inside [-1, 1].
 PEAK = 0.5

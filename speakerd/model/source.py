@@ -23,7 +23,11 @@ It is written to a temporary file and renamed into place under a lock, so a rest
 second replica (even one starting at the same moment) converts nothing and never reads a
 half-written file. The served model id stays the sha256 of the safetensors file.
 
-Every failure is a ModelError whose message is one line saying what to do.
+Every failure is a ModelError whose message is one line saying what to do. A hub that cannot
+be reached is said at once: huggingface_hub, finding no cached copy after a failed request,
+retries it five times over 23 s and logs two warnings each time, so a file that is not cached
+is first asked for once, without retries (`_unreachable`), and only a hub that answered is
+downloaded from.
 """
 
 from __future__ import annotations
@@ -134,26 +138,27 @@ SEGMENTATION = ModelKind(segmentation_weights.NETWORK, default_segmentation_path
 
 
 def resolve_model(
-    spec: str | Path | None, flag: str = "--model", kind: ModelKind = EMBEDDING
+    spec: str | Path | None, flag: str = "--model", kind: ModelKind = EMBEDDING, fetching: bool = False
 ) -> ResolvedModel:
-    """The safetensors of `kind` to serve for `spec` (see module doc); ModelError otherwise."""
+    """The safetensors of `kind` to serve for `spec` (see module doc); ModelError otherwise.
+    `fetching`: the caller is `speakerd fetch-model`, so no error advises running it."""
     text = "" if spec is None else str(spec).strip()
     if not text:
         path = kind.default()
         return ResolvedModel(path, ModelSource(filename=path.name, sha256=file_sha256(path)))
     local = Path(text).expanduser()
     if local.exists():
-        return _resolve_local(local, f"{flag} {text}", kind)
+        return _resolve_local(local, f"{flag} {text}", kind, fetching)
     match = REPO_ID.match(text)
     if match is None or text.startswith((".", "/", "~")):
         raise ModelError(
             f"{flag} {text}: no such file or directory, and not a Hugging Face repo id "
             "(org/name or org/name@revision)"
         )
-    return _resolve_hub(match["repo"], match["revision"], f"{flag} {text}", kind)
+    return _resolve_hub(match["repo"], match["revision"], f"{flag} {text}", kind, fetching)
 
 
-def _resolve_local(path: Path, said: str, kind: ModelKind) -> ResolvedModel:
+def _resolve_local(path: Path, said: str, kind: ModelKind, fetching: bool) -> ResolvedModel:
     if path.is_dir():
         inside = path / HUB_FILENAME
         if not inside.is_file():
@@ -169,10 +174,14 @@ def _resolve_local(path: Path, said: str, kind: ModelKind) -> ResolvedModel:
     if path.suffix not in checkpoint.CHECKPOINT_SUFFIXES:
         kinds = ", ".join((*checkpoint.CHECKPOINT_SUFFIXES, SAFETENSORS_SUFFIX))
         raise ModelError(f"{said}: expected a checkpoint or weights file ({kinds}) or a directory")
-    return ResolvedModel(converted(path, digest, cache_dir() / kind.converted_dir, said, kind), source)
+    return ResolvedModel(
+        converted(path, digest, cache_dir() / kind.converted_dir, said, kind, fetching), source
+    )
 
 
-def converted(source: Path, digest: str, folder: Path, said: str, kind: ModelKind = EMBEDDING) -> Path:
+def converted(
+    source: Path, digest: str, folder: Path, said: str, kind: ModelKind = EMBEDDING, fetching: bool = False
+) -> Path:
     """The safetensors for checkpoint `source` (sha256 `digest`) in `folder`, converted as
     `kind` now unless a previous run (or another process, while we waited for the lock)
     already did."""
@@ -199,9 +208,10 @@ def converted(source: Path, digest: str, folder: Path, said: str, kind: ModelKin
                 "(nothing was left half-written); free some space there and start again"
             ) from error
         if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            where = "" if fetching else f", or convert once where it is: {fetch_command(said)}"
             raise ModelError(
                 f"{said}: cannot write the converted model into {folder} ({error.strerror}); make it "
-                f"writable, or convert once where it is: {fetch_command(said)}"
+                f"writable{where}"
             ) from error
         raise ModelError(f"{said}: cannot convert it ({error})") from error
     return target
@@ -214,25 +224,34 @@ def hub_cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def _resolve_hub(repo_id: str, revision: str | None, said: str, kind: ModelKind) -> ResolvedModel:
+def _resolve_hub(
+    repo_id: str, revision: str | None, said: str, kind: ModelKind, fetching: bool
+) -> ResolvedModel:
     try:
         import huggingface_hub
     except ImportError as error:
         raise ModelError(
             f"{said}: a Hugging Face repo id needs huggingface_hub: pip install 'speakerd[server]'"
         ) from error
-    from huggingface_hub import constants
+    from huggingface_hub import constants, errors
+    from huggingface_hub.utils import logging as hub_logging
 
     for name in HTTP_LOGGERS:  # one INFO line per request otherwise, under serve's INFO logging
         logging.getLogger(name).setLevel(logging.WARNING)
+    # huggingface_hub's logger has a handler of its own and also hands each line to the root
+    # logger's, which serve configures: every warning would be printed twice
+    hub_logging.disable_propagation()
     try:
+        unreachable = _unreachable(repo_id, revision, constants)
+        if unreachable is not None:
+            raise errors.LocalEntryNotFoundError(f"{constants.ENDPOINT} unreachable") from unreachable
         downloaded = Path(
             huggingface_hub.hf_hub_download(
                 repo_id, HUB_FILENAME, revision=revision, library_name="speakerd", library_version=_version()
             )
         )
     except Exception as error:
-        raise ModelError(_hub_error(error, repo_id, revision, said, constants)) from error
+        raise ModelError(_hub_error(error, repo_id, revision, said, constants, fetching)) from error
     # <cache>/models--org--name/snapshots/<commit>/pytorch_model.bin
     commit, repo_folder = downloaded.parent.name, downloaded.parent.parent.parent
     try:
@@ -246,7 +265,35 @@ def _resolve_hub(repo_id: str, revision: str | None, said: str, kind: ModelKind)
             f"the hub's is {blob.name[:12]}...): delete {blob} and start again to download it anew"
         )
     source = ModelSource(repo_id=repo_id, revision=commit, filename=HUB_FILENAME, sha256=digest)
-    return ResolvedModel(converted(downloaded, digest, repo_folder / kind.converted_dir, said, kind), source)
+    return ResolvedModel(
+        converted(downloaded, digest, repo_folder / kind.converted_dir, said, kind, fetching), source
+    )
+
+
+def _unreachable(repo_id: str, revision: str | None, constants: Any) -> Exception | None:
+    """Why the hub cannot be asked for HUB_FILENAME, when it is not cached and one request
+    without retries gets no answer; None when it is cached (huggingface_hub falls back to that
+    copy without retrying), offline (nothing is asked), or the hub answered (hf_hub_download
+    then asks again and says what the answer means). One more HEAD request, only before a
+    download."""
+    from huggingface_hub import errors, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    if isinstance(try_to_load_from_cache(repo_id, HUB_FILENAME, revision=revision), str):
+        return None
+    url = hf_hub_url(repo_id, HUB_FILENAME, revision=revision)
+    try:
+        get_hf_file_metadata(
+            url, timeout=constants.HF_HUB_ETAG_TIMEOUT, library_name="speakerd", library_version=_version()
+        )
+    except errors.HfHubHTTPError:
+        return None  # an answer: gated, private, no such repo, a 5xx worth retrying
+    except ValueError:
+        return None  # a repo id or revision huggingface_hub refuses: hf_hub_download says so
+    except Exception as error:  # no answer: refused, timed out, no route, TLS, proxy
+        return error
+    return None
 
 
 def _version() -> str:
@@ -265,7 +312,16 @@ def fetch_command(said: str) -> str:
     return f"speakerd fetch-model {said}"
 
 
-def _hub_error(error: Exception, repo_id: str, revision: str | None, said: str, constants: Any) -> str:
+def _fill_elsewhere(said: str, cache: str, fetching: bool) -> str:
+    """How to get the checkpoint here from a machine that can reach the hub (fetch-model
+    itself is not told to run fetch-model)."""
+    how = "run this" if fetching else f"run {fetch_command(said)}"
+    return f"{how} on a machine that can reach the hub, then copy its Hugging Face cache into {cache}"
+
+
+def _hub_error(
+    error: Exception, repo_id: str, revision: str | None, said: str, constants: Any, fetching: bool = False
+) -> str:
     """One line saying what to do about huggingface_hub's `error`."""
     from huggingface_hub import errors
 
@@ -295,17 +351,17 @@ def _hub_error(error: Exception, repo_id: str, revision: str | None, said: str, 
         return f"{said}: {repo_id}{at} has no {HUB_FILENAME} (404): is it a pyannote model repo?"
     if isinstance(error, errors.LocalEntryNotFoundError):
         cache = constants.HF_HUB_CACHE
-        fill = fetch_command(said)
         if constants.HF_HUB_OFFLINE:
             return (
-                f"{said}: not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: fill that cache "
-                f"where the hub is reachable ({fill}, same HF_HOME), or unset HF_HUB_OFFLINE"
+                f"{said}: not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: unset it if the "
+                f"hub is reachable from here, or {_fill_elsewhere(said, cache, fetching)}"
             )
         cause = error.__cause__ or error.__context__
         reason = f" ({type(cause).__name__})" if cause is not None else ""
         return (
             f"{said}: cannot reach {endpoint}{reason} and it is not in the Hugging Face cache {cache}: "
-            f"check the network or HF_ENDPOINT, or fill that cache where the hub is reachable ({fill})"
+            f"check the network or HF_ENDPOINT, or {_fill_elsewhere(said, cache, fetching)} and set "
+            "HF_HUB_OFFLINE=1 here"
         )
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         return f"{said}: no space left on the device of {constants.HF_HUB_CACHE} while downloading: free some"

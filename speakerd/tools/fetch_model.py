@@ -37,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _fetch(spec: str, flag: str, kind: ModelKind, label: str) -> None:
     """Resolve one model and print its lines, each starting with `label`."""
-    resolved = resolve_model(spec, flag, kind)
+    resolved = resolve_model(spec, flag, kind, fetching=True)
     source = resolved.source
     print(f"{label}weights {resolved.path}")
     print(f"{label}model id {file_sha256(resolved.path)}")

@@ -26,13 +26,13 @@ import psycopg
 from speakerd.serving.voiceprints.records import (
     COLUMNS,
     SELECT_COLUMNS,
+    Change,
     DuplicateSpeaker,
     StoreUnavailable,
     VoiceprintRecord,
     from_row,
     to_row,
 )
-from speakerd.serving.voiceprints.store import Change
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""What a voiceprint store keeps: one row per enrolled speaker, and the store's errors."""
+"""What a voiceprint store keeps: one row per enrolled speaker, the changes it reports, and
+the store's errors. The backends (sqlite_store.py, postgres_store.py) import these from here,
+not from store.py, which imports the backends to pick one."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: A write made elsewhere: ("put", voiceprint_id) or ("delete", voiceprint_id).
+Change = tuple[str, str]
 #: Vectors are stored as little-endian float32 bytes, the dtype the embeddings come in.
 VECTOR_DTYPE = np.dtype("<f4")
 

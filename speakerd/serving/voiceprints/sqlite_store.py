@@ -21,13 +21,13 @@ from pathlib import Path
 from speakerd.serving.voiceprints.records import (
     COLUMNS,
     SELECT_COLUMNS,
+    Change,
     DuplicateSpeaker,
     StoreUnavailable,
     VoiceprintRecord,
     from_row,
     to_row,
 )
-from speakerd.serving.voiceprints.store import Change
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS voiceprints (

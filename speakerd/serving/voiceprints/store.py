@@ -12,16 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from speakerd.serving.voiceprints.records import VoiceprintRecord
+from speakerd.serving.voiceprints.records import Change, VoiceprintRecord
 
 #: `--voiceprints` value for the default backend: a SQLite file in --data-dir.
 SQLITE = "sqlite"
 #: ... and for no voiceprint service at all (its methods answer UNIMPLEMENTED).
 OFF = "off"
 SQLITE_FILE = "voiceprints.sqlite3"
-
-#: A write made elsewhere: ("put", voiceprint_id) or ("delete", voiceprint_id).
-Change = tuple[str, str]
 
 
 class VoiceprintStore(Protocol):
