@@ -9,9 +9,12 @@ a silent fallback to the CPU.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from speakerd.engine.base import Engine
+from speakerd.engine.segmenter import Segmenter
 from speakerd.model.numerics import Math
+from speakerd.model.segmentation.weights import SegmentationModel
 from speakerd.model.weights import FoldedModel
 
 log = logging.getLogger(__name__)
@@ -85,3 +88,22 @@ def gpu_kernel_options(conv_kernels: str) -> dict[str, bool]:
     kernels where faster than cuDNN), cudnn (cuDNN only), blocks (auto, and layer1's
     BasicBlocks by one kernel each where faster than their two convolutions)."""
     return {"own_kernels": conv_kernels != "cudnn", "fused_blocks": conv_kernels == "blocks"}
+
+
+#: Windows one GPU segmentation run takes: 256 windows' activations are about 1.5 GB on the
+#: device, and a group is a few seconds of an hour's audio to wait for before its first masks.
+GPU_SEGMENTATION_WINDOWS = 256
+
+
+def create_segmenter(model: SegmentationModel, path: Path, kind: str) -> Segmenter:
+    """The segmentation engine for `model` (read from `path`) beside an embedding engine of the
+    resolved `kind`: on the GPU (engine/gpu/segmentation, FP32) for "gpu", else NumPy on the
+    host (engine/cpu_segmenter.py)."""
+    if kind == "gpu":
+        from speakerd.engine.gpu.segmentation.engine import GpuSegmenter
+        from speakerd.model.segmentation.weights import load_state_dict
+
+        return GpuSegmenter(load_state_dict(path), model.model_id, max_windows=GPU_SEGMENTATION_WINDOWS)
+    from speakerd.engine.cpu_segmenter import CpuSegmenter
+
+    return CpuSegmenter(model)

@@ -10,8 +10,9 @@ as the default embedding model is. A call that does not ask to segment never run
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from speakerd.engine.cpu_segmenter import CpuSegmenter
+from speakerd.engine.factory import create_segmenter
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.segmentation.weights import SegmentationModel, load_model
 from speakerd.model.source import SEGMENTATION, ModelError, ResolvedModel, resolve_model
@@ -43,9 +44,10 @@ def load(resolved: ResolvedModel, spec: str | None) -> SegmentationModel:
         ) from error
 
 
-def build(weights: SegmentationModel) -> Segmenter:
-    """The segmentation engine serving `weights`."""
-    segmenter = CpuSegmenter(weights)
+def build(weights: SegmentationModel, path: Path, engine_kind: str) -> Segmenter:
+    """The segmentation engine serving `weights` (read from `path`) beside an engine of
+    `engine_kind` (engine/factory.py's create_segmenter)."""
+    segmenter = create_segmenter(weights, path, engine_kind)
     log.info("segmentation model %s on %s, %d windows a run", segmenter.model_id[:16], segmenter.name,
              segmenter.max_windows)  # fmt: skip
     return segmenter

@@ -571,7 +571,9 @@ class SpeakerServer:
                 found = resolve_model(None, kind=SEGMENTATION)
                 weights = segmentation.load(found, None)
             self.segmentation_source = found.source
-            self.segmenter = segmentation.build(weights)
+            # with --devices the GPUs belong to the worker processes: this one segments on its CPU
+            kind = self.prepared.engine_kind if self.prepared.devices is None else "cpu"
+            self.segmenter = segmentation.build(weights, found.path, kind)
             if self.prepared.devices is None:
                 return _build_engine(s, self.prepared, resolved)
             return _start_pool(s, self.prepared, resolved, self.metrics, on_lost)

@@ -21,6 +21,7 @@
 // tiles (engine.py's copies must match: tests/test_gpu_segmentation.py checks them)
 #define SINC_TILE 128   // frames per block of sinc_global (the shared convolution)
 #define SINC_HALF 40    // filters per block of sinc_global (40 accumulators a thread)
+#define SINC_QUARTER 20 // filters per block of sinc_global64 (20 double accumulators a thread)
 #define POOL_TILE 128   // pooled frames per block of the pooled sinc kernels; the in0 partial sums are per tile
 #define SW_GROUP 20     // filters per block of sinc_window (3 frames x 20 filters = 60 accumulators a thread)
 #define SW_SPAN (POOL_TILE * POOL * SINC_STRIDE + SINC_KERNEL)  // samples one sinc_window block reads
@@ -92,10 +93,10 @@ __device__ __forceinline__ double2 block_sum2(double s, double q) {
 // (zeros past n included, as pyannote zero-pads the last window), sums in double:
 // stats[k] = (mean, invstd) rounded to float (the fp32 math normalises each sample with them)
 // and (a, c) of the affine y = a x + c, a = gamma * invstd and c = beta - mean * a from the
-// double values (the fast math's shared convolution).
+// double values, in float (stats: the shared convolution in float) and double (ac64: in double).
 extern "C" __global__ __launch_bounds__(512) void window_stats(
     const float* __restrict__ x, long long n, const long long* __restrict__ starts, float gamma, float beta,
-    float eps, float4* __restrict__ stats) {
+    float eps, float4* __restrict__ stats, double2* __restrict__ ac64) {
   const int k = blockIdx.x;
   const long long s0 = starts[k];
   double s = 0.0, q = 0.0;
@@ -111,8 +112,9 @@ extern "C" __global__ __launch_bounds__(512) void window_stats(
     double var = t.y / WINDOW_SAMPLES - mean * mean;
     if (var < 0.0) var = 0.0;
     const double invstd = 1.0 / sqrt(var + (double)eps);
-    const double a = (double)gamma * invstd;
-    stats[k] = make_float4((float)mean, (float)invstd, (float)a, (float)((double)beta - mean * a));
+    const double a = (double)gamma * invstd, c = (double)beta - mean * a;
+    stats[k] = make_float4((float)mean, (float)invstd, (float)a, (float)c);
+    ac64[k] = make_double2(a, c);
   }
 }
 
@@ -229,6 +231,64 @@ extern "C" __global__ __launch_bounds__(SINC_TILE) void sinc_global(
 #pragma unroll
     for (int f = 0; f < SINC_HALF; ++f) raw[(long long)(f0 + f) * G + g] = acc[f];
   }
+}
+
+// sinc="shared64", step 1: sinc_global with the products and sums in double (FP64 runs at half
+// the FP32 rate on Hopper; the shared convolution is 1/10 of the per-window work): the frames
+// carry one rounding, at the end, instead of 251 float32 ones.
+extern "C" __global__ __launch_bounds__(SINC_TILE) void sinc_global64(
+    const float* __restrict__ x, long long n, const float* __restrict__ wT, int G, double* __restrict__ raw) {
+  __shared__ float xs[SINC_TILE * SINC_STRIDE + SINC_KERNEL];
+  __shared__ __align__(16) float ws[SINC_KERNEL * SINC_QUARTER];
+  const long long g0 = (long long)blockIdx.x * SINC_TILE;
+  const int f0 = blockIdx.y * SINC_QUARTER;
+  for (int i = threadIdx.x; i < SINC_TILE * SINC_STRIDE + SINC_KERNEL; i += blockDim.x) {
+    const long long j = g0 * SINC_STRIDE + i;
+    xs[i] = j < n ? x[j] : 0.f;
+  }
+  for (int i = threadIdx.x; i < SINC_KERNEL * SINC_QUARTER; i += blockDim.x)
+    ws[i] = wT[(i / SINC_QUARTER) * SINC_FILTERS + f0 + i % SINC_QUARTER];
+  __syncthreads();
+  double acc[SINC_QUARTER];
+#pragma unroll
+  for (int f = 0; f < SINC_QUARTER; ++f) acc[f] = 0.0;
+  const float* xt = xs + threadIdx.x * SINC_STRIDE;
+#pragma unroll 2
+  for (int k = 0; k < SINC_KERNEL; ++k) {
+    const double v = (double)xt[k];
+    const float4* w4 = reinterpret_cast<const float4*>(ws + k * SINC_QUARTER);
+#pragma unroll
+    for (int q = 0; q < SINC_QUARTER / 4; ++q) {
+      const float4 w = w4[q];
+      acc[4 * q] = fma((double)w.x, v, acc[4 * q]); acc[4 * q + 1] = fma((double)w.y, v, acc[4 * q + 1]);
+      acc[4 * q + 2] = fma((double)w.z, v, acc[4 * q + 2]); acc[4 * q + 3] = fma((double)w.w, v, acc[4 * q + 3]);
+    }
+  }
+  const long long g = g0 + threadIdx.x;
+  if (g < G) {
+#pragma unroll
+    for (int f = 0; f < SINC_QUARTER; ++f) raw[(long long)(f0 + f) * G + g] = acc[f];
+  }
+}
+
+// sinc="shared64", step 2: sinc_shared_pool in double: a conv(x) + c sum(w) from the double
+// frames, (a, c) and sum(w) in double, rounded once to float before abs and the pool.
+extern "C" __global__ __launch_bounds__(POOL_TILE) void sinc_shared_pool64(
+    const double* __restrict__ raw, int G, const long long* __restrict__ starts, const double2* __restrict__ ac64,
+    const double* __restrict__ wsum, int P, float* __restrict__ out, double2* __restrict__ part) {
+  __shared__ float red[POOL_TILE];
+  const int tile = blockIdx.x, f = blockIdx.y, k = blockIdx.z;
+  const int p = tile * POOL_TILE + threadIdx.x;
+  const bool valid = p < P;
+  float m[1] = {0.f};
+  if (valid) {
+    const double a = ac64[k].x, c = ac64[k].y * wsum[f];
+    const double* r = raw + (long long)f * G + starts[k] / SINC_STRIDE + 3 * p;
+    const float v0 = (float)fma(a, r[0], c), v1 = (float)fma(a, r[1], c), v2 = (float)fma(a, r[2], c);
+    m[0] = fmaxf(fabsf(v0), fmaxf(fabsf(v1), fabsf(v2)));
+    out[((long long)k * SINC_FILTERS + f) * P + p] = m[0];
+  }
+  tile_partials<1>(m, valid, red, k, f, tile, gridDim.x, part);
 }
 
 // Fast math, step 2: window k's sinc outputs from the shared ones, conv(a x + c) =

@@ -1,24 +1,34 @@
 """GpuSegmenter: PyanNet (pyannote/segmentation-3.0) over a group of windows in one CUDA-graph replay.
 
-Two maths (`math=`), both FP32 storage and FP32-accurate arithmetic; they differ in how the
-first layer treats each window's normalised samples:
+Two choices, both with FP32 storage and FP32-accurate arithmetic.
 
-- "fp32" (the default, the parity mode): each window's samples are normalised as torch rounds
-  them (mean and variance over the window's 160000 samples in double, zero padding of a last
-  window included, then the normalisation in float32: norm_mode, see NORM_MODES) and each
-  window is convolved with the 80 sinc filters on its own. The normalised samples are made
-  on the fly inside the sinc kernel, which also takes abs and the max-pool, so the 15975 x 80
-  raw frames of a window never reach memory. Every GEMM is strict FP32 (cuBLAS default math).
-- "fast": the waveform instance norm is affine per window (y = a x + c) and the sinc
-  convolution linear, so conv(y) = a conv(x) + c sum(w): the convolution runs ONCE over the
-  group's samples (windows 1 s apart share 90% of their frames: ~10x less work) and each
-  window reads its frames with its own (a, c). Mathematically exact, but torch convolves the
-  float32-rounded y, and the network amplifies that rounding difference (~1e-4..3e-4 on the
-  log-probabilities, measured: tests/test_gpu_segmentation.py prints it). Its GEMMs (the LSTM
-  input projections and the first head linear) run on TF32 tensor cores over split operands
-  ([hi | lo | hi] x [W_hi | W_hi | W_lo], weights.py), which keeps FP32 accuracy (~1e-5 on
-  the log-probabilities, emulated on the CPU) at ~3x the speed of FP32 SGEMM. Plain TF32
-  anywhere in this network moves log-probabilities by ~5e-3: not used.
+`sinc=`, the first layer (the waveform InstanceNorm, then the 80 sinc filters):
+- "window": each window's samples are
+  normalised as torch rounds them (mean and variance over the window's 160000 samples in
+  double, a last window's zero padding included, then the normalisation in float32 with
+  `norm_mode`'s rounding, see NORM_MODES) and each window is convolved on its own. The
+  normalised samples are made on the fly inside the sinc kernel, which also takes abs and
+  the max-pool, so the 15975 x 80 raw frames of a window never reach memory.
+- "shared32" (math="fast"'s default): the InstanceNorm is affine per window (y = a x + c) and
+  the convolution linear, so conv(y) = a conv(x) + c sum(w): the convolution runs ONCE over
+  the group's raw samples (windows 1 s apart share 90% of their frames: ~10x less work) and
+  each window reads its frames with its own (a, c).
+- "shared64" (math="fp32"'s default): "shared32" with the products and sums in double, each
+  frame rounded once.
+Why three: torch convolves float32-ROUNDED normalised samples y (= 0.0099 n + 0.045 with
+segmentation-3.0's weights: the offset dominates y, so its rounding noise is large next to
+the signal) and the InstanceNorms after the convolution scale that noise up in quiet bands.
+Reproducing y bit for bit helps only if the convolution then adds in torch's order too;
+on the CPU (torch 2.13, 256 windows of synthetic speech), a NumPy forward from torch's
+exact y was 2.8e-4 off torch on well-conditioned windows, one with the convolution exact
+in float64 8.4e-5, one with the rounding of y not bit-equal to torch's 2.6e-4.
+
+`math=`, the GEMMs (LSTM input projections, the first head linear):
+- "fp32": strict FP32 SGEMM (cuBLAS default math).
+- "fast": TF32 tensor cores over split operands ([hi | lo | hi] x [W_hi | W_hi | W_lo],
+  weights.py), FP32-accurate (~1e-5 on the log-probabilities, emulated on the CPU) at ~3x
+  SGEMM's speed. Plain TF32 anywhere in this network moves log-probabilities by ~5e-3
+  (emulated): not used.
 
 The rest is shared: in0 is fused into the first conv's input loads (its statistics come from
 per-tile partial sums the sinc kernels write, reduced in a fixed order, so replay is bitwise
@@ -32,6 +42,7 @@ bit-identical to eager (same kernels, same cuBLAS workspaces, no atomics).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping
 
@@ -61,8 +72,12 @@ from speakerd.model.segmentation.architecture import (
 from speakerd.model.segmentation.powerset import MAPPING
 
 SOURCE = "segmentation.cu"
-#: The maths (module docstring).
+#: The maths and first layers (module docstring), and each math's default first layer.
 MATHS = ("fp32", "fast")
+SINCS = ("window", "shared32", "shared64")
+#: fp32 takes "shared64": on an H100 (k=64 windows of synthetic speech, the real weights) it was
+#: 1.06e-4 from the float64 forward at worst, "window" 9.8e-4 (and 56 ms an hour slower).
+DEFAULT_SINC = {"fp32": "shared64", "fast": "shared32"}
 #: Instance-norm rounding modes of kernels/segmentation.cu's norm_apply: 0 is ATen's native
 #: CUDA formula ((x - mean) * invstd) * gamma + beta with every op rounded; the others are
 #: the roundings torch's cuDNN batch-norm path might use instead (the test's probe compares
@@ -71,7 +86,7 @@ NORM_MODES = range(6)
 DEFAULT_NORM_MODE = 0
 LSTM_KERNELS = ("cluster", "simple")
 #: Tiles; each must equal its #define in kernels/segmentation.cu (the test checks them).
-SINC_TILE, SINC_HALF, POOL_TILE, SW_GROUP, CONV_TILE, LSTM_TB = 128, 40, 128, 20, 64, 16
+SINC_TILE, SINC_HALF, SINC_QUARTER, POOL_TILE, SW_GROUP, CONV_TILE, LSTM_TB = 128, 40, 20, 128, 20, 64, 16
 LC_THREADS, LC_CHUNK, LC_UNITS = 256, 16, 64
 #: lstm_cluster's dynamic shared memory, floats: h twice (double-buffered) and c per window,
 #: plus the partial gate sums of one chunk (16 windows x 4 k-quarters x 64 units x 4 gates).
@@ -79,6 +94,9 @@ LC_FLOATS_PER_WINDOW = 2 * LSTM_HIDDEN + LC_UNITS
 LC_FIXED_FLOATS = LC_CHUNK * 4 * LC_UNITS * 4
 #: two SMs a cluster, one cluster a direction and tile: a wave of clusters holds SMs / 4 tiles
 SMS_PER_TILE = 4
+#: lstm_cluster's start-up check: a few windows and steps against lstm_layer (the same sums in
+#: another order agree to ~1e-6; a broken launch or layout is off by ~1e-1)
+CHECK_WINDOWS, CHECK_STEPS, CHECK_TOL = 5, 9, 1e-4
 #: windows one call takes by default: ~9 MB of activations a window (fast math), so ~9 GB
 DEFAULT_MAX_WINDOWS = 1024
 #: pooled frames per window after each stage
@@ -89,7 +107,8 @@ P1_TILES = -(-P1 // POOL_TILE)
 SPLIT = 3
 NULL = np.uint64(0)
 KERNEL_NAMES = (
-    "window_stats", "sinc_window", "sinc_global", "sinc_shared_pool", "norm0_stats", "instnorm_leaky",
+    "window_stats", "sinc_window", "sinc_global", "sinc_shared_pool", "sinc_global64", "sinc_shared_pool64",
+    "norm0_stats", "instnorm_leaky",
     "conv5_pool", "lstm_layer", "lstm_cluster", "bias_leaky", "classify",
 )  # fmt: skip
 
@@ -97,18 +116,19 @@ KERNEL_NAMES = (
 class _Plan:
     """Every buffer one forward over `k` windows and up to `n_max` samples needs, plus its graph."""
 
-    def __init__(self, cp, k: int, n_max: int, fast: bool) -> None:
+    def __init__(self, cp, k: int, n_max: int, fast: bool, sinc: str) -> None:
         self.k, self.n_max = k, n_max
         f = cp.float32
         s = SPLIT if fast else 1
         self.x = cp.zeros((n_max,), f)
         self.starts = cp.zeros((k,), cp.int64)
         self.stats = cp.zeros((k, 4), f)
-        if fast:
+        self.ac64 = cp.zeros((k, 2), cp.float64)
+        if sinc != "window":
             # shared sinc frames: enough for the last window to start at n_max - 10 (zero-padded)
             g = (n_max + WINDOW_SAMPLES - SINC_KERNEL) // SINC_STRIDE + 1
             self.G = -(-g // SINC_TILE) * SINC_TILE
-            self.raw = cp.zeros((SINC_FILTERS, self.G), f)
+            self.raw = cp.zeros((SINC_FILTERS, self.G), cp.float64 if sinc == "shared64" else f)
         self.a1 = cp.zeros((k, SINC_FILTERS, P1), f)
         self.part = cp.zeros((k, SINC_FILTERS, P1_TILES, 2), cp.float64)
         self.ms0 = cp.zeros((k, SINC_FILTERS, 2), f)
@@ -137,12 +157,16 @@ class GpuSegmenter(Segmenter):
         model_id: str,
         max_windows: int = DEFAULT_MAX_WINDOWS,
         math: str = "fp32",
+        sinc: str | None = None,
         use_graph: bool = True,
         norm_mode: int = DEFAULT_NORM_MODE,
         lstm: str = "cluster",
     ) -> None:
         if math not in MATHS:
             raise ValueError(f"math {math!r}: expected one of {MATHS}")
+        sinc = DEFAULT_SINC.get(math, "window") if sinc is None else sinc
+        if sinc not in SINCS:
+            raise ValueError(f"sinc {sinc!r}: expected one of {SINCS}")
         if norm_mode not in NORM_MODES:
             raise ValueError(f"norm_mode {norm_mode}: expected one of {list(NORM_MODES)}")
         if lstm not in LSTM_KERNELS:
@@ -152,7 +176,7 @@ class GpuSegmenter(Segmenter):
         from speakerd.engine.gpu.segmentation.blas import Gemms
 
         self.cp, self.model_id, self.max_windows, self.math = cp, model_id, int(max_windows), math
-        self.fast = math == "fast"
+        self.fast, self.sinc = math == "fast", sinc
         self.use_graph, self.norm_mode, self.lstm = use_graph, int(norm_mode), lstm
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.gemms = Gemms(self.stream.ptr)
@@ -171,10 +195,40 @@ class GpuSegmenter(Segmenter):
         host = W.prepare(state)
         with self.stream:
             self.w = {key: cp.asarray(v) for key, v in host.items()}
-            self.mapping = cp.asarray(MAPPING)
+            self.mapping = cp.asarray(MAPPING, dtype=cp.uint8)  # the kernel reads bytes; MAPPING is float32
         self.stream.synchronize()
         self.wav_gamma, self.wav_beta = (float(v) for v in host["wav_norm"])
         self._plans: dict[tuple[int, int], _Plan] = {}
+        #: why lstm="cluster" fell back to "simple" on this device, if it did
+        self.lstm_fallback: str | None = None
+        if self.lstm == "cluster":
+            self.lstm_fallback = self._check_lstm_cluster()
+            if self.lstm_fallback:
+                self.lstm = "simple"
+
+    def _check_lstm_cluster(self) -> str | None:
+        """None if lstm_cluster runs here and agrees with lstm_layer on random inputs, else why
+        not (a device without thread-block clusters, or too little shared memory a block)."""
+        cp, i32 = self.cp, np.int32
+        rng = np.random.default_rng(0)
+        b, t = CHECK_WINDOWS, CHECK_STEPS
+        with self.stream:
+            xp = cp.asarray(rng.standard_normal((b, t, 2 * LSTM_GATE_ROWS)).astype(np.float32))
+            outs = [cp.zeros((b, t, LSTM_OUTPUT), cp.float32) for _ in range(2)]
+            w = self.w
+            try:
+                args = (xp, w["lstm1_whh"], w["lstm1_b"], outs[0], i32(b), i32(t), i32(0), i32(LC_CHUNK))
+                self.k["lstm_cluster"]((2, 2), (LC_THREADS,), args, shared_mem=self._lc_shared(LC_CHUNK))
+                self.k["lstm_layer"](
+                    (1, 2), (256,), (xp, w["lstm1_whhT"], w["lstm1_b"], outs[1], i32(b), i32(t), i32(0))
+                )
+                self.stream.synchronize()
+            except cp.cuda.driver.CUDADriverError as error:
+                return f"lstm_cluster failed to launch: {error}"
+            diff = float(cp.abs(outs[0] - outs[1]).max())
+        if not diff <= CHECK_TOL:
+            return f"lstm_cluster differs from lstm_layer by {diff:.3e} (> {CHECK_TOL:.0e})"
+        return None
 
     @staticmethod
     def _lc_shared(tb: int) -> int:
@@ -193,8 +247,19 @@ class GpuSegmenter(Segmenter):
         i32, i64, f32 = np.int32, np.int64, np.float32
         eps, slope = f32(NORM_EPS), f32(LEAKY_SLOPE)
         gamma, beta = f32(self.wav_gamma), f32(self.wav_beta)
-        K["window_stats"]((k,), (512,), (p.x, i64(p.n), p.starts, gamma, beta, eps, p.stats))
-        if self.fast:
+        K["window_stats"]((k,), (512,), (p.x, i64(p.n), p.starts, gamma, beta, eps, p.stats, p.ac64))
+        if self.sinc == "shared64":
+            K["sinc_global64"](
+                (p.G // SINC_TILE, SINC_FILTERS // SINC_QUARTER),
+                (SINC_TILE,),
+                (p.x, i64(p.n), w["sinc_wT"], i32(p.G), p.raw),
+            )
+            K["sinc_shared_pool64"](
+                (P1_TILES, SINC_FILTERS, k),
+                (POOL_TILE,),
+                (p.raw, i32(p.G), p.starts, p.ac64, w["sinc_wsum64"], i32(P1), p.a1, p.part),
+            )
+        elif self.sinc == "shared32":
             K["sinc_global"](
                 (p.G // SINC_TILE, SINC_FILTERS // SINC_HALF),
                 (SINC_TILE,),
@@ -293,7 +358,7 @@ class GpuSegmenter(Segmenter):
         key = (k, cap)
         if key not in self._plans:
             with self.stream:
-                self._plans[key] = _Plan(self.cp, k, cap, self.fast)
+                self._plans[key] = _Plan(self.cp, k, cap, self.fast, self.sinc)
         return self._plans[key]
 
     def _upload(self, samples: np.ndarray, starts: np.ndarray) -> _Plan:
@@ -344,10 +409,7 @@ class GpuSegmenter(Segmenter):
             mark("upload")
             self._forward(p, mark)
         self.stream.synchronize()
-        return {
-            name: cp.cuda.get_elapsed_time(a, b)
-            for (_, a), (name, b) in zip(events, events[1:], strict=False)
-        }
+        return {name: cp.cuda.get_elapsed_time(a, b) for (_, a), (name, b) in itertools.pairwise(events)}
 
     def log_probs(self, samples: np.ndarray, starts: np.ndarray, graph: bool | None = None) -> np.ndarray:
         """[k, 589, 7] float32 powerset log-probabilities (the parity surface)."""

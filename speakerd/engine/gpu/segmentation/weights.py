@@ -5,7 +5,7 @@ sizes and state-dict keys come from speakerd.model.segmentation.architecture and
 filters from its sincnet.filters (ParamSincFB's arithmetic, defined once in the model package):
 
 - sinc filters transposed to [251, 80] (a thread reads 20 or 40 filters as float4s) and each
-  filter's sum (the fast math's shared convolution needs it);
+  filter's sum (the shared convolution needs it);
 - conv weights to [Cin, 5, 60] (a thread reads 20 output channels as float4s);
 - LSTM: both directions' W_ih stacked for one projection GEMM a layer, the two biases
   summed, W_hh in torch's [2, 512, 128] (lstm_cluster: a thread loads rows) and transposed
@@ -70,7 +70,9 @@ def prepare(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     assert bank.shape == (SINC_FILTERS, SINC_KERNEL), f"sinc filters {bank.shape}"
     w: dict[str, np.ndarray] = {
         "sinc_wT": np.ascontiguousarray(bank.T),
-        # in float64, then rounded once: it multiplies each window's shift c (fast math)
+        # each filter's sum, in float64 (sinc="shared64") and rounded once to float32 ("shared32"):
+        # it multiplies each window's shift c of the shared convolution
+        "sinc_wsum64": bank.astype(np.float64).sum(axis=1),
         "sinc_wsum": bank.astype(np.float64).sum(axis=1).astype(F32),
         "wav_norm": np.array([_f32(state, f"{WAV_NORM}.weight")[0], _f32(state, f"{WAV_NORM}.bias")[0]], F32),
     }
