@@ -350,7 +350,7 @@ def test_the_server_gpu_segmenter_serves_the_cpu_segmenters_segmentation(tmp_pat
     path = tmp_path / "segmentation.safetensors"
     convert(CKPT, path)
     model = load_model(path)
-    samples = synthetic_recording(45.5, seed=5).samples.astype(np.float32)
+    samples = synthetic_recording(40.5, seed=5).samples.astype(np.float32)  # 32 windows: one CPU group
     starts = chunk_starts(samples.shape[0], 160000, STEP).astype(np.int64)
     gpu, cpu = build(model, path, "gpu"), build(model, path, "cpu")
     assert (gpu.name, cpu.name, gpu.model_id) == ("gpu-cupy", "cpu-numpy", cpu.model_id)
