@@ -135,13 +135,22 @@ def test_names_label_the_speakers_their_voiceprints_match(server, sample) -> Non
         strict = client.diarize(
             samples, 16_000, names=True, threshold=1.0
         )  # no centroid is exactly a voiceprint
-    assert [s.label for s in named.speakers] == ["alice"] * len(plain.speakers), named.speakers
-    assert {t.label for t in named.turns} == {"alice"} and len(named.turns) == len(plain.turns)
-    assert all(s.speaker_id == "alice" and s.voiceprint_id for s in named.speakers)
+    # a speaker made by the frame count alone (more speakers at once than clusters) has no
+    # centroid, as in pyannote: nothing to compare, so it keeps its label
+    voiced = [bool(np.any(speaker.centroid)) for speaker in plain.speakers]
+    assert any(voiced), plain.speakers
+    expected = [
+        "alice" if has else speaker.label for has, speaker in zip(voiced, plain.speakers, strict=True)
+    ]
+    assert [s.label for s in named.speakers] == expected, named.speakers
+    assert {t.label for t in named.turns} == set(expected) and len(named.turns) == len(plain.turns)
+    assert all(s.speaker_id == "alice" and s.voiceprint_id for s, has in zip(named.speakers, voiced) if has)
     assert [s.label for s in strict.speakers] == [
         s.label for s in plain.speakers
     ]  # names only above threshold
-    assert all(s.score > 0 and not s.speaker_id for s in strict.speakers), strict.speakers
+    assert all(s.score > 0 and not s.speaker_id for s, has in zip(strict.speakers, voiced) if has), (
+        strict.speakers
+    )
     assert "alice" in named.rttm and "SPEAKER_00" in plain.rttm
 
 
