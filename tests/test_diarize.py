@@ -144,13 +144,17 @@ def test_names_label_the_speakers_their_voiceprints_match(server, sample) -> Non
     ]
     assert [s.label for s in named.speakers] == expected, named.speakers
     assert {t.label for t in named.turns} == set(expected) and len(named.turns) == len(plain.turns)
-    assert all(s.speaker_id == "alice" and s.voiceprint_id for s, has in zip(named.speakers, voiced) if has)
+    assert all(
+        s.speaker_id == "alice" and s.voiceprint_id
+        for s, has in zip(named.speakers, voiced, strict=True)
+        if has
+    )
     assert [s.label for s in strict.speakers] == [
         s.label for s in plain.speakers
     ]  # names only above threshold
-    assert all(s.score > 0 and not s.speaker_id for s, has in zip(strict.speakers, voiced) if has), (
-        strict.speakers
-    )
+    assert all(
+        s.score > 0 and not s.speaker_id for s, has in zip(strict.speakers, voiced, strict=True) if has
+    ), strict.speakers
     assert "alice" in named.rttm and "SPEAKER_00" in plain.rttm
 
 
