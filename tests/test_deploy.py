@@ -736,7 +736,8 @@ def flag_table_rows() -> list[str]:
     rows = []
     for env, action in serve_flags().items():
         # flags without a default: --model takes the synthetic model, the TLS and token files are off
-        unset = "(synthetic test model)" if action.dest == "model" else "(off)"
+        defaults = {"model": "(synthetic test model)", "segmentation_model": "(synthetic segmentation model)"}
+        unset = defaults.get(action.dest, "(off)")
         default = unset if action.default is None else action.default
         if isinstance(default, tuple):
             default = ",".join(str(size) for size in default)
