@@ -35,6 +35,7 @@ import torch
 from pyannote.metrics.diarization import DiarizationErrorRate
 
 from speakerd.client import RetryPolicy
+from speakerd.model.fbank import chunk_recording
 from speakerd.model.numerics import BOUNDS, Math, active_frames, compare
 from speakerd.model.weights import load_state_dict
 from speakerd.pyannote import (
@@ -50,6 +51,10 @@ from tests.pyannote_checkpoints import SEGMENTATION_CHECKPOINT, SEGMENTATION_MIS
 from tests.serving import scrape, serve_module
 
 SEGMENTATION = SEGMENTATION_CHECKPOINT
+#: Log-probability margin under which pyannote's two best powerset classes tie to float32
+#: rounding: sample.wav's window 1, frame 548 has 9.8e-6, and there pyannote's float32 and
+#: float64 forwards pick different classes (docs/segmentation.md).
+TIE_MARGIN = 1e-4
 #: Nothing listens on port 1 of loopback (a privileged port no test server takes).
 UNREACHABLE = "127.0.0.1:1"
 #: Two quick attempts: the unreachable tests need the retry path, not its full patience.
@@ -145,19 +150,26 @@ def remote_runs(server, sample, runs) -> dict[str, tuple[Run, Run]]:
     return out
 
 
-def test_server_segmentation_is_pyannotes(remote_runs) -> None:
+def test_server_segmentation_is_pyannotes(remote_runs, segmentation, sample) -> None:
     """The segmentations pyannote's pipeline gets from the server equal its own, frame by
-    frame, and the diarization is the same (DER 0), with a pipeline that holds no weights."""
-    print(f"\n{'case':<24}{'windows':>8}{'cells':>9}{'differ':>8}{'min cosine':>14}")
+    frame except where pyannote's two best powerset classes tie to float32 rounding (within
+    TIE_MARGIN: there its own float32 and float64 forwards disagree too), and the diarization
+    is the same (DER 0), with a pipeline that holds no weights."""
+    windows = chunk_recording(sample["waveform"].numpy()[0]).waveforms
+    with torch.inference_mode():  # eval: the LSTM's dropout off, as the pipeline's Inference runs it
+        scores = segmentation.eval()(torch.from_numpy(windows)[:, None]).numpy()
+    top2 = np.sort(scores, axis=-1)[..., -2:]
+    tied = (top2[..., 1] - top2[..., 0]) < TIE_MARGIN
+    print(f"\n{'case':<24}{'windows':>8}{'frames':>8}{'differ':>8}{'ties':>6}{'min cosine':>14}")
     for case, (local, remote) in remote_runs.items():
         assert remote.segmentations.shape == local.segmentations.shape == (SAMPLE_SECONDS - 9, 589, 3), case
-        differ = int(np.sum(remote.segmentations != local.segmentations))
+        differ = np.any(remote.segmentations != local.segmentations, axis=-1)
         parity = compare(remote.embeddings.reshape(-1, 256), local.embeddings.reshape(-1, 256))
         print(
-            f"{case:<24}{local.segmentations.shape[0]:>8}{local.segmentations.size:>9}{differ:>8}"
+            f"{case:<24}{differ.shape[0]:>8}{differ.size:>8}{int(differ.sum()):>8}{int(tied.sum()):>6}"
             f"{parity.min_cosine:>14.9f}"
         )
-        assert differ == 0, case
+        assert not np.any(differ & ~tied), (case, np.argwhere(differ & ~tied)[:5])
         assert parity.min_cosine >= BOUNDS[Math.FP32].min_cosine, (case, parity)
         for name in ("speaker_diarization", "exclusive_speaker_diarization"):
             reference, hypothesis = getattr(local.output, name), getattr(remote.output, name)
