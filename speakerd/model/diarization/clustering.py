@@ -85,6 +85,21 @@ class Clusters:
     centroids: np.ndarray
 
 
+def one_cluster(embeddings: np.ndarray, train: np.ndarray) -> Clusters:
+    """Every speaker of every window in one cluster, its centroid the mean of the clean
+    `train` rows (NaN, pyannote's mean of nothing, when no pair was clean)."""
+    num_windows, num_speakers, dim = embeddings.shape
+    if train.shape[0] == 0:
+        centroids = np.full((1, dim), np.nan, dtype=np.mean(np.zeros(1, dtype=train.dtype)).dtype)
+    else:
+        centroids = np.mean(train, axis=0, keepdims=True)
+    return Clusters(
+        hard=np.zeros((num_windows, num_speakers), dtype=np.int8),
+        soft=np.ones((num_windows, num_speakers, 1)),
+        centroids=centroids,
+    )
+
+
 def clean_speakers(
     embeddings: np.ndarray, segmentations: np.ndarray, min_active_ratio: float = MIN_ACTIVE_RATIO
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -281,16 +296,7 @@ def agglomerative_clustering(
     )
     if max_clusters < 2:
         # one cluster at most: no clustering (its centroid is NaN when no pair was clean)
-        num_windows, num_speakers, dim = embeddings.shape
-        if train.shape[0] == 0:
-            centroids = np.full((1, dim), np.nan, dtype=np.mean(np.zeros(1, dtype=train.dtype)).dtype)
-        else:
-            centroids = np.mean(train, axis=0, keepdims=True)
-        return Clusters(
-            hard=np.zeros((num_windows, num_speakers), dtype=np.int8),
-            soft=np.ones((num_windows, num_speakers, 1)),
-            centroids=centroids,
-        )
+        return one_cluster(embeddings, train)
     train_clusters = cluster_embeddings(
         train, parameters, min_clusters=min_clusters, max_clusters=max_clusters, num_clusters=num_clusters
     )

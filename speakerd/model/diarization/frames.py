@@ -15,21 +15,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from speakerd.model.architecture import SAMPLE_RATE
+from speakerd.model.segmentation.architecture import (
+    FRAME_DURATION_S,
+    FRAME_STEP_S,
+    OUTPUT_FRAMES,
+    WINDOW_SAMPLES,
+)
+
 #: segmentation-3.0 (PyanNet) frames, `Model.receptive_field` in pyannote: one output frame
 #: sees 991 samples at 16 kHz (0.0619375 s) and the next one starts 270 samples later
-#: (0.016875 s); pyannote divides those sample counts by the rate, which gives exactly these
-#: doubles. (speakerd/model/segmentation/architecture.py, on the segmentation branch, will
-#: own these; until then they live here.)
-SEGMENTATION_FRAME_DURATION_S = 991 / 16_000
-SEGMENTATION_FRAME_STEP_S = 270 / 16_000
+#: (0.016875 s), the sample counts divided by the rate as pyannote divides them
+#: (speakerd/model/segmentation/architecture.py derives them from the layers).
+SEGMENTATION_FRAME_DURATION_S = FRAME_DURATION_S
+SEGMENTATION_FRAME_STEP_S = FRAME_STEP_S
 #: The receptive field's first frame starts at 0 s in pyannote.audio 4.0.7's PyanNet.
 SEGMENTATION_FRAME_START_S = 0.0
 #: segmentation-3.0's `specifications.duration`: each window is 10 s of audio.
-WINDOW_S = 10.0
+WINDOW_S = WINDOW_SAMPLES / SAMPLE_RATE
 #: `SpeakerDiarization(segmentation_step=0.1)`: a window every 10% of its duration.
 WINDOW_STEP_S = 0.1 * WINDOW_S
 #: Output frames per window of segmentation-3.0 (10 s in 270-sample steps).
-FRAMES_PER_WINDOW = 589
+FRAMES_PER_WINDOW = OUTPUT_FRAMES
 
 
 @dataclass(frozen=True)

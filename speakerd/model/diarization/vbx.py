@@ -50,6 +50,7 @@ from speakerd.model.diarization.clustering import (
     Clusters,
     clean_speakers,
     constrained_argmax,
+    one_cluster,
 )
 from speakerd.model.diarization.plda import Plda
 
@@ -198,16 +199,7 @@ def vbx_clustering(
     train_windows, train_speakers = clean_speakers(embeddings, segmentations)
     train = embeddings[train_windows, train_speakers]
     if train.shape[0] < MIN_TRAIN_EMBEDDINGS:
-        # no clustering; the centroid is NaN when no pair was clean (a mean of nothing)
-        if train.shape[0] == 0:
-            centroids = np.full((1, dim), np.nan, dtype=np.mean(np.zeros(1, dtype=train.dtype)).dtype)
-        else:
-            centroids = np.mean(train, axis=0, keepdims=True)
-        return Clusters(
-            hard=np.zeros((num_windows, num_speakers), dtype=np.int8),
-            soft=np.ones((num_windows, num_speakers, 1)),
-            centroids=centroids,
-        )
+        return one_cluster(embeddings, train)  # no clustering
 
     initial = ahc_init(train, parameters.threshold)
     gamma, priors = vbx_responsibilities(
