@@ -78,7 +78,7 @@ def audio_commands() -> dict[str, set[str]]:
 
 def test_every_command_that_takes_audio_takes_the_same_audio_flags() -> None:
     commands = audio_commands()
-    assert set(commands) == {"embed", "enroll", "identify", "voiceprints verify"}, sorted(commands)
+    assert set(commands) == {"diarize", "embed", "enroll", "identify", "voiceprints verify"}, sorted(commands)
     for words, flags in commands.items():
         missing = sorted(AUDIO_FLAGS - flags)
         assert not missing, f"{words} takes --audio but not {missing}"
