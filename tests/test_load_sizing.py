@@ -22,6 +22,7 @@ from speakerd.client.load_sizing import (
     MAX_STREAMS,
     Probe,
     _fits,
+    recording_sizing,
     _stretch,
 )
 from speakerd.client.loadgen_window import outcome
@@ -62,6 +63,37 @@ def test_window_and_warm_up_are_lengthened_to_the_calls() -> None:
     slow = _stretch(args, 8.0)
     assert args.seconds == CALLS_PER_WINDOW * 8.0 and args.warmup == 8.0, vars(args)
     assert slow == {"call_s_estimated": 8.0, "seconds_asked": 10.0, "warmup_asked": 1.0}, slow
+
+
+#: An H100 server's one-chunk probe (measured: 6.7 ms), and the batch probe it leads to at that
+#: server's 32-chunk load rate (measured: 7,150 chunks/s, so 4.5 ms a batch; 15 ms here for the
+#: upload of 10 MB of fbank besides).
+H100_PROBE = Probe(engine="gpu-cupy", max_batch=32, seconds=0.0067)
+H100_BATCH_PROBE = Probe(engine="gpu-cupy", max_batch=32, seconds=0.015, chunks=32)
+#: `suite service`'s recording step: `load --recording 3600 --streams 2 --warmup 2 --seconds 20
+#: --timeout 100` within 170 s (speakerd/tools/suite/service.py).
+SUITE_STEP_S, HOUR_WINDOWS = 170.0, 3591
+
+
+def test_a_fast_one_chunk_probe_is_followed_by_a_batch_probe() -> None:
+    assert H100_PROBE.wants_batch_probe() and GPU_PROBE.wants_batch_probe()
+    assert not CPU_PROBE.wants_batch_probe(), "a CPU server gets one probe: 32 chunks take it 4 s"
+    assert not H100_BATCH_PROBE.wants_batch_probe(), "a batch probe is the last"
+    assert H100_BATCH_PROBE.report()["probe_chunks"] == 32
+
+
+def test_an_hour_recording_load_on_a_gpu_fits_the_suite_step() -> None:
+    """The one-chunk rate sized a GPU's hour at 24 s a call and the suite's step past its
+    budget; the batch probe's rate keeps the same command inside it."""
+
+    def step_s(measured: Probe) -> float:
+        args = argparse.Namespace(recording=3600.0, timeout=100.0, streams=2, seconds=20.0, warmup=2.0)
+        sizing = recording_sizing(args, HOUR_WINDOWS, measured)
+        # warm-up, the counted window, then the last call begun in it finishing
+        return args.warmup + args.seconds + sizing["call_s_estimated"]
+
+    assert step_s(H100_PROBE) > SUITE_STEP_S, step_s(H100_PROBE)
+    assert step_s(H100_BATCH_PROBE) < SUITE_STEP_S / 2, step_s(H100_BATCH_PROBE)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 The same command has to work against a GPU server (thousands of chunks/s) and against the
 CPU engine on 2 cores (about 8 chunks/s), where 16 streams of 8-chunk calls queue for longer
 than a call's deadline and every call fails with DEADLINE_EXCEEDED. So `load` first asks the
-server (GetModelInfo: its largest plan) and times one probe call of one chunk. What the
+server (GetModelInfo: its largest plan) and times one probe call of one chunk (then, when
+that was quick, one of a full batch: a GPU's one-chunk call is all round trip). What the
 command line leaves out is then chosen from that rate: chunks per call (the largest plan, or
 fewer when that many would not fit in a quarter of the deadline) and streams (as many as
 keep a call's wait behind the others within that quarter). A counted window and a warm-up
@@ -44,6 +45,13 @@ MAX_RECORDING_STREAMS = 2
 CALLS_PER_WINDOW = 3
 #: The probe: one chunk, so that even a slow CPU server answers it well within any deadline.
 PROBE_CHUNKS = 1
+#: A second probe of one full batch (the server's largest plan) follows when the first says
+#: that batch takes at most this long. A GPU server's one-chunk answer is round trip, not
+#: work, so its rate understates a batch's by up to the batch size: an H100 serving an hour
+#: (3,591 windows) in 0.55 s gave 150 chunks/s to the one-chunk probe, which sized the
+#: recording at 24 s a call, `suite service`'s two streams to 144 s of counted window and
+#: the step past its budget. A CPU server (a one-chunk call of 0.1-0.2 s) gets no second probe.
+BATCH_PROBE_S = 1.0
 #: Deadlines when --timeout is not given: a chunk call's, and the least a recording's is.
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -58,31 +66,42 @@ def sample_chunks(chunks: int) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class Probe:
-    """One call of PROBE_CHUNKS chunks to the server, timed; what the server said it is."""
+    """One call of `chunks` chunks to the server, timed; what the server said it is."""
 
     engine: str
     max_batch: int
     seconds: float
+    chunks: int = PROBE_CHUNKS
 
     @property
     def chunks_per_s(self) -> float:
-        return PROBE_CHUNKS / self.seconds
+        return self.chunks / self.seconds
+
+    def wants_batch_probe(self) -> bool:
+        """True when a one-chunk probe says a full batch would take at most BATCH_PROBE_S."""
+        return self.chunks < self.max_batch and self.max_batch * self.seconds <= BATCH_PROBE_S
 
     def report(self) -> dict[str, Any]:
-        return {"engine": self.engine, "probe_s": round(self.seconds, 4),
+        return {"engine": self.engine, "probe_chunks": self.chunks, "probe_s": round(self.seconds, 4),
                 "probe_chunks_per_s": round(self.chunks_per_s, 3)}  # fmt: skip
 
 
 def probe(args: argparse.Namespace) -> Probe:
-    """GetModelInfo, then one EmbedChunks of PROBE_CHUNKS chunks, timed. Its deadline is at
-    least DEFAULT_TIMEOUT_S: a --timeout too short for the load's calls still gets its probe."""
+    """GetModelInfo, then one EmbedChunks of PROBE_CHUNKS chunks, timed, and when that was
+    fast, one of a full batch (BATCH_PROBE_S says why). Its deadline is at least
+    DEFAULT_TIMEOUT_S: a --timeout too short for the load's calls still gets its probe."""
     timeout = max(args.timeout or 0.0, DEFAULT_TIMEOUT_S)
     with SpeakerClient(args.target, timeout_s=timeout, **client_kwargs(args)) as client:
         info = client.model_info()
-        fbank, masks = sample_chunks(PROBE_CHUNKS)
-        started = time.perf_counter()
-        client.embed(fbank, masks, request_id="load-probe")
-        return Probe(info.engine, int(info.max_batch), time.perf_counter() - started)
+
+        def timed(chunks: int) -> Probe:
+            fbank, masks = sample_chunks(chunks)
+            started = time.perf_counter()
+            client.embed(fbank, masks, request_id="load-probe")
+            return Probe(info.engine, int(info.max_batch), time.perf_counter() - started, chunks)
+
+        first = timed(PROBE_CHUNKS)
+        return timed(first.max_batch) if first.wants_batch_probe() else first
 
 
 def _fits(measured: Probe, timeout_s: float, work: float, most: int) -> int:
@@ -118,7 +137,11 @@ def size_chunks(args: argparse.Namespace) -> dict[str, Any]:
 def size_recording(args: argparse.Namespace, windows: int) -> dict[str, Any]:
     """The same for a recording load of `windows` windows a call; a --timeout given that one
     recording would not fit in RECORDING_SHARE of is a UsageError saying what to change."""
-    measured = probe(args)
+    return recording_sizing(args, windows, probe(args))
+
+
+def recording_sizing(args: argparse.Namespace, windows: int, measured: Probe) -> dict[str, Any]:
+    """size_recording's choices from a probe already made."""
     rate = measured.chunks_per_s
     one = windows / rate
     needed = math.ceil(one / RECORDING_SHARE)

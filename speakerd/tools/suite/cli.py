@@ -63,7 +63,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--references", default=None, help="make-references output to use (default: made in --out)"
     )
-    parser.add_argument("--segmentation", default=None, help="pyannote: segmentation-3.0's pytorch_model.bin")
+    parser.add_argument(
+        "--segmentation", default=None, help="pyannote, diarize: segmentation-3.0's pytorch_model.bin"
+    )
+    parser.add_argument("--speech", default=None, help="diarize: a speech clip to tile (sample.wav)")
     parser.add_argument(
         "--require-gpu", action="store_true", help="a suite skipped for want of a GPU fails the run"
     )

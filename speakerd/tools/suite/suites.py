@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from speakerd.tools.suite.diarize import diarize
 from speakerd.tools.suite.engine import engine
 from speakerd.tools.suite.pyannote import pyannote
 from speakerd.tools.suite.recording import recording
@@ -59,6 +60,13 @@ SUITES: dict[str, Suite] = {
             "pyannote.audio's whole pipeline on an hour, alone and with a speakerd server",
             420,
             pyannote,
+        ),
+        Suite(
+            "diarize",
+            "an hour of speech through a server that segments: segmentation and embeddings, and "
+            "Diarize, against the same hour under the client's masks; the clustering's steps",
+            280,
+            diarize,
         ),
         Suite(
             "devices",
