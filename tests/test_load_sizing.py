@@ -22,8 +22,8 @@ from speakerd.client.load_sizing import (
     MAX_STREAMS,
     Probe,
     _fits,
-    recording_sizing,
     _stretch,
+    recording_sizing,
 )
 from speakerd.client.loadgen_window import outcome
 from tests.serving import ServerProcess
