@@ -54,10 +54,10 @@ def diarize(ctx: Context) -> None:
     saved = ctx.out / "diarize-hour.npz"
     serve = ["--engine", "gpu", "--math", math, "--segmentation-model", str(checkpoint)]
     with ctx.server("diarize", serve) as server:
-        masked = load(ctx, "load-recording", server, RECORDING_LOAD.split(), 100)
+        masked = load(ctx, "load-recording", server, RECORDING_LOAD.split(), 80)
         flags = f"--target {server['target']} --audio {speech} --seconds {HOUR_S} --runs 3 --save {saved}"
         argv = ctx.python("-m", "speakerd.tools.bench_diarize", *flags.split())
-        done = ctx.run("bench-diarize", argv, 150)
+        done = ctx.run("bench-diarize", argv, 120)
     lines = {row["kind"]: row for row in json_lines(done.stdout)}
     command = shown(argv)
     segment = figure(lines["segment"]["p50_s"], "s", "lower")

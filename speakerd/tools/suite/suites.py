@@ -65,7 +65,7 @@ SUITES: dict[str, Suite] = {
             "diarize",
             "an hour of speech through a server that segments: segmentation and embeddings, and "
             "Diarize, against the same hour under the client's masks; the clustering's steps",
-            280,
+            240,
             diarize,
         ),
         Suite(
