@@ -54,9 +54,20 @@ CASES = [
 ]
 
 
+#: The clustering budget of the module's server, MiB: the smallest the flag takes, so that a
+#: minute of audio does not fit it (51 windows reserve 1.27 MB) while sample.wav (21 windows,
+#: at most 63 clean pairs: 0.55 MB) does.
+CLUSTERING_MEMORY_MB = 1
+#: Seconds of silence whose clustering reservation exceeds that budget.
+OVER_BUDGET_S = 60
+
+
 @pytest.fixture(scope="module")
 def server(weights_path):
-    yield from serve_module(weights_path, "--plans", "1,8", "--segmentation-model", str(SEGMENTATION))
+    yield from serve_module(
+        weights_path, "--plans", "1,8", "--segmentation-model", str(SEGMENTATION),
+        "--clustering-memory-mb", str(CLUSTERING_MEMORY_MB),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +194,21 @@ def test_silence_is_no_turns(server) -> None:
     with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
         result = client.diarize(np.zeros(12 * 16_000, np.int16), 16_000)
     assert result.turns == [] and result.speakers == [] and result.rttm == "" and result.windows == 3
+
+
+def test_a_recording_whose_clustering_exceeds_the_budget_is_invalid_argument(server) -> None:
+    """Diarize reserves its clustering's memory (docs/service.md, C) once its recording is
+    embedded; more than the server's whole --clustering-memory-mb is refused naming
+    `recording`, with the numbers, and the server goes on serving."""
+    with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.diarize(np.zeros(OVER_BUDGET_S * 16_000, np.int16), 16_000)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        assert [name for name, _ in field_violations(caught.value)] == ["recording"], caught.value.details()
+        details = caught.value.details()
+        assert "51 windows with 0 clean speaker pairs need 1 MiB to cluster" in details, details
+        assert "clustering budget (1 MiB, serve --clustering-memory-mb)" in details, details
+        assert client.diarize(np.zeros(12 * 16_000, np.int16), 16_000).windows == 3
 
 
 def test_cli_writes_pyannotes_rttm(server, pyannote_outputs, tmp_path, capsys) -> None:

@@ -17,10 +17,11 @@ from speakerd.model.diarization.clustering import (
     AgglomerativeParameters,
     Clusters,
     agglomerative_clustering,
+    clean_speakers,
 )
 from speakerd.model.diarization.count import SpeakerCount, speaker_count
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames
-from speakerd.model.diarization.pipeline import Diarization, bind_speakers, diarize
+from speakerd.model.diarization.pipeline import Diarization, bind_speakers, diarize, working_bytes
 from speakerd.model.diarization.plda import Plda, PldaError, load_plda
 from speakerd.model.diarization.reconstruct import reconstruct
 from speakerd.model.diarization.rttm import to_rttm
@@ -43,10 +44,12 @@ __all__ = [
     "agglomerative_clustering",
     "binarize",
     "bind_speakers",
+    "clean_speakers",
     "diarize",
     "load_plda",
     "reconstruct",
     "speaker_count",
     "to_rttm",
     "vbx_clustering",
+    "working_bytes",
 ]

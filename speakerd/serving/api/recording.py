@@ -159,6 +159,43 @@ def _invalid(error: InputError | TensorError | RequestIdError) -> Rejection:
     return Rejection.invalid(error.field, str(error).removeprefix(f"{error.field}: "))
 
 
+async def reserve(
+    budget: RecordingBudget,
+    need: int,
+    deadline: float | None,
+    too_large: Callable[[], Exception],
+    queue: str,
+    what: str,
+    report: Callable[[int], None],
+) -> Reservation:
+    """`need` bytes of `budget`, waiting in arrival order up to `deadline` (time.monotonic(),
+    None: no deadline). `queue` full is RESOURCE_EXHAUSTED; more than the whole budget raises
+    `too_large()`; the deadline passing is DEADLINE_EXCEEDED naming the `what` budget.
+    `report(waiting)` updates the budget's metrics before and after (1 while this call waits)."""
+    waited = time.monotonic()
+    try:
+        admitting = budget.admit(need)
+        report(1)
+        if deadline is None:
+            return await admitting
+        return await asyncio.wait_for(admitting, max(0.0, deadline - time.monotonic()))
+    except QueueFull as error:
+        raise Rejection(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", f"{queue}: {error}; retry with backoff"
+        ) from error
+    except TooLarge as error:
+        raise too_large() from error
+    except TimeoutError as error:
+        raise Rejection(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "deadline_exceeded",
+            f"the deadline passed after {time.monotonic() - waited:.1f} s waiting for room in the "
+            f"server's {what} budget",
+        ) from error
+    finally:
+        report(0)
+
+
 class RecordingService:
     """The EmbedRecording method of `host` (registered by speakerd.serving.api.service.register)."""
 
@@ -195,13 +232,18 @@ class RecordingService:
         requests: AsyncIterator[pb.EmbedRecordingRequest],
         context: grpc.aio.ServicerContext,
         masks_of: Callable[[np.ndarray], np.ndarray] | None = None,
+        kept_row_bytes: int = 0,
+        held: list[Reservation] | None = None,
     ) -> AsyncIterator[pb.EmbedRecordingResponse]:
         """A call's responses without EmbedRecording's metrics and log line: for methods
-        built on the recording path (voiceprints), which decode their own calls and account
-        for them themselves. Failures raise Rejection. With `header.segment`, `masks_of`
-        turns the segmentation [k, 589, 3] into the masks pooled under (default: its
-        speakers, [k, 3, 589])."""
-        return _Call(self, context, masks_of).run(requests)
+        built on the recording path (voiceprints, Diarize), which decode their own calls and
+        account for them themselves. Failures raise Rejection. With `header.segment`,
+        `masks_of` turns the segmentation [k, 589, 3] into the masks pooled under (default:
+        its speakers, [k, 3, 589]). `kept_row_bytes`: what the caller keeps of each window's
+        answer, reserved with the recording; `held`: when given, the call's reservation is
+        appended to it at the end instead of released, for a caller whose work goes on with
+        what it kept (Diarize's clustering), which then releases it."""
+        return _Call(self, context, masks_of, kept_row_bytes, held).run(requests)
 
     async def EmbedRecording(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -258,8 +300,12 @@ class _Call:
         service: RecordingService,
         context: grpc.aio.ServicerContext,
         masks_of: Callable[[np.ndarray], np.ndarray] | None = None,
+        kept_row_bytes: int = 0,
+        held: list[Reservation] | None = None,
     ) -> None:
         self.service = service
+        self.kept_row_bytes = kept_row_bytes
+        self.held = held
         self.host = service.host
         self.context = context
         self.request_id = fresh_request_id()  # until the metadata or header give one
@@ -314,7 +360,9 @@ class _Call:
             reader.cancel()
             submitter.cancel()
             segmenter.cancel()
-            if self.reservation is not None:
+            if self.reservation is not None and self.held is not None:
+                self.held.append(self.reservation)  # the caller's to release
+            elif self.reservation is not None:
                 self.reservation.release()
                 self._report_budget()
             for task in self.tasks:
@@ -461,44 +509,26 @@ class _Call:
         else:
             row_bytes, extra = ASSUMED_ROW_BYTES, 0
         self.row_bytes, self.reserved_windows = row_bytes, windows
-        need = math.ceil(seconds * FRAME_BYTES_PER_S) + windows * row_bytes + extra
+        need = math.ceil(seconds * FRAME_BYTES_PER_S) + windows * (row_bytes + self.kept_row_bytes) + extra
         budget = self.service.budget
-        waited = time.monotonic()
-        try:
-            admitting = budget.admit(need)
-            self._report_budget(waiting=1)
-            if self.deadline is None:
-                self.reservation = await admitting
-            else:
-                self.reservation = await asyncio.wait_for(
-                    admitting, max(0.0, self.deadline - time.monotonic())
-                )
-        except QueueFull as error:
-            raise Rejection(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", f"recordings: {error}; retry with backoff"
-            ) from error
-        except TooLarge as error:
+
+        def too_large() -> InputError:
             field = "header.frames" if header.frames else "header"
             said = (
                 f"{header.frames} frames"
                 if header.frames
                 else "a recording of unknown length (no header.frames)"
             )
-            raise InputError(
+            return InputError(
                 field,
                 f"{said} need {need / 2**20:.0f} MiB, more than the server's whole recording budget "
                 f"({budget.limit_bytes / 2**20:.0f} MiB): send a shorter recording"
                 + ("" if header.frames else ", or set header.frames"),
-            ) from error
-        except TimeoutError as error:
-            raise Rejection(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "deadline_exceeded",
-                f"the deadline passed after {time.monotonic() - waited:.1f} s waiting for room in the "
-                "server's recording budget",
-            ) from error
-        finally:
-            self._report_budget()
+            )
+
+        self.reservation = await reserve(
+            budget, need, self.deadline, too_large, "recordings", "recording", self._report_budget
+        )
 
     def _report_budget(self, waiting: int = 0) -> None:
         budget = self.service.budget

@@ -13,6 +13,7 @@ recording without speech is no turns, not an error.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -20,19 +21,23 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 
+from speakerd.model.architecture import EMBEDDING_DIM, MASK_FRAMES, MAX_SPEAKERS
 from speakerd.model.diarization import (
     SPEAKER_DIARIZATION_3_1,
     AgglomerativeParameters,
     Diarization,
     Turn,
+    clean_speakers,
     diarize,
     to_rttm,
+    working_bytes,
 )
 from speakerd.model.inputs import InputError
 from speakerd.model.voiceprint import check_threshold, normalize
 from speakerd.serving.api.calls import header_and_parts, served
 from speakerd.serving.api.errors import Rejection
-from speakerd.serving.api.recording import DEFAULT_STEP_S, Host, RecordingService
+from speakerd.serving.api.recording import DEFAULT_STEP_S, Host, RecordingService, reserve
+from speakerd.serving.memory.recording_budget import RecordingBudget, Reservation
 from speakerd.serving.voiceprints.service import DEFAULT_THRESHOLD, VoiceprintService
 from speakerd.serving.voiceprints.tenants import tenant_of
 from speakerd.v1 import speakerd_pb2 as pb
@@ -47,11 +52,28 @@ CLUSTER_THREADS = 2
 #: windows x 3 local speakers cannot be formed.
 MAX_SPEAKERS_ASKED = 1000
 DEFAULT_URI = "recording"
+#: MiB Diarize calls clustering at once may hold (`--clustering-memory-mb`): an hour's
+#: clustering takes at most 1.0 GB (every pair clean), so two at once fit; a 3 h recording
+#: (2.1 GB with 47% of its pairs clean, sample.wav's share) fits up to that share.
+DEFAULT_CLUSTERING_MEMORY_MB = 2048
+#: What a call keeps of each window until its clustering ends: the segmentation row (uint8
+#: [589, 3]) and the embeddings (float32 [3, 256]); 4,839 bytes, 52 MB for 3 h.
+KEPT_ROW_BYTES = MASK_FRAMES * MAX_SPEAKERS + MAX_SPEAKERS * EMBEDDING_DIM * 4
 
 
 class DiarizationService:
     """Diarize over `recordings` (the recording path), naming speakers from `voiceprints`
-    (None with `--voiceprints off`)."""
+    (None with `--voiceprints off`).
+
+    Memory: a call keeps each window's segmentation and embeddings (KEPT_ROW_BYTES), reserved
+    with its recording in the recording budget. Once the audio is embedded, it reserves what
+    the clustering will hold (model.diarization.working_bytes: the linkage's 8 n^2 bytes for n
+    clean pairs, and its per-window arrays) with what it keeps, in `clustering_budget`
+    (`--clustering-memory-mb`), waiting in arrival order up to its deadline while still
+    holding its recording's reservation (so what it keeps is always counted; no deadlock: a
+    call holding clustering room never waits for anything), then gives the recording's back.
+    A recording whose clustering needs more than the whole budget is INVALID_ARGUMENT naming
+    `recording`."""
 
     def __init__(
         self,
@@ -59,11 +81,13 @@ class DiarizationService:
         recordings: RecordingService,
         voiceprints: VoiceprintService | None,
         authenticated: bool,
+        clustering_budget: RecordingBudget,
     ) -> None:
         self.host = host
         self.recordings = recordings
         self.voiceprints = voiceprints
         self.authenticated = authenticated
+        self.clustering_budget = clustering_budget
         self._pool = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="diarize")
 
     def close(self) -> None:
@@ -83,21 +107,37 @@ class DiarizationService:
                 )  # fmt: skip
             if not header.HasField("recording"):
                 raise InputError("recording", "missing; the recording's sample rate, channels and encoding")
-            segmentation, embeddings, last = [], [], None
-            async for response in self.recordings.windows(_messages(header.recording, rest), context):
-                segmentation.append(from_tensor(response.segmentation, "segmentation"))
-                embeddings.append(from_tensor(response.embeddings, "embeddings"))
-                last = response
-            assert last is not None, "a recording has at least one window"
+            rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+            last, held = None, []
+            try:
+                async for response in self.recordings.windows(
+                    _messages(header.recording, rest), context, kept_row_bytes=KEPT_ROW_BYTES, held=held
+                ):
+                    rows[0].append(from_tensor(response.segmentation, "segmentation"))
+                    rows[1].append(from_tensor(response.embeddings, "embeddings"))
+                    last = response
+                assert last is not None, "a recording has at least one window"
+                segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
+                del rows
+                room = await self._clustering_room(segmentations, embeddings, context)
+            finally:
+                for reservation in held:  # the recording's: what it keeps is in `room` now
+                    reservation.release()
             step_s = header.recording.step_s or DEFAULT_STEP_S
 
             def cluster() -> Diarization:
                 return diarize(
-                    np.concatenate(segmentation), np.concatenate(embeddings), step_s, options.num_speakers,
-                    options.min_speakers, options.max_speakers, clustering=options.clustering,
+                    segmentations, embeddings, step_s, options.num_speakers, options.min_speakers,
+                    options.max_speakers, clustering=options.clustering,
                 )  # fmt: skip
 
-            result = await asyncio.get_running_loop().run_in_executor(self._pool, cluster)
+            started = time.perf_counter()
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(self._pool, cluster)
+            finally:
+                room.release()
+                self._report_clustering(0)
+            self.host.metrics.clustering_seconds.observe(time.perf_counter() - started)
             speakers = [
                 pb.DiarizedSpeaker(
                     label=label,
@@ -129,6 +169,33 @@ class DiarizationService:
             work,
             lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
         )
+
+    async def _clustering_room(
+        self, segmentations: np.ndarray, embeddings: np.ndarray, context: grpc.aio.ServicerContext
+    ) -> Reservation:
+        """The clustering budget's room for this recording's clustering (class docstring)."""
+        windows = segmentations.shape[0]
+        pairs = len(clean_speakers(embeddings, segmentations)[0])
+        need = working_bytes(windows, pairs) + segmentations.nbytes + embeddings.nbytes
+        budget = self.clustering_budget
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+
+        def too_large() -> InputError:
+            return InputError(
+                "recording",
+                f"{windows} windows with {pairs} clean speaker pairs need {need / 2**20:.0f} MiB to "
+                f"cluster, more than the server's whole clustering budget ({budget.limit_bytes / 2**20:.0f} "
+                "MiB, serve --clustering-memory-mb): send a shorter recording",
+            )
+
+        report = self._report_clustering
+        return await reserve(budget, need, deadline, too_large, "clusterings", "clustering", report)
+
+    def _report_clustering(self, waiting: int) -> None:
+        metrics = self.host.metrics
+        metrics.clusterings_waiting.set(self.clustering_budget.waiting + waiting)
+        metrics.clustering_bytes_held.set(self.clustering_budget.held_bytes)
 
     async def _names(
         self,

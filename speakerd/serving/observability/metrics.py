@@ -23,6 +23,9 @@ SECONDS_BUCKETS = (
 )  # fmt: skip
 #: Batch sizes in chunks: powers of two up to the b32 plan, then room for larger plans.
 CHUNK_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128)
+#: A Diarize call's clustering: milliseconds for a minute of speech, seconds for an hour
+#: (the linkage is quadratic in the clean speaker pairs), minutes for 3 h.
+CLUSTERING_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0)
 #: Fill = real chunks / plan capacity run; tenths are fine enough to see padding waste.
 FILL_BUCKETS = tuple(round(0.1 * step, 1) for step in range(1, 11))
 
@@ -42,6 +45,9 @@ METRIC_NAMES = (
     "speakerd_queue_depth_chunks",
     "speakerd_recordings_waiting",
     "speakerd_recording_bytes_held",
+    "speakerd_clusterings_waiting",
+    "speakerd_clustering_bytes_held",
+    "speakerd_clustering_seconds",
     "speakerd_inflight_requests",
     "speakerd_chunks_embedded_total",
     "speakerd_windows_skipped_total",
@@ -146,6 +152,23 @@ class Metrics:
         self.recording_bytes_held = Gauge(
             "speakerd_recording_bytes_held",
             "Bytes of the recording memory budget held by the recording calls in progress",
+            registry=r,
+        )
+        self.clusterings_waiting = Gauge(
+            "speakerd_clusterings_waiting",
+            "Diarize calls waiting for room in the clustering memory budget (--clustering-memory-mb)",
+            registry=r,
+        )
+        self.clustering_bytes_held = Gauge(
+            "speakerd_clustering_bytes_held",
+            "Bytes of the clustering memory budget held by the Diarize calls clustering",
+            registry=r,
+        )
+        self.clustering_seconds = Histogram(
+            "speakerd_clustering_seconds",
+            "Seconds a Diarize call's clustering, reconstruction and turns took on the CPU, after its "
+            "embeddings",
+            buckets=CLUSTERING_BUCKETS,
             registry=r,
         )
         self.inflight = Gauge(

@@ -18,6 +18,7 @@ from speakerd.engine.factory import ENGINE_KINDS
 from speakerd.model.numerics import Math
 from speakerd.model.source import MODEL_ENV, MODEL_HELP, env_model
 from speakerd.serving.api.recording import DEFAULT_RECORDING_MEMORY_MB, DEFAULT_RECORDING_QUEUE
+from speakerd.serving.diarization.service import DEFAULT_CLUSTERING_MEMORY_MB
 
 ENV_PREFIX = "SPEAKERD_"
 #: Loopback by default: exposing the port is a deliberate act (the container sets SPEAKERD_HOST).
@@ -114,6 +115,7 @@ class ServeConfig:
     #: bytes of recordings in progress at once, and calls that may wait for room in them
     recording_memory_mb: int = DEFAULT_RECORDING_MEMORY_MB
     recording_queue: int = DEFAULT_RECORDING_QUEUE
+    clustering_memory_mb: int = DEFAULT_CLUSTERING_MEMORY_MB
     #: PEM files: server certificate chain and key (TLS), and the CA that client certificates
     #: must chain to (mutual TLS). All None: plaintext gRPC.
     tls_cert: Path | None = None
@@ -259,6 +261,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
     )
     add(
+        "clustering-memory-mb",
+        DEFAULT_CLUSTERING_MEMORY_MB,
+        "MiB that Diarize calls clustering at once may hold (the linkage's 8 n^2 bytes for n clean speaker "
+        "pairs, and what each keeps per window); a call that does not fit waits for room up to its deadline",
+        type=_positive_int,
+    )
+    add(
         "recording-queue",
         DEFAULT_RECORDING_QUEUE,
         "recording calls that may wait for room; one more is RESOURCE_EXHAUSTED at once",
@@ -393,6 +402,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         segmentation_model=args.segmentation_model or None,
         recording_memory_mb=int(args.recording_memory_mb),
         recording_queue=int(args.recording_queue),
+        clustering_memory_mb=int(args.clustering_memory_mb),
         math=Math(args.math),
         plans=plans,
         max_delay_ms=float(args.max_delay_ms),

@@ -19,6 +19,10 @@ estimate of typical use:
 - recordings: --recording-memory-mb, the budget recording calls reserve what they hold in
   (frames, mask rows and, when the server segments, the samples kept for the windows not
   yet segmented) before they start; calls that do not fit wait (recording_budget.py);
+- clustering: --clustering-memory-mb, the budget Diarize calls reserve their clustering in
+  (the linkage's 8 n^2 bytes for n clean speaker pairs, the per-window arrays and what the
+  call keeps of each window) before they cluster, holding their recording's reservation
+  while they wait (serving/diarization/service.py);
 - segmentation: the groups of windows the segmentation engine runs at once (SEGMENT_THREADS),
   each at most SEGMENT_GROUP_BYTES of activations (CPU engine; the GPU's are on the device).
 
@@ -61,13 +65,14 @@ class MemoryBound:
     engine: int
     receivers: int
     recordings: int
+    clustering: int
     segmentation: int
     per_call: int
 
     @property
     def fixed(self) -> int:
         return (self.baseline + self.decode + self.queue + self.engine + self.receivers + self.recordings
-                + self.segmentation)  # fmt: skip
+                + self.clustering + self.segmentation)  # fmt: skip
 
     def total(self, calls: int) -> int:
         """The bound with `calls` calls open at once."""
@@ -86,6 +91,7 @@ def memory_bound(
     devices: int = 1,
     receivers: int = 0,
     recording_bytes: int = 0,
+    clustering_bytes: int = 0,
 ) -> MemoryBound:
     """The terms of docs/service.md's bound for a server with these flags whose warm
     resident size is `baseline_bytes`."""
@@ -96,6 +102,7 @@ def memory_bound(
         engine=(PIPELINE_DEPTH * devices - 1) * max_batch * ACTIVATION_BYTES_PER_CHUNK,
         receivers=receivers * (RECEIVER_BASELINE_BYTES + SLOTS_PER_RECEIVER * SLOT_BYTES),
         recordings=recording_bytes,
+        clustering=clustering_bytes,
         segmentation=SEGMENT_THREADS * SEGMENT_GROUP_BYTES,
         per_call=2 * max_message_bytes,
     )

@@ -399,8 +399,9 @@ class SpeakerServer:
         if settings.voiceprints != "off":
             self.voiceprints = VoiceprintService(self.service, self.service.recordings, settings.voiceprints,
                                                  settings.data_dir, prepared.tokens is not None)  # fmt: skip
+        clustering = RecordingBudget(settings.clustering_memory_mb << 20, settings.recording_queue)
         self.diarization = DiarizationService(
-            self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None
+            self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None, clustering
         )
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
@@ -603,6 +604,7 @@ class SpeakerServer:
         bound = memory_bound(
             resident_bytes(), s.max_message_bytes, s.queue_chunks, engine.max_batch,
             len(self.prepared.devices or ()) or 1, s.receivers, s.recording_memory_mb << 20,
+            s.clustering_memory_mb << 20,
         )  # fmt: skip
         log.info("memory bound %d bytes + %d bytes per call open at once (at most %d a connection): %s; "
                  "docs/service.md has the formula", bound.fixed, bound.per_call, MAX_CONCURRENT_STREAMS,
