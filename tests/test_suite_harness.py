@@ -48,7 +48,7 @@ def test_list_names_every_suite_with_its_budget_inside_a_device_call():
     assert done.returncode == 0, done.stderr
     listed = {line.split()[0]: int(line.split()[1]) for line in done.stdout.splitlines()}
     assert listed == {name: s.budget_s for name, s in SUITES.items()}
-    assert set(listed) == {"tests-gpu", "engine", "service", "recording", "pyannote", "devices"}
+    assert set(listed) == {"tests-gpu", "engine", "service", "recording", "pyannote", "diarize", "devices"}
     assert all(budget <= 570 for budget in listed.values()), "a suite must fit one 600 s device call"
 
 
@@ -57,7 +57,10 @@ def test_list_names_every_suite_with_its_budget_inside_a_device_call():
     [
         (["benchmark"], "unknown suite benchmark; the suites are tests-gpu, engine"),
         ([], "name at least one suite"),
-        (["engine", "--engine", "cpu"], "--engine cpu: only the service suite runs on the CPU engine"),
+        (
+            ["engine", "--engine", "cpu"],
+            "--engine cpu: only these suites run on the CPU engine: service, pyannote",
+        ),
         (["service", "--runs", "0"], "--runs, --seconds and --budget-s must be positive"),
         (["service", "--math", "fp16,tf32"], "--math fp16,tf32: only the engine suite takes several maths"),
     ],

@@ -49,7 +49,10 @@ def parser() -> argparse.ArgumentParser:
         "--anchors", default=None, help="folder of the PyTorch anchor scripts [SPEAKERD_ANCHORS]"
     )
     parser.add_argument(
-        "--engine", choices=("gpu", "cpu"), default="gpu", help="service only: cpu runs it on ONNX Runtime"
+        "--engine",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="service, pyannote: cpu runs them on the CPU engine",
     )
     parser.add_argument(
         "--math",
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         return usage_error(f"unknown suite {', '.join(unknown)}; the suites are {', '.join(SUITES)}")
     if args.engine == "cpu" and any(not SUITES[name].cpu_engine for name in args.suites):
-        return usage_error("--engine cpu: only the service suite runs on the CPU engine")
+        cpu = ", ".join(name for name, suite in SUITES.items() if suite.cpu_engine)
+        return usage_error(f"--engine cpu: only these suites run on the CPU engine: {cpu}")
     if args.math and "," in args.math and any(name != "engine" for name in args.suites):
         return usage_error(
             f"--math {args.math}: only the engine suite takes several maths; the others serve one"
@@ -148,15 +152,16 @@ def run(args: argparse.Namespace, suites: list[Suite]) -> int:
             if args.require_gpu:
                 failed.append(suite.name)
             continue
-        if left < suite.budget_s:
+        budget = suite.budget(args.engine)
+        if left < budget:
             print(
-                f"{suite.name}: skipped: its budget is {suite.budget_s} s, {left:.0f} s left of --budget-s "
+                f"{suite.name}: skipped: its budget is {budget} s, {left:.0f} s left of --budget-s "
                 f"{args.budget_s:g} (run it in a call of its own)",
                 flush=True,
             )
             skipped.append(suite.name)
             continue
-        ctx = Context(suite.name, env, args, repo, out, time.monotonic() + suite.budget_s, records_file)
+        ctx = Context(suite.name, env, args, repo, out, time.monotonic() + budget, records_file)
         suite_started = time.monotonic()
         error = None
         try:

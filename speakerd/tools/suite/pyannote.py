@@ -1,5 +1,10 @@
 """The `pyannote` suite: pyannote.audio's whole pipeline on an hour, alone and with a
-speakerd server, from `speakerd.pyannote.bench`'s report."""
+speakerd server, from `speakerd.pyannote.bench`'s report.
+
+With `--engine cpu`, the diarization service a CPU-only fleet would run: a CPU server that
+segments and embeds (`serve --engine cpu --segmentation-model`), a client holding no weights
+(`remote_pipeline`, the bench's `--server-segmentation`), against pyannote alone on the same
+CPU, on CPU_AUDIO_S of audio (an hour takes a 2-core machine over an hour alone)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ SEGMENTATION_PATHS = (
     ".cache/pyannote/segmentation-3.0/pytorch_model.bin",
     ".whl-pyannote/segmentation-3.0/pytorch_model.bin",
 )
+
+
+#: The CPU row's audio: 10 minutes, some 600 windows each way on 2 cores.
+CPU_AUDIO_S = 600
 
 
 def segmentation_path(ctx: Context) -> Path | None:
@@ -41,18 +50,31 @@ def pyannote(ctx: Context) -> None:
         return
     math = serving_math(ctx)
     output = ctx.out / "pyannote-bench.json"
-    with ctx.server("pyannote", ["--engine", "gpu", "--math", math]) as server:
-        flags = f"--target {server['target']} --device cuda --audio-seconds {HOUR_S} --exclude-overlap"
+    if ctx.options.engine == "cpu":
+        serve = ["--engine", "cpu", "--segmentation-model", str(checkpoint)]
+        bench = f"--device cpu --audio-seconds {CPU_AUDIO_S} --server-segmentation"
+        setup = "CPU client without weights, CPU server segmenting"
+    else:
+        serve, bench, setup = (
+            ["--engine", "gpu", "--math", math],
+            f"--device cuda --audio-seconds {HOUR_S}",
+            "",
+        )
+        bench += " --exclude-overlap"
+    with ctx.server("pyannote", serve) as server:
         files = ["--segmentation", str(checkpoint), "--output", str(output)]
-        argv = ctx.python("-m", "speakerd.pyannote.bench", *flags.split(), *files)
+        argv = ctx.python(
+            "-m", "speakerd.pyannote.bench", "--target", server["target"], *bench.split(), *files
+        )
         ctx.run("pyannote-bench", argv, ctx.left() - 10, env={"PYANNOTE_METRICS_ENABLED": "false"})
-    for kwargs in pyannote_records(json.loads(output.read_text()), shown(argv)):
+    for kwargs in pyannote_records(json.loads(output.read_text()), shown(argv), setup):
         ctx.record(**kwargs)
 
 
-def pyannote_records(report: dict[str, Any], command: str) -> list[dict[str, Any]]:
+def pyannote_records(report: dict[str, Any], command: str, setup: str = "") -> list[dict[str, Any]]:
     """speakerd.pyannote.bench's JSON -> Context.record keyword arguments: the whole
-    pipeline and its embedding step, each against pyannote alone in the same run."""
+    pipeline and its embedding step, each against pyannote alone in the same run; `setup`
+    (e.g. the CPU row's) ends each name."""
     ok = report.get("parity", {}).get("der", 0.0) == 0.0
     out = []
     for key, what in (("total_s", "pipeline"), ("embeddings_s", "embedding step")):
@@ -63,7 +85,8 @@ def pyannote_records(report: dict[str, Any], command: str) -> list[dict[str, Any
             anchors.append(anchor(alone, report["pyannote"][key], "s", "lower", fig, command))
         out.append(
             {
-                "name": f"pyannote {what}, {report['audio_seconds']:g} s of audio",
+                "name": f"pyannote {what}, {report['audio_seconds']:g} s of audio"
+                + (f", {setup}" if setup else ""),
                 "command": command,
                 "fig": fig,
                 "anchors": anchors,
