@@ -1,13 +1,19 @@
 """Diarize: a recording in, pyannote's diarization (and names) out, from one call.
 
 A real CPU server serving the synthetic embedding model and the real segmentation-3.0
-checkpoint, against pyannote.audio 4.0.7's own SpeakerDiarization pipeline on the same
-weights (AgglomerativeClustering with speaker-diarization-3.1's parameters) on pyannote's
-sample.wav: the same turns, track for track (DER 0), with the speaker count free or bound
-and exclude_overlap on (tests/test_diarization_math.py holds every other bound to pyannote on
-the same arrays, without a server); the names of enrolled voiceprints on the speakers whose centroid
-matches; every bad option INVALID_ARGUMENT naming its field; silence no turns. Skips, saying
-why, without pyannote.audio or the segmentation checkpoint (.ci/run installs both).
+checkpoint, against pyannote.audio 4.0.7's own SpeakerDiarization pipeline
+(AgglomerativeClustering with speaker-diarization-3.1's parameters) on the first
+SAMPLE_SECONDS of pyannote's sample.wav: the same turns, track for track (DER 0), with the
+speaker count free or bound and exclude_overlap on. The pipeline compared is
+`remote_pipeline`: pyannote's own clustering, reconstruction and turns on the segmentation
+and embeddings of the same server, so the comparison isolates what Diarize adds (the steps
+after the embeddings, in NumPy and SciPy), and needs no PyTorch model run here;
+tests/test_pyannote.py shows that this pipeline diarizes as pyannote alone on the same weights
+does (DER 0), and tests/test_diarization_math.py holds every other bound to pyannote on the
+same arrays. Then the names of enrolled voiceprints on the speakers whose centroid matches;
+every bad option INVALID_ARGUMENT naming its field; silence no turns; a clustering larger than
+the server's budget refused. Skips, saying why, without pyannote.audio or the segmentation
+checkpoint (.ci/run installs both).
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ from pyannote.metrics.diarization import DiarizationErrorRate
 from speakerd.client.cli import main as cli_main
 from speakerd.client.diarize import DiarizationClient
 from speakerd.client.voiceprints import VoiceprintClient
-from speakerd.pyannote import diarize, models
+from speakerd.pyannote import diarize, models, remote_pipeline
 from tests.serving import serve_module
 from tests.test_bad_inputs import field_violations
-from tests.test_pyannote import SEGMENTATION
+from tests.test_pyannote import SAMPLE_SECONDS, SEGMENTATION
 
 pytestmark = pytest.mark.slow
 if not SEGMENTATION.is_file():
@@ -55,8 +61,8 @@ CASES = [
 
 
 #: The clustering budget of the module's server, MiB: the smallest the flag takes, so that a
-#: minute of audio does not fit it (51 windows reserve 1.27 MB) while sample.wav (21 windows,
-#: at most 63 clean pairs: 0.55 MB) does.
+#: minute of audio does not fit it (51 windows reserve 1.27 MB) while the sample (11 windows,
+#: at most 33 clean pairs: 0.28 MB) does.
 CLUSTERING_MEMORY_MB = 1
 #: Seconds of silence whose clustering reservation exceeds that budget.
 OVER_BUDGET_S = 60
@@ -72,37 +78,21 @@ def server(weights_path):
 
 @pytest.fixture(scope="module")
 def sample() -> dict[str, Any]:
-    samples, rate = soundfile.read(str(models.sample_path()), dtype="float32", always_2d=True)
+    samples, rate = soundfile.read(
+        str(models.sample_path()), dtype="float32", always_2d=True, frames=SAMPLE_SECONDS * 16_000
+    )
     return models.in_memory(samples, rate, "sample")
 
 
 @pytest.fixture(scope="module")
-def pyannote_outputs(weights_path, sample) -> dict[str, Any]:
-    """case -> pyannote alone's DiarizeOutput on sample.wav (the same weights as the server).
-
-    pyannote's embedding step dominates on a CPU (63 ResNet runs a pass), so each
-    exclude_overlap setting runs it once; the other cases apply the same pipeline with its
-    get_embeddings answering the arrays that run computed (pyannote's own, for the same
-    segmentation), which changes nothing else in `apply`."""
-    segmentation, embedding = models.segmentation_model(SEGMENTATION), models.embedding_model(weights_path)
+def pyannote_outputs(server, sample) -> dict[str, Any]:
+    """case -> the DiarizeOutput of pyannote's pipeline on the server's segmentation and
+    embeddings (module doc), one server call a case."""
     outputs: dict[str, Any] = {}
-    computed: dict[bool, Any] = {}
     for case, bounds, exclude_overlap in CASES:
-        pipeline = models.diarization_pipeline(segmentation, embedding, exclude_overlap)
-        if exclude_overlap in computed:
-            pipeline.get_embeddings = lambda *args, _kept=computed[exclude_overlap], **kwargs: _kept
-        else:
-            own = pipeline.get_embeddings
-
-            def keep(*args, _own=own, _flag=exclude_overlap, **kwargs):
-                computed[_flag] = _own(*args, **kwargs)
-                return computed[_flag]
-
-            pipeline.get_embeddings = keep
+        pipeline = remote_pipeline(server.target, exclude_overlap=exclude_overlap, timeout_s=TIMEOUT_S)
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore"
-            )  # min_speakers=3 warns that 2 clusters were found, as pyannote does
+            warnings.simplefilter("ignore")  # pyannote's own warnings (e.g. clusters found vs asked)
             outputs[case] = pipeline(dict(sample), **bounds)
     return outputs
 
@@ -211,11 +201,10 @@ def test_a_recording_whose_clustering_exceeds_the_budget_is_invalid_argument(ser
         assert client.diarize(np.zeros(12 * 16_000, np.int16), 16_000).windows == 3
 
 
-def test_cli_writes_pyannotes_rttm(server, pyannote_outputs, tmp_path, capsys) -> None:
-    rttm = tmp_path / "sample.rttm"
-    code = cli_main(
-        ["diarize", "--target", server.target, "--audio", str(models.sample_path()), "--rttm", str(rttm)]
-    )
+def test_cli_writes_pyannotes_rttm(server, sample, pyannote_outputs, tmp_path, capsys) -> None:
+    rttm, audio = tmp_path / "sample.rttm", tmp_path / "sample.wav"
+    soundfile.write(audio, sample["waveform"].numpy().T, 16_000, subtype="PCM_16")  # sample.wav's own samples
+    code = cli_main(["diarize", "--target", server.target, "--audio", str(audio), "--rttm", str(rttm)])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     expected = tmp_path / "expected.rttm"
