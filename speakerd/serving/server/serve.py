@@ -407,8 +407,9 @@ class SpeakerServer:
             self.voiceprints = VoiceprintService(self.service, self.service.recordings, settings.voiceprints,
                                                  settings.data_dir, prepared.tokens is not None)  # fmt: skip
         self.diarization = DiarizationService(
-            self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None
-        )
+            self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None,
+            prepared.plda,
+        )  # fmt: skip
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
         self.port = 0
