@@ -182,7 +182,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
     parser.add_argument(
         "--clustering", choices=CLUSTERINGS, default=AGGLOMERATIVE,
-        help="agglomerative (pyannote/speaker-diarization-3.1's) or vbx (speaker-diarization-community-1's; "
+        help="agglomerative (the default, pyannote/speaker-diarization-3.1's) or vbx (community-1's; "
         "the server needs --plda)",
     )  # fmt: skip
     parser.add_argument(
