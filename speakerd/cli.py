@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "make-references": ("speakerd.reference.references", "write ONNX Runtime CPU reference cases"),
     "convert": ("speakerd.tools.convert", "convert pyannote's pytorch_model.bin to safetensors"),
-    "fetch-model": ("speakerd.tools.fetch_model", "download and convert --model into the caches serve reads"),
+    "fetch-model": (
+        "speakerd.tools.fetch_model",
+        "download and convert --model (--segmentation-model, --plda) into the caches serve reads",
+    ),
     "bench": ("speakerd.tools.bench", "benchmark the engine's plans, print JSON lines"),
     "bench-segmentation": (
         "speakerd.tools.bench_segmentation",

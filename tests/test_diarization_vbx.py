@@ -7,9 +7,11 @@ clustering=VBxParameters(), plda=...)` gives what `SpeakerDiarization(clustering
 
 The real PLDA is in a gated hub repo, so each test writes a random but valid one in
 pyannote's layout (`xvec_transform.npz`: mean1, mean2, lda; `plda.npz`: mu, tr, psi) to a
-temporary directory and loads it twice: with pyannote's `PLDA.from_pretrained(directory)` and
-with speakerd's `load_plda(directory)`. Embeddings are planted clusters (rows around a few
-random directions), so VBx has speakers to find, merge and prune.
+temporary directory (tests/plda_files.py) and loads it twice: with pyannote's
+`PLDA.from_pretrained(directory)` and with speakerd's `load_plda(directory)`. Embeddings are
+planted clusters (rows around a few random directions), so VBx has speakers to find, merge
+and prune. Speaker numbers VBx's own count misses send both to scikit-learn's KMeans (a
+printed table lists those cases).
 
 The pipeline part drives pyannote's own `apply` with its `get_segmentations` and
 `get_embeddings` replaced by arrays (as tests/test_diarization_math.py does): sample.wav's
@@ -27,6 +29,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,9 @@ from speakerd.model.diarization import (
     load_plda,
     vbx_clustering,
 )
+from speakerd.model.diarization.clustering import clean_speakers
 from speakerd.model.diarization.vbx import ahc_init, vb_iterations, vbx_responsibilities
+from tests.plda_files import EMBEDDING_DIM, LDA_DIM, write_plda
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Where .ci/run (scripts/pyannote_segmentation.sh) extracts segmentation-3.0's checkpoint.
@@ -64,13 +69,13 @@ SEGMENTATION = Path(
         "SPEAKERD_PYANNOTE_SEGMENTATION", ROOT / ".cache/pyannote/segmentation-3.0/pytorch_model.bin"
     )
 )
-#: community-1's dimensions: ResNet embeddings of 256, an LDA to 128, PLDA of 128.
-EMBEDDING_DIM = 256
-LDA_DIM = 128
 LOCAL_SPEAKERS = 3
 NUM_FRAMES = 589
 #: sample.wav's 21 windows in one segmentation batch (pyannote's default of 1 is ~25 s here).
 SEGMENTATION_BATCH = 32
+#: scikit-learn's KMeans sums its centres in chunks of this many rows, one thread a chunk
+#: (sklearn.cluster._k_means_common.CHUNK_SIZE).
+SKLEARN_CHUNK = 256
 #: community-1's clustering as pyannote instantiates it.
 PYANNOTE_COMMUNITY_1 = {"threshold": 0.6, "Fa": 0.07, "Fb": 0.8}
 #: Planted rows: per-dimension noise around a unit direction (row noise of norm ~0.35: cosine
@@ -83,40 +88,9 @@ PLANTED_SCALE = (0.5, 2.0)
 NEAR_OFFSET = 0.67
 
 
-# ---------------------------------------------------------------------------------------
-# a random valid PLDA in pyannote's layout
-# ---------------------------------------------------------------------------------------
-
-
-def _write_plda(
-    directory: Path, seed: int, dtype: Any = np.float64, dim_in: int = EMBEDDING_DIM, dim_out: int = LDA_DIM
-) -> Path:
-    """xvec_transform.npz and plda.npz of a random but valid model: an LDA with orthonormal
-    columns, a well-conditioned tr, positive psi spread over three decades (a few strong
-    speaker directions, many weak, as in a trained PLDA)."""
-    rng = np.random.default_rng(seed)
-    lda = np.linalg.qr(rng.standard_normal((dim_in, dim_out)))[0]
-    tr = np.linalg.qr(rng.standard_normal((dim_out, dim_out)))[0] * rng.uniform(0.5, 2.0, size=(dim_out, 1))
-    psi = np.sort(10 ** rng.uniform(-1.0, 2.0, size=dim_out))[::-1]
-    directory.mkdir(parents=True, exist_ok=True)
-    np.savez(
-        directory / "xvec_transform.npz",
-        mean1=(0.05 * rng.standard_normal(dim_in)).astype(dtype),
-        mean2=(0.05 * rng.standard_normal(dim_out)).astype(dtype),
-        lda=lda.astype(dtype),
-    )
-    np.savez(
-        directory / "plda.npz",
-        mu=(0.05 * rng.standard_normal(dim_out)).astype(dtype),
-        tr=tr.astype(dtype),
-        psi=psi.astype(dtype),
-    )
-    return directory
-
-
 @pytest.fixture(scope="module")
 def plda_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write_plda(tmp_path_factory.mktemp("plda"), seed=0)
+    return write_plda(tmp_path_factory.mktemp("plda"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +191,7 @@ SMALL_PLDA = (64, 32, 16)
 def test_plda_float32_files_truncated_equal_pyannote(tmp_path: Path) -> None:
     """float32 archives and lda_dimension below the PLDA's size: still pyannote's bits."""
     dim_in, dim_out, kept = SMALL_PLDA
-    directory = _write_plda(tmp_path / "plda", seed=1, dtype=np.float32, dim_in=dim_in, dim_out=dim_out)
+    directory = write_plda(tmp_path / "plda", seed=1, dtype=np.float32, dim_in=dim_in, dim_out=dim_out)
     theirs = PLDA(directory / "xvec_transform.npz", directory / "plda.npz", lda_dimension=kept)
     ours = load_plda(directory, lda_dimension=kept)
     embeddings = np.random.default_rng(2).standard_normal((40, dim_in)).astype(np.float32)
@@ -382,12 +356,81 @@ def test_vbx_with_almost_no_clean_rows(our_plda: Plda, pyannote_plda: PLDA, clea
     _assert_same(vbx_clustering(embeddings, segmentations, our_plda), hard, soft, centroids)
 
 
-def test_forced_count_vbx_misses_is_not_implemented(our_plda: Plda, pyannote_plda: PLDA) -> None:
-    """Where pyannote would run scikit-learn's KMeans (k > 1), speakerd says it does not."""
-    embeddings, segmentations = _planted(np.random.default_rng(10), [30, 25, 20])
-    _pyannote_vbx(pyannote_plda, embeddings, segmentations, dict(PYANNOTE_COMMUNITY_1), num_clusters=2)
-    with pytest.raises(NotImplementedError, match="KMeans"):
-        vbx_clustering(embeddings, segmentations, our_plda, num_clusters=2)
+#: (name, cluster sizes, speaker numbers): numbers VBx's own count misses, so pyannote
+#: re-clusters with scikit-learn's KMeans (and assigns without the constraint).
+KMEANS_CASES = [
+    ("num_clusters=2, VBx finds 3", [30, 25, 20], {"num_clusters": 2}),
+    ("num_clusters=5, VBx finds 3", [30, 25, 20], {"num_clusters": 5}),
+    ("min_clusters=4", [30, 25, 20], {"min_clusters": 4}),
+    ("max_clusters=2", [30, 25, 20], {"max_clusters": 2}),
+    ("large + small, num_clusters=4", [30, 25, 3, 2], {"num_clusters": 4}),
+    ("min 3, max 4 of (30, 25, 3, 2)", [30, 25, 3, 2], {"min_clusters": 3, "max_clusters": 4}),
+    # more clean rows than scikit-learn's chunk (SKLEARN_CHUNK): its centres are summed per thread
+    ("over 256 clean rows, num_clusters=2", [160, 140, 100], {"num_clusters": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def kmeans_table() -> Callable[..., None]:
+    """The KMeans cases' printed table: its header once, then a row per case."""
+    columns = "{:<36}{:>6}{:>5}{:>14}{:>7}  {}"
+    print("\n" + columns.format("KMeans case", "clean", "VBx", "asked", "KMeans", "hard, soft, centroids"))
+    return lambda *cells: print(columns.format(*cells))
+
+
+@pytest.mark.parametrize(("name", "sizes", "numbers"), KMEANS_CASES, ids=[case[0] for case in KMEANS_CASES])
+def test_kmeans_fallback_equals_pyannote(
+    our_plda: Plda,
+    pyannote_plda: PLDA,
+    kmeans_table: Callable[..., None],
+    name: str,
+    sizes: list[int],
+    numbers: dict[str, int],
+) -> None:
+    """Where VBx's count misses the numbers, pyannote's KMeans: equal bits again. Above 256
+    clean rows scikit-learn sums partial centres per OpenMP thread; speakerd holds its KMeans
+    to one thread, so it must equal pyannote run on one thread, and (no label being near a
+    tie here) pyannote on this machine's threads too."""
+    from threadpoolctl import threadpool_limits
+
+    embeddings, segmentations = _planted(np.random.default_rng(sum(sizes)), sizes)
+    clean = len(clean_speakers(embeddings, segmentations)[0])
+    found = len(vbx_clustering(embeddings, segmentations, our_plda).centroids)
+    ours = vbx_clustering(embeddings, segmentations, our_plda, **numbers)
+    hyper = dict(PYANNOTE_COMMUNITY_1)
+    _assert_same(ours, *_pyannote_vbx(pyannote_plda, embeddings, segmentations, dict(hyper), **numbers))
+    if clean > SKLEARN_CHUNK:
+        with threadpool_limits(limits=1, user_api="openmp"):
+            _assert_same(
+                ours, *_pyannote_vbx(pyannote_plda, embeddings, segmentations, dict(hyper), **numbers)
+            )
+    asked = ", ".join(f"{key.removesuffix('_clusters')} {value}" for key, value in numbers.items())
+    kmeans_table(name, clean, found, asked, len(ours.centroids), "equal")
+    # pyannote's rule: the bound VBx's count falls outside of, else num_clusters
+    wanted = numbers.get("num_clusters")
+    if found < numbers.get("min_clusters", 1):
+        wanted = numbers["min_clusters"]
+    elif found > numbers.get("max_clusters", np.inf):
+        wanted = numbers["max_clusters"]
+    assert found != wanted and len(ours.centroids) == wanted, (found, wanted, len(ours.centroids))
+
+
+def test_kmeans_of_more_clusters_than_rows_is_clipped(our_plda: Plda, pyannote_plda: PLDA) -> None:
+    """More clusters asked than clean rows: scikit-learn's KMeans, so pyannote, raises; speakerd
+    clips to one cluster per clean row, as the agglomerative clustering clips the numbers."""
+    embeddings, segmentations = _planted(np.random.default_rng(13), [3, 2], nan_rows=0)
+    clean = len(clean_speakers(embeddings, segmentations)[0])
+    asked = clean + 3
+    with pytest.raises(ValueError, match="n_samples"):
+        _pyannote_vbx(
+            pyannote_plda, embeddings, segmentations, dict(PYANNOTE_COMMUNITY_1), num_clusters=asked
+        )
+    ours = vbx_clustering(embeddings, segmentations, our_plda, num_clusters=asked)
+    assert len(ours.centroids) == clean and not np.isnan(ours.centroids).any()
+    # the same as asking for exactly that many, which pyannote does answer
+    _assert_same(ours, *_pyannote_vbx(
+        pyannote_plda, embeddings, segmentations, dict(PYANNOTE_COMMUNITY_1), num_clusters=clean
+    ))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -467,15 +510,27 @@ PIPELINE_CASES = [
     ("sample, 3 speakers, max_speakers=1", "sample", (1, 3), {"max_speakers": 1}),
     ("planted [30, 25, 20]", 11, None, {}),
     ("planted [30, 25, 3, 2]", 12, None, {}),
+    # numbers VBx misses: KMeans
+    ("sample, 2 speakers, num_speakers=3", "sample", (0, 2), {"num_speakers": 3}),
+    ("planted [30, 25, 20], num_speakers=2", 11, None, {"num_speakers": 2}),
+    ("planted [30, 25, 3, 2], min_speakers=3", 12, None, {"min_speakers": 3}),
     ("silence", "silence", (0, 2), {}),
 ]
 
 
+@pytest.fixture(scope="module")
+def pipeline_table() -> Callable[..., None]:
+    """The pipeline cases' printed table: its header once, then a row per case."""
+    columns = "{:<40}{:>6}{:>10}{:>9}{:>7}  {}"
+    print("\n" + columns.format("diarize vs apply", "turns", "exclusive", "speakers", "KMeans", "all equal"))
+    return lambda *cells: print(columns.format(*cells))
+
+
 @pytest.mark.parametrize(
-    ("source", "planted", "options"),
+    ("name", "source", "planted", "options"),
     [
         # sample.wav's segmentation is segmentation-3.0 run once (9 to 25 s on 2 shared cores)
-        pytest.param(*case[1:], id=case[0], marks=[pytest.mark.slow] if isinstance(case[1], str) else [])
+        pytest.param(*case, id=case[0], marks=[pytest.mark.slow] if isinstance(case[1], str) else [])
         for case in PIPELINE_CASES
     ],
 )
@@ -483,6 +538,8 @@ def test_diarize_vbx_equals_pyannote_apply(
     request: pytest.FixtureRequest,
     vbx_pipeline: Any,
     our_plda: Plda,
+    pipeline_table: Callable[..., None],
+    name: str,
     source: str | int,
     planted: tuple[int, int] | None,
     options: dict[str, int],
@@ -512,6 +569,11 @@ def test_diarize_vbx_equals_pyannote_apply(
     assert np.array_equal(result.centroids, reference.speaker_embeddings), "centroids differ"
     if source != "silence":
         assert result.turns, "a case with speech has turns"
+    # whether the numbers sent VBx to KMeans: its own count, unbound, misses them
+    unbound = diarize(segmentations, embeddings, step_s=1.0, clustering=COMMUNITY_1, plda=our_plda)
+    kmeans = bool(options) and unbound.clusters != result.clusters
+    pipeline_table(name, len(result.turns), len(result.exclusive_turns), len(result.labels),
+                   "yes" if kmeans else "no", "yes")  # fmt: skip
 
 
 def test_diarize_vbx_needs_a_plda() -> None:

@@ -11,7 +11,8 @@ after the embeddings, in NumPy and SciPy), and needs no PyTorch model run here;
 tests/test_pyannote.py shows that this pipeline diarizes as pyannote alone on the same weights
 does (DER 0), and tests/test_diarization_math.py holds every other bound to pyannote on the
 same arrays. Then the names of enrolled voiceprints on the speakers whose centroid matches;
-every bad option INVALID_ARGUMENT naming its field; silence no turns; a clustering larger than
+every bad option INVALID_ARGUMENT naming its field; VBx on this server, which has no --plda,
+FAILED_PRECONDITION (tests/test_diarize_vbx.py serves one); silence no turns; a clustering larger than
 the server's budget refused. Skips, saying why, without pyannote.audio or the segmentation
 checkpoint (.ci/run installs both).
 """
@@ -184,6 +185,21 @@ def test_silence_is_no_turns(server) -> None:
     with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
         result = client.diarize(np.zeros(12 * 16_000, np.int16), 16_000)
     assert result.turns == [] and result.speakers == [] and result.rttm == "" and result.windows == 3
+    assert result.plda_id == ""  # the agglomerative clustering uses no PLDA
+
+
+def test_vbx_without_a_plda_is_failed_precondition(server, sample) -> None:
+    """This server has no --plda: GetModelInfo says so, and vbx is FAILED_PRECONDITION naming
+    clustering.method and the flag (tests/test_diarize_vbx.py serves one)."""
+    samples = sample["waveform"].numpy().T[:16_000]
+    with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
+        assert not client.model_info().HasField("plda")
+        with pytest.raises(grpc.RpcError) as caught:
+            client.diarize(samples, 16_000, clustering="vbx")
+    details = caught.value.details()
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value
+    assert [name for name, _ in field_violations(caught.value)] == ["clustering.method"], details
+    assert details.startswith("clustering.method: ") and "--plda" in details, details
 
 
 def test_a_recording_whose_clustering_exceeds_the_budget_is_invalid_argument(server) -> None:

@@ -21,10 +21,11 @@ from safetensors.numpy import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Server-side packages the client must never load: the CPU engine's and the GPU engine's, and
-#: SciPy (speakerd.model.diarization's clustering, a server extra).
+#: SciPy and scikit-learn (speakerd.model.diarization's clustering and VBx's KMeans, server
+#: extras).
 #: (grpc_reflection is a server extra too, but `import grpc` itself loads it when it is
 #: installed, so only the base-install test below can speak for it.)
-SERVER_ONLY = ("onnx", "onnxruntime", "cupy", "cudnn", "torch", "huggingface_hub", "scipy")
+SERVER_ONLY = ("onnx", "onnxruntime", "cupy", "cudnn", "torch", "huggingface_hub", "scipy", "sklearn")
 CLIENT_MODULES = (
     "speakerd.client",
     "speakerd.client.client",
@@ -102,10 +103,13 @@ def test_the_base_install_requires_no_server_package() -> None:
         "torch",
         "grpcio-reflection",
         "huggingface_hub",
+        "scipy",
+        "scikit-learn",
     }
     assert not base & server_distributions, f"base dependencies include {sorted(base & server_distributions)}"
     server = " ".join(project["optional-dependencies"]["server"])
     assert "onnxruntime" in server and "onnx>" in server, server
+    assert "scikit-learn>" in server, f"VBx's KMeans needs scikit-learn in the server extra: {server}"
 
 
 def test_no_install_of_speakerd_requires_torch() -> None:

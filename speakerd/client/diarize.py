@@ -25,6 +25,11 @@ from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import from_tensor
 
+#: Clustering.method's values: speaker-diarization-3.1's clustering and community-1's.
+AGGLOMERATIVE = "agglomerative"
+VBX = "vbx"
+CLUSTERINGS = (AGGLOMERATIVE, VBX)
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -60,6 +65,8 @@ class Diarization:
     segmentation_model_id: str
     request_id: str = ""
     labels: list[str] = field(default_factory=list)
+    #: the PLDA VBx clustered in (GetModelInfo's plda.plda_id); "" for the agglomerative clustering
+    plda_id: str = ""
 
 
 def parse(response: pb.DiarizeResponse) -> Diarization:
@@ -74,6 +81,7 @@ def parse(response: pb.DiarizeResponse) -> Diarization:
     return Diarization(
         turns(response.turns), turns(response.exclusive_turns), speakers, response.rttm, response.windows,
         response.model_id, response.segmentation_model_id, response.request_id, [s.label for s in speakers],
+        response.plda_id,
     )  # fmt: skip
 
 
@@ -117,26 +125,39 @@ class DiarizationClient(SpeakerClient):
         names: bool = False,
         threshold: float | None = None,
         exclude_overlap: bool = False,
+        clustering: str = AGGLOMERATIVE,
         clustering_threshold: float | None = None,
         min_cluster_size: int | None = None,
+        fa: float | None = None,
+        fb: float | None = None,
         step_s: float = recording.DEFAULT_STEP_S,
         uri: str = "",
         timeout_s: float | None = None,
     ) -> Diarization:
         """Who speaks when in a recording [N] or [N, C] (int16 or float32) at `sample_rate`:
-        pyannote's SpeakerDiarization on the server (speaker-diarization-3.1's clustering
-        unless told otherwise); with `names`, speakers matching the caller's voiceprints are
-        labelled with their speaker_id."""
+        pyannote's SpeakerDiarization on the server; with `names`, speakers matching the
+        caller's voiceprints are labelled with their speaker_id.
+
+        clustering: "agglomerative" (speaker-diarization-3.1's, with `clustering_threshold`,
+        a cosine distance, and `min_cluster_size`) or "vbx" (speaker-diarization-community-1's,
+        on a server started with --plda, with `clustering_threshold`, its AHC cut, and VBx's
+        `fa` and `fb`); a parameter left None is the pipeline's own. The server checks them
+        (INVALID_ARGUMENT naming the field; vbx without a PLDA is FAILED_PRECONDITION)."""
         header = pb.DiarizeHeader(
             num_speakers=num_speakers or 0, min_speakers=min_speakers or 0, max_speakers=max_speakers or 0,
             names=names, uri=uri,
         )  # fmt: skip
+        header.clustering.method = clustering
         if threshold is not None:
             header.threshold = threshold
         if clustering_threshold is not None:
             header.clustering.threshold = clustering_threshold
         if min_cluster_size is not None:
             header.clustering.min_cluster_size = min_cluster_size
+        if fa is not None:
+            header.clustering.fa = fa
+        if fb is not None:
+            header.clustering.fb = fb
         request_id = uuid.uuid4().hex[:16]
 
         def attempt(_: None, timeout: float, metadata: recording.Metadata) -> Diarization:
@@ -160,6 +181,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-speakers", type=int, help="at most this many speakers")
     parser.add_argument("--exclude-overlap", action="store_true", help="pyannote's embedding_exclude_overlap")
     parser.add_argument(
+        "--clustering", choices=CLUSTERINGS, default=AGGLOMERATIVE,
+        help="agglomerative (the default, pyannote/speaker-diarization-3.1's) or vbx (community-1's; "
+        "the server needs --plda)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--clustering-threshold", type=float,
+        help="agglomerative: the cosine distance clusters merge under (3.1's 0.7046); vbx: the distance "
+        "its AHC start is cut at (community-1's 0.6)",
+    )  # fmt: skip
+    for flag, default in (("fa", "0.07"), ("fb", "0.8")):
+        vbx_help = f"with --clustering vbx: VBx's {flag.capitalize()} (community-1's {default})"
+        parser.add_argument(f"--{flag}", type=float, help=vbx_help)
+    parser.add_argument(
         "--uri", default="", help="the recording's name in the RTTM (default: the file's stem)"
     )
 
@@ -176,10 +210,15 @@ def run(args: argparse.Namespace, client: DiarizationClient) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: expected 1 or more")
+    for flag in ("fa", "fb"):
+        if getattr(args, flag) is not None and args.clustering != VBX:
+            raise UsageError(f"--{flag} is VBx's: give it with --clustering {VBX}")
     result = client.diarize(
         samples, rate, num_speakers=args.num_speakers, min_speakers=args.min_speakers,
         max_speakers=args.max_speakers, names=args.names, threshold=args.threshold,
-        exclude_overlap=args.exclude_overlap, step_s=args.step, uri=args.uri or Path(args.audio).stem,
+        exclude_overlap=args.exclude_overlap, clustering=args.clustering,
+        clustering_threshold=args.clustering_threshold, fa=args.fa, fb=args.fb, step_s=args.step,
+        uri=args.uri or Path(args.audio).stem,
     )  # fmt: skip
     if rttm is not None:
         Path(rttm).write_text(result.rttm)
@@ -194,6 +233,8 @@ def run(args: argparse.Namespace, client: DiarizationClient) -> int:
         ],
         "turns": len(result.turns),
         "windows": result.windows,
+        "clustering": args.clustering,
+        **({"plda_id": result.plda_id} if result.plda_id else {}),
         **({"rttm": args.rttm} if args.rttm else {}),
     }
     print(json.dumps(summary))

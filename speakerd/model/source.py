@@ -23,6 +23,12 @@ It is written to a temporary file and renamed into place under a lock, so a rest
 second replica (even one starting at the same moment) converts nothing and never reads a
 half-written file. The served model id stays the sha256 of the safetensors file.
 
+`--plda NAME_OR_PATH` (`resolve_plda`) names VBx's PLDA the same way: a local directory
+holding pyannote's `xvec_transform.npz` and `plda.npz`, or a repo id whose `plda/` folder
+holds them (pyannote/speaker-diarization-community-1), fetched as pyannote's
+`PLDA.from_pretrained(repo, subfolder="plda")` fetches them. Nothing is converted: the
+server reads the two files from the hub cache.
+
 Every failure is a ModelError whose message is one line saying what to do. A hub that cannot
 be reached is said at once: huggingface_hub, finding no cached copy after a failed request,
 retries it five times over 23 s and logs two warnings each time, so a file that is not cached
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -51,6 +58,8 @@ from speakerd.model.weights import WeightsError, file_sha256
 
 #: The checkpoint pyannote's `Model.from_pretrained` downloads from a repo.
 HUB_FILENAME = "pytorch_model.bin"
+#: What a repo without that checkpoint was expected to be (the end of the 404's line).
+MODEL_REPO = "a pyannote model repo"
 #: `org/name` or `org/name@revision` (huggingface_hub's repo id characters).
 REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 #: Converted files' folder; the version is in the name so a future converter writing other
@@ -81,6 +90,22 @@ SEGMENTATION_MODEL_HELP = (
 )
 
 
+#: Read when --plda is not given.
+PLDA_ENV = "SPEAKERD_PLDA"
+PLDA_HELP = (
+    "VBx's PLDA (Diarize's clustering.method vbx): a Hugging Face repo id (org/name[@revision]: its "
+    "plda/ folder, e.g. pyannote/speaker-diarization-community-1) or a local directory holding pyannote's "
+    "xvec_transform.npz and plda.npz (default: none, and VBx is unavailable)"
+)
+#: The folder of a pipeline repo that holds its PLDA: pyannote's
+#: `PLDA.from_pretrained(repo, subfolder="plda")` reads its two files from there.
+PLDA_SUBFOLDER = "plda"
+#: Bytes read at a time while hashing the PLDA's files (community-1's are ~0.2 MB together).
+HASH_BLOCK = 1 << 20
+#: What a repo without those files was expected to be (the end of the 404's line).
+PLDA_REPO = "a pyannote pipeline with a PLDA, like pyannote/speaker-diarization-community-1"
+
+
 def env_model() -> str | None:
     """$SPEAKERD_MODEL, else $SPEAKERD_WEIGHTS, else None (the default model)."""
     return os.environ.get(MODEL_ENV) or os.environ.get(WEIGHTS_ENV) or None
@@ -91,6 +116,11 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", "--weights", dest="model", default=env_model(), help=f"{MODEL_HELP} [{MODEL_ENV}]"
     )
+
+
+def add_plda_flag(parser: argparse.ArgumentParser) -> None:
+    """`--plda` (dest `plda`), defaulting to $SPEAKERD_PLDA."""
+    parser.add_argument("--plda", default=os.environ.get(PLDA_ENV) or None, help=f"{PLDA_HELP} [{PLDA_ENV}]")
 
 
 def add_segmentation_model_flag(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +257,27 @@ def hub_cache_dir() -> Path:
 def _resolve_hub(
     repo_id: str, revision: str | None, said: str, kind: ModelKind, fetching: bool
 ) -> ResolvedModel:
+    downloaded, digest = _download(repo_id, revision, HUB_FILENAME, said, fetching)
+    # <cache>/models--org--name/snapshots/<commit>/pytorch_model.bin
+    commit, repo_folder = downloaded.parent.name, downloaded.parent.parent.parent
+    source = ModelSource(repo_id=repo_id, revision=commit, filename=HUB_FILENAME, sha256=digest)
+    return ResolvedModel(
+        converted(downloaded, digest, repo_folder / kind.converted_dir, said, kind, fetching), source
+    )
+
+
+def _download(
+    repo_id: str,
+    revision: str | None,
+    filename: str,
+    said: str,
+    fetching: bool,
+    subfolder: str = "",
+    expected: str = MODEL_REPO,
+) -> tuple[Path, str]:
+    """`filename` (in the repo's `subfolder`) fetched by huggingface_hub as pyannote fetches
+    it: (its path in the hub cache, its sha256); ModelError with one line otherwise.
+    `expected` ends the line of a repo without that file (what kind of repo holds it)."""
     try:
         import huggingface_hub
     except ImportError as error:
@@ -241,19 +292,20 @@ def _resolve_hub(
     # huggingface_hub's logger has a handler of its own and also hands each line to the root
     # logger's, which serve configures: every warning would be printed twice
     hub_logging.disable_propagation()
+    in_repo = f"{subfolder}/{filename}" if subfolder else filename
     try:
-        unreachable = _unreachable(repo_id, revision, constants)
+        unreachable = _unreachable(repo_id, revision, constants, in_repo)
         if unreachable is not None:
             raise errors.LocalEntryNotFoundError(f"{constants.ENDPOINT} unreachable") from unreachable
-        downloaded = Path(
-            huggingface_hub.hf_hub_download(
-                repo_id, HUB_FILENAME, revision=revision, library_name="speakerd", library_version=_version()
-            )
-        )
+        fetched = huggingface_hub.hf_hub_download(
+            repo_id, filename, subfolder=subfolder or None, revision=revision, library_name="speakerd",
+            library_version=_version(),
+        )  # fmt: skip
+        downloaded = Path(fetched)
     except Exception as error:
-        raise ModelError(_hub_error(error, repo_id, revision, said, constants, fetching)) from error
-    # <cache>/models--org--name/snapshots/<commit>/pytorch_model.bin
-    commit, repo_folder = downloaded.parent.name, downloaded.parent.parent.parent
+        raise ModelError(
+            _hub_error(error, repo_id, revision, said, constants, fetching, in_repo, expected)
+        ) from error
     try:
         digest = file_sha256(downloaded)
     except OSError as error:
@@ -261,28 +313,100 @@ def _resolve_hub(
     blob = downloaded.resolve()
     if SHA256_NAME.match(blob.name) and blob.name != digest:
         raise ModelError(
-            f"{said}: the cached {HUB_FILENAME} is truncated or corrupt (sha256 {digest[:12]}..., "
+            f"{said}: the cached {in_repo} is truncated or corrupt (sha256 {digest[:12]}..., "
             f"the hub's is {blob.name[:12]}...): delete {blob} and start again to download it anew"
         )
-    source = ModelSource(repo_id=repo_id, revision=commit, filename=HUB_FILENAME, sha256=digest)
-    return ResolvedModel(
-        converted(downloaded, digest, repo_folder / kind.converted_dir, said, kind, fetching), source
-    )
+    return downloaded, digest
 
 
-def _unreachable(repo_id: str, revision: str | None, constants: Any) -> Exception | None:
-    """Why the hub cannot be asked for HUB_FILENAME, when it is not cached and one request
-    without retries gets no answer; None when it is cached (huggingface_hub falls back to that
-    copy without retrying), offline (nothing is asked), or the hub answered (hf_hub_download
-    then asks again and says what the answer means). One more HEAD request, only before a
-    download."""
+@dataclass(frozen=True)
+class ResolvedPlda:
+    """Where a PLDA's two files are, and where they came from.
+
+    source.sha256 is the PLDA's id: the sha256 of xvec_transform.npz's bytes followed by
+    plda.npz's (`cat xvec_transform.npz plda.npz | sha256sum`); source.filename is the folder
+    read ("plda" in a repo, a local directory's name)."""
+
+    directory: Path  # holding xvec_transform.npz and plda.npz
+    source: ModelSource
+
+    @property
+    def plda_id(self) -> str:
+        return self.source.sha256
+
+
+def resolve_plda(spec: str | Path, flag: str = "--plda", fetching: bool = False) -> ResolvedPlda:
+    """The directory of pyannote's PLDA files for `spec`: a local directory holding them, or
+    a repo id (`org/name[@revision]`) whose `plda/` folder holds them, fetched by
+    huggingface_hub as pyannote's `PLDA.from_pretrained(repo, subfolder="plda")` fetches them
+    (the same cache, HF_TOKEN, HF_HUB_OFFLINE, HF_ENDPOINT). Both files land in one snapshot,
+    `.../snapshots/<commit>/plda/`: the second is asked for at the commit the first came
+    from. ModelError with one line otherwise; whether the files are a usable PLDA is
+    `load_plda`'s to say (speakerd.model.diarization.plda)."""
+    # here, not at the top: the diarization package brings SciPy, which `--model` never needs
+    from speakerd.model.diarization.plda import PLDA_FILE, TRANSFORM_FILE
+
+    files = (TRANSFORM_FILE, PLDA_FILE)
+    text = str(spec).strip()
+    said = f"{flag} {text}"
+    local = Path(text).expanduser()
+    if text and local.exists():
+        if not local.is_dir():
+            raise ModelError(
+                f"{said}: not a directory; expected pyannote's plda folder, holding {TRANSFORM_FILE} and "
+                f"{PLDA_FILE}"
+            )
+        missing = [name for name in files if not (local / name).is_file()]
+        if missing:
+            raise ModelError(
+                f"{said}: the directory holds no {' and no '.join(missing)} (pyannote's PLDA is "
+                f"{TRANSFORM_FILE} and {PLDA_FILE}, the {PLDA_SUBFOLDER}/ folder of "
+                "pyannote/speaker-diarization-community-1)"
+            )
+        return ResolvedPlda(local, ModelSource(filename=local.name, sha256=_files_sha256(local, files, said)))
+    match = REPO_ID.match(text)
+    if match is None or text.startswith((".", "/", "~")):
+        raise ModelError(
+            f"{said}: no such directory, and not a Hugging Face repo id (org/name or org/name@revision)"
+        )
+    repo_id, folder = match["repo"], PLDA_SUBFOLDER
+    first, _ = _download(repo_id, match["revision"], TRANSFORM_FILE, said, fetching, folder, PLDA_REPO)
+    # <cache>/models--org--name/snapshots/<commit>/plda/xvec_transform.npz
+    directory = first.parent
+    commit = directory.parent.name
+    _download(repo_id, commit, PLDA_FILE, said, fetching, folder, PLDA_REPO)
+    source = ModelSource(repo_id, commit, folder, _files_sha256(directory, files, said))
+    return ResolvedPlda(directory, source)
+
+
+def _files_sha256(directory: Path, names: tuple[str, ...], said: str) -> str:
+    """The sha256 of the files' bytes, one after the other (ResolvedPlda's id)."""
+    digest = hashlib.sha256()
+    for name in names:
+        try:
+            with open(directory / name, "rb") as handle:
+                while block := handle.read(HASH_BLOCK):
+                    digest.update(block)
+        except OSError as error:
+            raise ModelError(f"{said}: cannot read {directory / name} ({error.strerror})") from error
+    return digest.hexdigest()
+
+
+def _unreachable(
+    repo_id: str, revision: str | None, constants: Any, filename: str = HUB_FILENAME
+) -> Exception | None:
+    """Why the hub cannot be asked for `filename` (its path in the repo), when it is not
+    cached and one request without retries gets no answer; None when it is cached
+    (huggingface_hub falls back to that copy without retrying), offline (nothing is asked),
+    or the hub answered (hf_hub_download then asks again and says what the answer means).
+    One more HEAD request, only before a download."""
     from huggingface_hub import errors, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
 
     if constants.HF_HUB_OFFLINE:
         return None
-    if isinstance(try_to_load_from_cache(repo_id, HUB_FILENAME, revision=revision), str):
+    if isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str):
         return None
-    url = hf_hub_url(repo_id, HUB_FILENAME, revision=revision)
+    url = hf_hub_url(repo_id, filename, revision=revision)
     try:
         get_hf_file_metadata(
             url, timeout=constants.HF_HUB_ETAG_TIMEOUT, library_name="speakerd", library_version=_version()
@@ -320,9 +444,17 @@ def _fill_elsewhere(said: str, cache: str, fetching: bool) -> str:
 
 
 def _hub_error(
-    error: Exception, repo_id: str, revision: str | None, said: str, constants: Any, fetching: bool = False
+    error: Exception,
+    repo_id: str,
+    revision: str | None,
+    said: str,
+    constants: Any,
+    fetching: bool = False,
+    filename: str = HUB_FILENAME,
+    expected: str = MODEL_REPO,
 ) -> str:
-    """One line saying what to do about huggingface_hub's `error`."""
+    """One line saying what to do about huggingface_hub's `error` while fetching `filename`
+    (its path in the repo); `expected` says what kind of repo holds it."""
     from huggingface_hub import errors
 
     endpoint = constants.ENDPOINT
@@ -348,7 +480,7 @@ def _hub_error(
     if isinstance(error, errors.RepositoryNotFoundError):
         return f"{said}: no model repo {repo_id} on {endpoint} (404): check the repo id"
     if isinstance(error, errors.RemoteEntryNotFoundError):
-        return f"{said}: {repo_id}{at} has no {HUB_FILENAME} (404): is it a pyannote model repo?"
+        return f"{said}: {repo_id}{at} has no {filename} (404): is it {expected}?"
     if isinstance(error, errors.LocalEntryNotFoundError):
         cache = constants.HF_HUB_CACHE
         if constants.HF_HUB_OFFLINE:
@@ -367,6 +499,6 @@ def _hub_error(
         return f"{said}: no space left on the device of {constants.HF_HUB_CACHE} while downloading: free some"
     if isinstance(error, ValueError):  # huggingface_hub's validation of the repo id or revision
         return f"{said}: {str(error).splitlines()[0]}"
-    return f"{said}: cannot download {HUB_FILENAME} of {repo_id}{at} ({type(error).__name__}: {error})".split(
+    return f"{said}: cannot download {filename} of {repo_id}{at} ({type(error).__name__}: {error})".split(
         "\n"
     )[0]

@@ -2,7 +2,8 @@
 pyannote's `DiarizeOutput`.
 
 The server runs all of pyannote.audio 4.0.7's `SpeakerDiarization` (segmentation, embeddings,
-speaker-diarization-3.1's clustering, reconstruction; docs/diarization.md), so the client
+speaker-diarization-3.1's clustering or, with `clustering="vbx"`, community-1's VBx,
+reconstruction; docs/diarization.md), so the client
 needs no pyannote model at all: this turns the call's answer into what
 `pipeline(file)` returns, `DiarizeOutput(speaker_diarization, exclusive_speaker_diarization,
 speaker_embeddings)`, with pyannote's `Annotation`s, for code that already consumes those.
@@ -59,7 +60,8 @@ def diarize(
 ) -> DiarizeOutput:
     """Diarize `file` on the speakerd server at `target`; `options` are
     DiarizationClient.diarize's (num_speakers, min_speakers, max_speakers, names, threshold,
-    exclude_overlap...). Give `client` to reuse one channel for many files."""
+    exclude_overlap, clustering "agglomerative" or "vbx", clustering_threshold, fa, fb...).
+    Give `client` to reuse one channel for many files."""
     given: MutableMapping[str, Any] = {"audio": file} if isinstance(file, str | Path) else dict(file)
     uri = str(given.get("uri") or (Path(given["audio"]).stem if "audio" in given else "recording"))
     read_into(given)

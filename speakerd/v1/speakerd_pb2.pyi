@@ -144,7 +144,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "engine", "precision", "plan_sizes", "max_batch", "fbank_frames", "mel_bins", "chunk_samples", "max_speakers", "embedding_dim", "mask_frames", "version", "waveform_supported", "max_message_bytes", "source", "segmentation")
+    __slots__ = ("model_id", "engine", "precision", "plan_sizes", "max_batch", "fbank_frames", "mel_bins", "chunk_samples", "max_speakers", "embedding_dim", "mask_frames", "version", "waveform_supported", "max_message_bytes", "source", "segmentation", "plda")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class ModelInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SEGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    PLDA_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     engine: str
     precision: str
@@ -177,7 +178,8 @@ class ModelInfo(_message.Message):
     max_message_bytes: int
     source: ModelSource
     segmentation: SegmentationModelInfo
-    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., segmentation: _Optional[_Union[SegmentationModelInfo, _Mapping]] = ...) -> None: ...
+    plda: PldaInfo
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., precision: _Optional[str] = ..., plan_sizes: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ..., fbank_frames: _Optional[int] = ..., mel_bins: _Optional[int] = ..., chunk_samples: _Optional[int] = ..., max_speakers: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., mask_frames: _Optional[int] = ..., version: _Optional[str] = ..., waveform_supported: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., segmentation: _Optional[_Union[SegmentationModelInfo, _Mapping]] = ..., plda: _Optional[_Union[PldaInfo, _Mapping]] = ...) -> None: ...
 
 class SegmentationModelInfo(_message.Message):
     __slots__ = ("model_id", "engine", "frames", "speakers", "classes", "source")
@@ -194,6 +196,18 @@ class SegmentationModelInfo(_message.Message):
     classes: int
     source: ModelSource
     def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., frames: _Optional[int] = ..., speakers: _Optional[int] = ..., classes: _Optional[int] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
+
+class PldaInfo(_message.Message):
+    __slots__ = ("plda_id", "source", "embedding_dim", "dimension")
+    PLDA_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    plda_id: str
+    source: ModelSource
+    embedding_dim: int
+    dimension: int
+    def __init__(self, plda_id: _Optional[str] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., embedding_dim: _Optional[int] = ..., dimension: _Optional[int] = ...) -> None: ...
 
 class ModelSource(_message.Message):
     __slots__ = ("repo_id", "revision", "filename", "sha256")
@@ -390,14 +404,18 @@ class DeleteVoiceprintResponse(_message.Message):
     def __init__(self, voiceprint_id: _Optional[str] = ..., speaker_id: _Optional[str] = ...) -> None: ...
 
 class Clustering(_message.Message):
-    __slots__ = ("method", "threshold", "min_cluster_size")
+    __slots__ = ("method", "threshold", "min_cluster_size", "fa", "fb")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     MIN_CLUSTER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FA_FIELD_NUMBER: _ClassVar[int]
+    FB_FIELD_NUMBER: _ClassVar[int]
     method: str
     threshold: float
     min_cluster_size: int
-    def __init__(self, method: _Optional[str] = ..., threshold: _Optional[float] = ..., min_cluster_size: _Optional[int] = ...) -> None: ...
+    fa: float
+    fb: float
+    def __init__(self, method: _Optional[str] = ..., threshold: _Optional[float] = ..., min_cluster_size: _Optional[int] = ..., fa: _Optional[float] = ..., fb: _Optional[float] = ...) -> None: ...
 
 class DiarizeHeader(_message.Message):
     __slots__ = ("recording", "num_speakers", "min_speakers", "max_speakers", "clustering", "names", "threshold", "uri")
@@ -456,7 +474,7 @@ class DiarizedSpeaker(_message.Message):
     def __init__(self, label: _Optional[str] = ..., cluster: _Optional[str] = ..., centroid: _Optional[_Union[Tensor, _Mapping]] = ..., speech_s: _Optional[float] = ..., speaker_id: _Optional[str] = ..., voiceprint_id: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class DiarizeResponse(_message.Message):
-    __slots__ = ("turns", "exclusive_turns", "speakers", "rttm", "windows", "model_id", "segmentation_model_id", "request_id")
+    __slots__ = ("turns", "exclusive_turns", "speakers", "rttm", "windows", "model_id", "segmentation_model_id", "request_id", "plda_id")
     TURNS_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_TURNS_FIELD_NUMBER: _ClassVar[int]
     SPEAKERS_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +483,7 @@ class DiarizeResponse(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTATION_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PLDA_ID_FIELD_NUMBER: _ClassVar[int]
     turns: _containers.RepeatedCompositeFieldContainer[SpeakerTurn]
     exclusive_turns: _containers.RepeatedCompositeFieldContainer[SpeakerTurn]
     speakers: _containers.RepeatedCompositeFieldContainer[DiarizedSpeaker]
@@ -473,4 +492,5 @@ class DiarizeResponse(_message.Message):
     model_id: str
     segmentation_model_id: str
     request_id: str
-    def __init__(self, turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., exclusive_turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., speakers: _Optional[_Iterable[_Union[DiarizedSpeaker, _Mapping]]] = ..., rttm: _Optional[str] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., segmentation_model_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    plda_id: str
+    def __init__(self, turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., exclusive_turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., speakers: _Optional[_Iterable[_Union[DiarizedSpeaker, _Mapping]]] = ..., rttm: _Optional[str] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., segmentation_model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., plda_id: _Optional[str] = ...) -> None: ...

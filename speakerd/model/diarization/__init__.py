@@ -9,7 +9,8 @@ One job per module, in pipeline order: frames (pyannote's sliding-window arithme
 aggregate (overlap-add of window frames), count (speakers per frame), clustering
 (AgglomerativeClustering) or vbx (VBxClustering, in the PLDA space of plda), reconstruct
 (clusters -> 0/1 frames), turns (frames -> turns), rttm (turns -> RTTM), pipeline (`diarize`).
-SciPy is a server dependency: the thin client never imports this package.
+SciPy (and scikit-learn, for VBx's KMeans fallback only) are server dependencies: the thin
+client never imports this package.
 """
 
 from speakerd.model.diarization.clustering import (

@@ -132,8 +132,8 @@ def diarize(
     VBxParameters, e.g. vbx.COMMUNITY_1, for community-1's VBx, which needs `plda`, e.g.
     plda.load_plda(directory)); min_duration_off: the pipeline's
     `segmentation.min_duration_off` (0 in speaker-diarization-3.1 and community-1).
-    With VBx, speaker numbers it does not meet by itself (other than one speaker) raise
-    NotImplementedError: pyannote would re-cluster with scikit-learn's KMeans (vbx.py).
+    With VBx, speaker numbers it does not meet by itself are met by re-clustering with
+    scikit-learn's KMeans, as pyannote does (vbx.py; scikit-learn is imported only then).
     """
     if isinstance(clustering, VBxParameters) and plda is None:
         raise ValueError("diarize: VBx clustering needs a PLDA (plda=load_plda(directory))")

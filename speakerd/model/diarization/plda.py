@@ -24,10 +24,10 @@ The archives are read with `allow_pickle=False` (a model file is data, never cod
 missing, ill-shaped or non-finite array is a PldaError whose one-line message names the file
 and the array.
 
-Loading by name (documented here, wired later; `speakerd.model.source` resolves the
-segmentation and embedding models and is being generalised on another branch): a Hugging Face
-repo id such as `pyannote/speaker-diarization-community-1[@revision]` names the pipeline repo;
-its PLDA is the two files under the repo's `plda/` folder, fetched as pyannote's
+Loading by name (`speakerd.model.source.resolve_plda`, behind `serve --plda` and
+`speakerd fetch-model --plda`): a Hugging Face repo id such as
+`pyannote/speaker-diarization-community-1[@revision]` names the pipeline repo; its PLDA is the
+two files under the repo's `plda/` folder, fetched as pyannote's
 `PLDA.from_pretrained(repo, subfolder="plda")` fetches them (huggingface_hub's
 `hf_hub_download(repo, "xvec_transform.npz", subfolder="plda", revision=...)` and the same
 for `plda.npz`, with its cache, `HF_TOKEN` for the gated repo, `HF_HUB_OFFLINE` and

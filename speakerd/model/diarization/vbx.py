@@ -18,20 +18,19 @@ explain too little of the data get a prior near zero and are dropped. The steps:
    stopping when the ELBO gains less than 1e-4.
 4. speakers whose prior stays above 1e-7 are kept; their centroids are the
    responsibility-weighted means of the raw clean embeddings.
-5. a forced or bounded number of speakers that VBx's count misses: pyannote re-clusters
-   with scikit-learn's KMeans (k-means++ seeding from a seeded RandomState, 3 runs, Lloyd
-   iterations in compiled OpenMP code with their own summation order). Reproducing its
-   labels bit for bit with NumPy alone is not attempted, and scikit-learn is not a server
-   dependency, so that case raises NotImplementedError; a number VBx already meets needs no
-   KMeans, and a forced single cluster (e.g. max_speakers=1) is every row in cluster 0,
-   which needs no KMeans either.
+5. a forced or bounded number of speakers that VBx's count misses: pyannote re-clusters the
+   unit clean embeddings with scikit-learn's KMeans (`n_init=3, random_state=42`: k-means++
+   seeding from a seeded RandomState, 3 runs, the best kept), and each centroid is the mean
+   of its raw clean embeddings; the same scikit-learn call on the same array gives the same
+   labels (`kmeans_centroids` says what holds it to one thread, and why).
 6. assignment: each pair to its most similar centroid (2 - cosine distance). community-1
    uses the constrained (Hungarian, one cluster per speaker of a window) assignment, with
    the window's silent speakers given a score below every real one; the KMeans path turns
    it off.
 
-The same NumPy and SciPy calls run in the same order and on the same dtypes as pyannote's,
-so the responsibilities, the kept speakers, the centroids and the clusters are its bits.
+The same NumPy, SciPy and scikit-learn calls run in the same order and on the same dtypes
+as pyannote's, so the responsibilities, the kept speakers, the centroids and the clusters
+are its bits.
 """
 
 from __future__ import annotations
@@ -72,9 +71,18 @@ PRIOR_FLOOR = 1e-8
 KEPT_PRIOR = 1e-7
 #: Fewer clean embeddings than this: no clustering, one cluster.
 MIN_TRAIN_EMBEDDINGS = 2
-#: The one forced number of clusters whose KMeans result needs no KMeans: every row in
-#: cluster 0.
-KMEANS_ONE_CLUSTER = 1
+#: `VBxClustering`'s KMeans: 3 runs from different k-means++ seeds (the lowest inertia kept),
+#: seeded with 42 so that a recording always gets the same clusters.
+KMEANS_RUNS = 3
+KMEANS_SEED = 42
+#: OpenMP threads of scikit-learn's Lloyd iterations and inertia: each thread sums its own
+#: partial centres (and inertia) and the partials are added afterwards, so on more than one
+#: thread the float sums, and in a near tie a label or the choice among the runs, depend
+#: on the machine's core count. One thread makes the answer the same on every machine (it
+#: is pyannote's under OMP_NUM_THREADS=1). Up to 256 clean rows (scikit-learn's CHUNK_SIZE)
+#: the centres are summed on one thread whatever the limit; only the runs' inertias, which
+#: pick the best run, are summed per thread.
+KMEANS_THREADS = 1
 #: Added below the lowest similarity for the silent speakers of a window, so the Hungarian
 #: assignment prefers any real speaker (`VBxClustering`'s const = min - 1).
 SILENT_MARGIN = 1.0
@@ -99,11 +107,16 @@ class VBxParameters:
 COMMUNITY_1 = VBxParameters()
 
 
+def unit_rows(train: np.ndarray) -> np.ndarray:
+    """[n, dim] clean embeddings, each divided by its L2 norm (`train_embeddings_normed`,
+    which both the AHC initialisation and the KMeans fallback cluster)."""
+    return train / np.linalg.norm(train, axis=1, keepdims=True)
+
+
 def ahc_init(train: np.ndarray, threshold: float) -> np.ndarray:
     """[n, dim] clean embeddings -> initial cluster per row, 0..k-1: centroid linkage of the
     unit rows cut at `threshold`, labels renumbered in sorted order."""
-    unit = train / np.linalg.norm(train, axis=1, keepdims=True)
-    dendrogram = linkage(unit, method="centroid", metric="euclidean")
+    dendrogram = linkage(unit_rows(train), method="centroid", metric="euclidean")
     clusters = fcluster(dendrogram, threshold, criterion="distance") - 1
     return np.unique(clusters, return_inverse=True)[1]
 
@@ -168,6 +181,32 @@ def vbx_responsibilities(
     return gamma, priors
 
 
+def kmeans_centroids(train: np.ndarray, num_clusters: int) -> np.ndarray:
+    """[n, dim] clean embeddings -> [k, dim] centroids of `VBxClustering`'s KMeans fallback:
+    `KMeans(n_clusters=k, n_init=3, random_state=42, copy_x=False).fit_predict` on the unit
+    rows, then each cluster's mean raw row, as pyannote computes them (scikit-learn's own
+    centres, of the unit rows, are not used).
+
+    scikit-learn is imported here, on the only path that needs it, so a server that never
+    forces a count of speakers on VBx never loads it. Its OpenMP threads are limited to
+    KMEANS_THREADS for this call only (an OpenMP limit is per calling thread). More clusters
+    than rows, where KMeans (and so pyannote) raises, are clipped to one cluster per row, as
+    the agglomerative clustering clips them."""
+    from sklearn.cluster import KMeans
+    from threadpoolctl import threadpool_limits
+
+    if num_clusters > train.shape[0]:
+        log.info(
+            "vbx: %d clusters asked of %d clean embeddings: KMeans makes %d",
+            num_clusters, train.shape[0], train.shape[0],
+        )  # fmt: skip
+        num_clusters = train.shape[0]
+    kmeans = KMeans(n_clusters=num_clusters, n_init=KMEANS_RUNS, random_state=KMEANS_SEED, copy_x=False)
+    with threadpool_limits(limits=KMEANS_THREADS, user_api="openmp"):
+        labels = kmeans.fit_predict(unit_rows(train))
+    return np.vstack([np.mean(train[labels == k], axis=0) for k in range(num_clusters)])
+
+
 def vbx_clustering(
     embeddings: np.ndarray,
     segmentations: np.ndarray,
@@ -182,7 +221,8 @@ def vbx_clustering(
 
     The speaker numbers are the pipeline's (`set_num_speakers`): min defaults to 1, max to
     no limit; unlike the agglomerative clustering they are not clipped to the number of
-    clean embeddings. Raises NotImplementedError when they make pyannote fall back to KMeans.
+    clean embeddings, except where KMeans would need more rows than it has (pyannote fails
+    there; `kmeans_centroids`).
     """
     if embeddings.ndim != 3 or segmentations.ndim != 3:
         raise ValueError(
@@ -215,15 +255,11 @@ def vbx_clustering(
         num_clusters = max_clusters
     constrained = parameters.constrained_assignment
     if num_clusters and num_clusters != found:
-        if num_clusters != KMEANS_ONE_CLUSTER:
-            raise NotImplementedError(
-                f"VBx found {found} speakers where {num_clusters} are wanted: pyannote re-clusters "
-                "with scikit-learn's KMeans there, which speakerd does not reproduce (docs/diarization.md)"
-            )
-        # KMeans with one cluster labels every row 0: its centroid is the mean clean embedding
+        # pyannote turns the constrained assignment off here: it could make more clusters
+        # than asked for (two speakers of a window never share one)
         constrained = False
-        centroids = np.vstack([np.mean(train, axis=0)])
-        found = 1
+        centroids = kmeans_centroids(train, int(num_clusters))
+        found = centroids.shape[0]
 
     distance = cdist(embeddings.reshape(num_windows * num_speakers, dim), centroids, metric=parameters.metric)
     soft = SIMILARITY_OFFSET - distance.reshape(num_windows, num_speakers, found)

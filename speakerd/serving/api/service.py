@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -60,7 +61,7 @@ from speakerd.model.numerics import active_frames, pad_speakers
 from speakerd.model.segmentation.architecture import CLASSES as POWERSET_CLASSES
 from speakerd.model.segmentation.architecture import OUTPUT_FRAMES as SEGMENTATION_FRAMES
 from speakerd.model.segmentation.architecture import SPEAKERS as SEGMENTATION_SPEAKERS
-from speakerd.model.source import ModelSource
+from speakerd.model.source import ModelSource, ResolvedPlda
 from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_message
 from speakerd.serving.api.recording import RecordingService
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
@@ -72,6 +73,9 @@ from speakerd.serving.memory.recording_budget import RecordingBudget
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
+
+if TYPE_CHECKING:  # a type only: the diarization package (SciPy) stays out of receiver processes
+    from speakerd.model.diarization.plda import Plda
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +191,15 @@ class SpeakerEmbeddingService:
     bytes)."""
 
     def __init__(
-        self, metrics: Metrics, max_message_bytes: int, recording_budget: RecordingBudget | None = None
+        self,
+        metrics: Metrics,
+        max_message_bytes: int,
+        recording_budget: RecordingBudget | None = None,
+        plda: tuple[ResolvedPlda, Plda] | None = None,
     ) -> None:
         self.metrics = metrics
+        #: --plda (Diarize's VBx), for GetModelInfo; None: none loaded
+        self.plda = plda
         self.max_message_bytes = max_message_bytes
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
@@ -364,6 +374,7 @@ class SpeakerEmbeddingService:
             max_message_bytes=self.max_message_bytes,
             source=_source(self.model_source),
             segmentation=self._segmentation_info(),
+            plda=self._plda_info(),
         )
 
     def _segmentation_info(self) -> pb.SegmentationModelInfo | None:
@@ -377,6 +388,17 @@ class SpeakerEmbeddingService:
             speakers=SEGMENTATION_SPEAKERS,
             classes=POWERSET_CLASSES,
             source=_source(self.segmentation_source),
+        )
+
+    def _plda_info(self) -> pb.PldaInfo | None:
+        if self.plda is None:
+            return None
+        resolved, plda = self.plda
+        return pb.PldaInfo(
+            plda_id=resolved.plda_id,
+            source=_source(resolved.source),
+            embedding_dim=plda.embedding_dimension,
+            dimension=plda.lda_dimension,
         )
 
     # --- one request -------------------------------------------------------------------

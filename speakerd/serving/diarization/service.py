@@ -6,13 +6,16 @@ windows, admission, deadlines and errors): the server's segmentation and the emb
 under it, window by window. Then, on a thread, pyannote's SpeakerDiarization after its
 embeddings (speakerd.model.diarization: speaker count, clustering, reconstruction, turns),
 and with `names` each speaker's centroid looked up among the caller's voiceprints
-(Identify's search and threshold). Bad options are INVALID_ARGUMENT naming the field; a
-recording without speech is no turns, not an error.
+(Identify's search and threshold). The clustering is speaker-diarization-3.1's
+agglomerative one, or with `clustering.method` vbx community-1's VBx in the PLDA the server
+was started with (`--plda`; without one, vbx is FAILED_PRECONDITION). Bad options are
+INVALID_ARGUMENT naming the field; a recording without speech is no turns, not an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,16 +26,20 @@ import numpy as np
 
 from speakerd.model.architecture import EMBEDDING_DIM, MASK_FRAMES, MAX_SPEAKERS
 from speakerd.model.diarization import (
+    COMMUNITY_1,
     SPEAKER_DIARIZATION_3_1,
     AgglomerativeParameters,
     Diarization,
+    Plda,
     Turn,
+    VBxParameters,
     clean_speakers,
     diarize,
     to_rttm,
     working_bytes,
 )
 from speakerd.model.inputs import InputError
+from speakerd.model.source import ResolvedPlda
 from speakerd.model.voiceprint import check_threshold, normalize
 from speakerd.serving.api.calls import header_and_parts, served
 from speakerd.serving.api.errors import Rejection
@@ -59,11 +66,18 @@ DEFAULT_CLUSTERING_MEMORY_MB = 2048
 #: What a call keeps of each window until its clustering ends: the segmentation row (uint8
 #: [589, 3]) and the embeddings (float32 [3, 256]); 4,839 bytes, 52 MB for 3 h.
 KEPT_ROW_BYTES = MASK_FRAMES * MAX_SPEAKERS + MAX_SPEAKERS * EMBEDDING_DIM * 4
+#: Clustering.method's values: pyannote's AgglomerativeClustering (also "") and VBxClustering.
+AGGLOMERATIVE = "agglomerative"
+VBX = "vbx"
+#: Clustering.threshold's range for both methods: a distance between unit embeddings
+#: (cosine distance for the agglomerative clustering, Euclidean for VBx's AHC), at most 2.
+MAX_CLUSTER_DISTANCE = 2.0
 
 
 class DiarizationService:
     """Diarize over `recordings` (the recording path), naming speakers from `voiceprints`
-    (None with `--voiceprints off`).
+    (None with `--voiceprints off`), clustering with VBx in `plda` when asked (None without
+    `--plda`).
 
     Memory: a call keeps each window's segmentation and embeddings (KEPT_ROW_BYTES), reserved
     with its recording in the recording budget. Once the audio is embedded, it reserves what
@@ -82,12 +96,14 @@ class DiarizationService:
         voiceprints: VoiceprintService | None,
         authenticated: bool,
         clustering_budget: RecordingBudget,
+        plda: tuple[ResolvedPlda, Plda] | None = None,
     ) -> None:
         self.host = host
         self.recordings = recordings
         self.voiceprints = voiceprints
         self.authenticated = authenticated
         self.clustering_budget = clustering_budget
+        self.plda = plda
         self._pool = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="diarize")
 
     def close(self) -> None:
@@ -105,6 +121,14 @@ class DiarizationService:
                     "without names",
                     "names", "false on a server without voiceprints",
                 )  # fmt: skip
+            if options.vbx and self.plda is None:
+                raise Rejection(
+                    grpc.StatusCode.FAILED_PRECONDITION, "invalid_argument",
+                    "clustering.method: vbx needs a PLDA and this server has none: start it with "
+                    "--plda (e.g. pyannote/speaker-diarization-community-1), or cluster with agglomerative",
+                    "clustering.method", "agglomerative on a server without --plda",
+                )  # fmt: skip
+            used = self.plda if options.vbx else None  # (where from, the PLDA) VBx clusters in
             if not header.HasField("recording"):
                 raise InputError("recording", "missing; the recording's sample rate, channels and encoding")
             rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
@@ -129,6 +153,7 @@ class DiarizationService:
                 return diarize(
                     segmentations, embeddings, step_s, options.num_speakers, options.min_speakers,
                     options.max_speakers, clustering=options.clustering,
+                    plda=used[1] if used is not None else None,
                 )  # fmt: skip
 
             started = time.perf_counter()
@@ -160,6 +185,7 @@ class DiarizationService:
                 windows=last.windows,
                 model_id=last.model_id,
                 segmentation_model_id=last.segmentation_model_id,
+                plda_id=used[0].plda_id if used is not None else "",
             )
 
         return await served(
@@ -234,8 +260,13 @@ class Options:
     num_speakers: int | None
     min_speakers: int
     max_speakers: int | None
-    clustering: AgglomerativeParameters
+    clustering: AgglomerativeParameters | VBxParameters
     threshold: float
+
+    @property
+    def vbx(self) -> bool:
+        """VBx (community-1's clustering), which needs the server's PLDA."""
+        return isinstance(self.clustering, VBxParameters)
 
 
 def _turns(turns: list[Turn]) -> list[pb.SpeakerTurn]:
@@ -259,15 +290,51 @@ def diarization_options(header: pb.DiarizeHeader) -> Options:
             field,
             f"{header.num_speakers} is outside min_speakers..max_speakers ({least}..{most or 'no bound'})",
         )
-    clustering = header.clustering
-    if clustering.method not in ("", "agglomerative"):
-        raise InputError(
-            "clustering.method", f'{clustering.method!r}, expected "agglomerative" (or "" for it)'
-        )
-    if clustering.HasField("threshold") and not 0.0 < clustering.threshold <= 2.0:
-        raise InputError(
-            "clustering.threshold", f"{clustering.threshold}, expected a cosine distance in (0, 2]"
-        )
+    parameters = clustering_parameters(header.clustering)
+    threshold = check_threshold(header.threshold) if header.HasField("threshold") else DEFAULT_THRESHOLD
+    return Options(header.num_speakers or None, least, most, parameters, threshold)
+
+
+def clustering_parameters(clustering: pb.Clustering) -> AgglomerativeParameters | VBxParameters:
+    """The header's clustering, checked: speaker-diarization-3.1's agglomerative parameters
+    or community-1's VBx ones with what the call changed; INVALID_ARGUMENT naming the field.
+
+    A parameter of the other method is refused rather than ignored (min_cluster_size with
+    vbx: VBx merges no small clusters, its priors drop weak speakers instead; fa or fb with
+    agglomerative), so a call never believes it tuned something that had no effect."""
+    method = clustering.method or AGGLOMERATIVE
+    if method not in (AGGLOMERATIVE, VBX):
+        expected = f'expected "{AGGLOMERATIVE}" (or "" for it) or "{VBX}"'
+        raise InputError("clustering.method", f"{clustering.method!r}, {expected}")
+    threshold = clustering.threshold
+    if clustering.HasField("threshold") and not 0.0 < threshold <= MAX_CLUSTER_DISTANCE:
+        distance = "a cosine distance" if method == AGGLOMERATIVE else "VBx's AHC cut (a distance)"
+        expected = f"expected {distance} in (0, {MAX_CLUSTER_DISTANCE:g}]"
+        raise InputError("clustering.threshold", f"{threshold}, {expected}")
+    if method == VBX:
+        if clustering.min_cluster_size:
+            raise InputError(
+                "clustering.min_cluster_size",
+                f"{clustering.min_cluster_size} with vbx, expected 0: the agglomerative clustering's only "
+                "(VBx merges no small clusters; its Fb drops weak speakers)",
+            )
+        vbx = COMMUNITY_1
+        for field, name in (("fa", "Fa"), ("fb", "Fb")):
+            if clustering.HasField(field):
+                value = getattr(clustering, field)
+                if not (math.isfinite(value) and value > 0):
+                    default = getattr(COMMUNITY_1, name)
+                    expected = f"expected VBx's {name}, a finite number > 0 (unset: community-1's {default})"
+                    raise InputError(f"clustering.{field}", f"{value}, {expected}")
+                vbx = replace(vbx, **{name: value})
+        if clustering.HasField("threshold"):
+            vbx = replace(vbx, threshold=clustering.threshold)
+        return vbx
+    for field in ("fa", "fb"):
+        if clustering.HasField(field):
+            raise InputError(
+                f"clustering.{field}", f"{getattr(clustering, field)}: VBx's only, expected unset without vbx"
+            )
     if clustering.min_cluster_size < 0:
         raise InputError(
             "clustering.min_cluster_size", f"{clustering.min_cluster_size}, expected >= 1 (0: 12)"
@@ -277,8 +344,7 @@ def diarization_options(header: pb.DiarizeHeader) -> Options:
         parameters = replace(parameters, threshold=clustering.threshold)
     if clustering.min_cluster_size:
         parameters = replace(parameters, min_cluster_size=clustering.min_cluster_size)
-    threshold = check_threshold(header.threshold) if header.HasField("threshold") else DEFAULT_THRESHOLD
-    return Options(header.num_speakers or None, least, most, parameters, threshold)
+    return parameters
 
 
 async def _messages(

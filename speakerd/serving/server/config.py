@@ -16,7 +16,7 @@ from pathlib import Path
 
 from speakerd.engine.factory import ENGINE_KINDS
 from speakerd.model.numerics import Math
-from speakerd.model.source import MODEL_ENV, MODEL_HELP, env_model
+from speakerd.model.source import MODEL_ENV, MODEL_HELP, PLDA_HELP, env_model
 from speakerd.serving.api.recording import DEFAULT_RECORDING_MEMORY_MB, DEFAULT_RECORDING_QUEUE
 from speakerd.serving.diarization.service import DEFAULT_CLUSTERING_MEMORY_MB
 
@@ -112,6 +112,9 @@ class ServeConfig:
     #: --segmentation-model as given (EmbedRecording's header.segment): a Hugging Face repo id,
     #: a local path, or None for the synthetic default segmentation model
     segmentation_model: str | None = None
+    #: --plda as given (Diarize's VBx clustering): a Hugging Face repo id whose plda/ folder
+    #: holds the PLDA, a local directory, or None: no PLDA, and VBx is unavailable
+    plda: str | None = None
     #: bytes of recordings in progress at once, and calls that may wait for room in them
     recording_memory_mb: int = DEFAULT_RECORDING_MEMORY_MB
     recording_queue: int = DEFAULT_RECORDING_QUEUE
@@ -253,6 +256,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         ".safetensors, .bin or .ckpt file or directory (default: the synthetic segmentation model, made "
         "on first use in $SPEAKERD_CACHE)",
     )
+    add("plda", None, PLDA_HELP)
     add(
         "recording-memory-mb",
         DEFAULT_RECORDING_MEMORY_MB,
@@ -400,6 +404,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         engine=args.engine,
         model=args.model or None,
         segmentation_model=args.segmentation_model or None,
+        plda=args.plda or None,
         recording_memory_mb=int(args.recording_memory_mb),
         recording_queue=int(args.recording_queue),
         clustering_memory_mb=int(args.clustering_memory_mb),

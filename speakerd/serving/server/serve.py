@@ -3,9 +3,10 @@
 Before listening, what can be checked at once is (`preflight`): the flags' combination, the
 engine kind (an explicit `--engine gpu` needs a usable GPU), the CPU engine's FP32-only
 math, an explicit `--model` (a Hugging Face repo id downloaded and converted now, or a local
-file; model/source.py), the TLS files and the token file, and that the address
-can be bound. A failure there is a usage error: one log line naming the flag and what to
-do, exit code 2, and nothing about draining (the server never served).
+file; model/source.py), `--segmentation-model` and `--plda` (server/plda.py) the same way,
+the TLS files and the token file, and that the address can be bound. A failure there is a
+usage error: one log line naming the flag and what to do, exit code 2, and nothing about
+draining (the server never served).
 
 Start: listen at once with health NOT_SERVING (so probes get an answer during warm-up),
 then in a warm-up thread load the weights, build and warm the engine's plans and run the
@@ -51,9 +52,10 @@ from grpc_reflection.v1alpha import reflection
 
 from speakerd.engine.base import Engine
 from speakerd.engine.segmenter import Segmenter
+from speakerd.model.diarization.plda import Plda
 from speakerd.model.numerics import Math
 from speakerd.model.segmentation.weights import SegmentationModel
-from speakerd.model.source import ModelSource, ResolvedModel
+from speakerd.model.source import ModelSource, ResolvedModel, ResolvedPlda
 from speakerd.model.weights import FoldedModel
 from speakerd.reference.self_check import SelfCheckFailed, check_engine
 from speakerd.serving.access.auth import TokenAuthInterceptor, TokenFile
@@ -78,7 +80,7 @@ from speakerd.serving.observability.logs import LOG_FORMAT
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
 from speakerd.serving.receivers.receivers import ReceiverFailed, ReceiverGroup
-from speakerd.serving.server import config, segmentation
+from speakerd.serving.server import config, plda, segmentation
 from speakerd.serving.server.memory_bound import memory_bound, resident_bytes
 from speakerd.serving.voiceprints.records import StoreUnavailable
 from speakerd.serving.voiceprints.service import VoiceprintService
@@ -117,6 +119,8 @@ class Prepared:
     resolved: ResolvedModel | None = None
     #: an explicit --segmentation-model, resolved and loaded; None: the default one
     segmentation: tuple[ResolvedModel, SegmentationModel] | None = None
+    #: --plda, resolved and loaded; None: no PLDA (Diarize's VBx unavailable)
+    plda: tuple[ResolvedPlda, Plda] | None = None
 
 
 @dataclass
@@ -175,6 +179,7 @@ def preflight(settings: config.ServeConfig) -> Prepared:
     if settings.segmentation_model:
         found = segmentation.resolve(settings.segmentation_model)
         segmentation_model = (found, segmentation.load(found, settings.segmentation_model))
+    vbx_plda = plda.prepare(settings.plda) if settings.plda else None
     credentials = None
     if settings.tls_cert is not None and settings.tls_key is not None:
         files = TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
@@ -197,7 +202,7 @@ def preflight(settings: config.ServeConfig) -> Prepared:
     _check_shared_memory(len(devices or ()), settings.plans[-1], settings.receivers)
     _check_bindable(settings.host, settings.port, "--port")
     _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
-    return Prepared(kind, model, credentials, tokens, devices, resolved, segmentation_model)
+    return Prepared(kind, model, credentials, tokens, devices, resolved, segmentation_model, vbx_plda)
 
 
 def _check_shared_memory(devices: int, max_batch: int, receivers: int) -> None:
@@ -394,15 +399,18 @@ class SpeakerServer:
         self.metrics = Metrics()
         self.health = health.aio.HealthServicer()
         budget = RecordingBudget(settings.recording_memory_mb << 20, settings.recording_queue)
-        self.service = SpeakerEmbeddingService(self.metrics, settings.max_message_bytes, budget)
+        self.service = SpeakerEmbeddingService(
+            self.metrics, settings.max_message_bytes, budget, prepared.plda
+        )
         self.voiceprints: VoiceprintService | None = None
         if settings.voiceprints != "off":
             self.voiceprints = VoiceprintService(self.service, self.service.recordings, settings.voiceprints,
                                                  settings.data_dir, prepared.tokens is not None)  # fmt: skip
         clustering = RecordingBudget(settings.clustering_memory_mb << 20, settings.recording_queue)
         self.diarization = DiarizationService(
-            self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None, clustering
-        )
+            self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None,
+            clustering, prepared.plda,
+        )  # fmt: skip
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
         self.port = 0
