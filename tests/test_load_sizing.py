@@ -23,6 +23,7 @@ from speakerd.client.load_sizing import (
     Probe,
     _fits,
     _stretch,
+    chunk_sizing,
     recording_sizing,
 )
 from speakerd.client.loadgen_window import outcome
@@ -94,6 +95,22 @@ def test_an_hour_recording_load_on_a_gpu_fits_the_suite_step() -> None:
 
     assert step_s(H100_PROBE) > SUITE_STEP_S, step_s(H100_PROBE)
     assert step_s(H100_BATCH_PROBE) < SUITE_STEP_S / 2, step_s(H100_BATCH_PROBE)
+
+
+def test_a_chunk_load_counts_about_the_seconds_asked() -> None:
+    """On a CPU server a call is as many chunks as a second holds, one stream (its engine runs
+    one chunk at a time): `load --seconds 10` counts 10 s, where 32-chunk calls made it 30 s
+    for the same chunks/s. A GPU server still gets full batches from the most streams."""
+
+    def sized(measured: Probe) -> argparse.Namespace:
+        args = argparse.Namespace(chunks=None, streams=None, timeout=None, seconds=10.0, warmup=1.0)
+        chunk_sizing(args, measured)
+        return args
+
+    cpu = sized(CPU_PROBE)
+    assert (cpu.chunks, cpu.streams, cpu.seconds, cpu.warmup) == (8, 1, 10.0, 1.0), vars(cpu)
+    gpu = sized(H100_BATCH_PROBE)
+    assert (gpu.chunks, gpu.streams, gpu.seconds) == (32, MAX_STREAMS, 10.0), vars(gpu)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ than a call's deadline and every call fails with DEADLINE_EXCEEDED. So `load` fi
 server (GetModelInfo: its largest plan) and times one probe call of one chunk (then, when
 that was quick, one of a full batch: a GPU's one-chunk call is all round trip). What the
 command line leaves out is then chosen from that rate: chunks per call (the largest plan, or
-fewer when that many would not fit in a quarter of the deadline) and streams (as many as
+as many as take CALL_TARGET_S, or fewer when that many would not fit in a quarter of the
+deadline) and streams (as many as
 keep a call's wait behind the others within that quarter). A counted window and a warm-up
 shorter than a few calls would count too few calls to give a rate, so both are lengthened
 to CALLS_PER_WINDOW and one call's estimated time. A recording's deadline, unless given, is
@@ -41,6 +42,12 @@ MAX_STREAMS = 16
 #: The most recording streams sizing picks: two recordings in flight keep a GPU server busy
 #: (one uploads while the other computes: the measured hour-long runs used 2).
 MAX_RECORDING_STREAMS = 2
+#: The longest the sized calls in flight may take together at the probe's rate: a call's
+#: chunks fill the server's largest plan, and enough streams run to fill its batches, when
+#: that is quick (a GPU's batch takes milliseconds); else fewer. A CPU server's 32-chunk call
+#: takes 4-6 s on 2 cores, and three such calls (below) stretched `load --seconds 10` to 30 s
+#: of counting, for the same chunks/s: its engine runs one chunk at a time whatever the load.
+CALL_TARGET_S = 1.0
 #: A counted window shorter than this many calls' time is lengthened to it.
 CALLS_PER_WINDOW = 3
 #: The probe: one chunk, so that even a slow CPU server answers it well within any deadline.
@@ -123,13 +130,20 @@ def _stretch(args: argparse.Namespace, call_s: float) -> dict[str, Any]:
 def size_chunks(args: argparse.Namespace) -> dict[str, Any]:
     """Fill in --chunks, --streams and --timeout where not given, lengthen --seconds and
     --warmup to the calls' time; what was measured and chosen (JSON)."""
-    measured = probe(args)
+    return chunk_sizing(args, probe(args))
+
+
+def chunk_sizing(args: argparse.Namespace, measured: Probe) -> dict[str, Any]:
+    """size_chunks' choices from a probe already made."""
     args.timeout = args.timeout or DEFAULT_TIMEOUT_S
     chosen = [name for name in ("chunks", "streams") if getattr(args, name) is None]
+    quick = max(1, math.floor(CALL_TARGET_S * measured.chunks_per_s))  # chunks in CALL_TARGET_S
     if args.chunks is None:
-        args.chunks = _fits(measured, args.timeout, 1, measured.max_batch)
-    if args.streams is None:
-        args.streams = _fits(measured, args.timeout, args.chunks, MAX_STREAMS)
+        args.chunks = _fits(measured, args.timeout, 1, min(measured.max_batch, quick))
+    if args.streams is None:  # the calls in flight together take at most CALL_TARGET_S too
+        args.streams = _fits(
+            measured, args.timeout, args.chunks, min(MAX_STREAMS, max(1, quick // args.chunks))
+        )
     call_s = args.streams * args.chunks / measured.chunks_per_s
     return {**measured.report(), "chosen": chosen, **_stretch(args, call_s)}
 
