@@ -88,6 +88,9 @@ def run(pipeline: Any, file: dict[str, Any]) -> dict[str, Any]:
         "embeddings_s": round(embeddings.seconds, 3),
         "embeddings_share": round(embeddings.seconds / total, 4),
         "rest_s": round(total - segmentations.seconds - embeddings.seconds, 3),
+        # what a server takes over: with server segmentation both come from one call, which
+        # pyannote makes in get_segmentations (get_embeddings then answers from it)
+        "model_steps_s": round(segmentations.seconds + embeddings.seconds, 3),
         "speakers": len(output.speaker_diarization.labels()),
         "_output": output,
         "_embeddings": embeddings.result,
@@ -180,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         parity = compare(served["_embeddings"][~empty], local["_embeddings"][~empty])
         report["pyannote"] = _public(local)
         report["speedup_total"] = round(local["total_s"] / served["total_s"], 2)
-        report["speedup_embeddings"] = round(local["embeddings_s"] / served["embeddings_s"], 2)
+        report["speedup_model_steps"] = round(local["model_steps_s"] / served["model_steps_s"], 2)
+        if not args.server_segmentation:
+            report["speedup_embeddings"] = round(local["embeddings_s"] / served["embeddings_s"], 2)
         local_cells, served_cells = local["_segmentations"].data, served["_segmentations"].data
         report["parity"] = {
             "segmentation_cells": int(local_cells.size),

@@ -73,11 +73,17 @@ def pyannote(ctx: Context) -> None:
 
 def pyannote_records(report: dict[str, Any], command: str, setup: str = "") -> list[dict[str, Any]]:
     """speakerd.pyannote.bench's JSON -> Context.record keyword arguments: the whole
-    pipeline and its embedding step, each against pyannote alone in the same run; `setup`
+    pipeline and its embedding step (with the server segmenting, the segmentation and
+    embedding steps it takes over), each against pyannote alone in the same run; `setup`
     (e.g. the CPU row's) ends each name."""
     ok = report.get("parity", {}).get("der", 0.0) == 0.0
     out = []
-    for key, what in (("total_s", "pipeline"), ("embeddings_s", "embedding step")):
+    steps = (
+        ("model_steps_s", "segmentation and embedding steps")
+        if report.get("server_segmentation")
+        else ("embeddings_s", "embedding step")
+    )
+    for key, what in (("total_s", "pipeline"), steps):
         fig = figure(report["speakerd"][key], "s", "lower")
         anchors = []
         if "pyannote" in report:  # absent with --skip-local
