@@ -67,6 +67,8 @@ CASES = [
 CLUSTERING_MEMORY_MB = 1
 #: Seconds of silence whose clustering reservation exceeds that budget.
 OVER_BUDGET_S = 60
+#: Seconds the bench tiles the sample to: a few windows of both speakers.
+BENCH_SECONDS = 16
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +232,28 @@ def test_cli_writes_pyannotes_rttm(server, sample, pyannote_outputs, tmp_path, c
         local.write_rttm(handle)
     assert rttm.read_text() == expected.read_text()
     assert [s["label"] for s in summary["speakers"]] == local.labels() and summary["turns"] == len(local)
+
+
+def test_bench_diarize_times_both_calls_and_the_clustering(server, sample, tmp_path, capsys) -> None:
+    """speakerd.tools.bench_diarize (the harness's diarize suite) on a short tiling of the sample:
+    one line per call kind and the clustering's steps, the saved arrays its last run's."""
+    from speakerd.tools.bench_diarize import main as bench
+
+    audio, saved = tmp_path / "speech.npy", tmp_path / "hour.npz"
+    np.save(audio, sample["waveform"].numpy().T)
+    argv = ["--target", server.target, "--audio", str(audio), "--sample-rate", "16000",
+            "--seconds", str(BENCH_SECONDS), "--runs", "1", "--save", str(saved)]  # fmt: skip
+    assert bench(argv) == 0
+    lines = {row["kind"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
+    windows = BENCH_SECONDS - 9
+    assert lines["segment"]["windows"] == lines["diarize"]["windows"] == windows, lines
+    assert lines["diarize"]["speakers"] >= 1 and lines["diarize"]["turns"] >= 1, lines
+    steps = lines["clustering"]
+    assert steps["windows"] == windows and 0 < steps["clean_pairs"] <= steps["pairs"] == 3 * windows, steps
+    assert steps["speakers"] == lines["diarize"]["speakers"], steps
+    with np.load(saved) as arrays:
+        assert arrays["segmentation"].shape == (windows, 589, 3) and arrays["embeddings"].shape == (
+            windows,
+            3,
+            256,
+        )

@@ -195,7 +195,11 @@ def test_every_curated_measurement_is_a_valid_record():
     for path in files:
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            assert record["commit"] != "unknown" and record["gpu"], f"{path.name}: {record['name']}"
+            # a GPU row names its GPU; a CPU row (a cpu-*.jsonl file) has none to name
+            on_gpu = not path.name.startswith("cpu-")
+            assert record["commit"] != "unknown" and bool(record["gpu"]) == on_gpu, (
+                f"{path.name}: {record['name']}"
+            )
 
 
 def test_check_reports_a_bad_records_file_with_its_line_and_exits_2(tmp_path):
