@@ -26,6 +26,7 @@ import pytest
 from speakerd.model.numerics import BOUNDS, Math, compare
 from speakerd.model.source import CONVERTED_DIR, HUB_FILENAME
 from speakerd.model.weights import file_sha256
+from tests.hub_env import environment, speakerd
 from tests.hub_server import Hub, Repo, build_cache, commit_of
 from tests.pyannote_checkpoints import PYANNOTE_MISSING, TORCH_MISSING, random_wespeaker, save_checkpoint
 from tests.serving import ServerProcess, start_server
@@ -44,8 +45,6 @@ UNREACHABLE = "http://127.0.0.1:1"
 #: request on 2 busy cores. huggingface_hub's own retries alone sleep 23 s (1+2+4+8+8).
 UNREACHABLE_S = 15.0
 #: Environment variables of huggingface_hub and speakerd that each command gets fresh.
-HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE", "SPEAKERD_MODEL",
-           "SPEAKERD_WEIGHTS", "SPEAKERD_CACHE")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -90,21 +89,6 @@ def hub(checkpoint: bytes, other_architecture: bytes):
     )
     yield server
     server.close()
-
-
-def environment(tmp_path: Path, **values: str) -> dict[str, str]:
-    """This process's environment without the hub's and speakerd's variables, plus `values`;
-    the caches under tmp_path unless given."""
-    env = {key: value for key, value in os.environ.items() if key not in HUB_ENV}
-    env.update(HF_HOME=str(tmp_path / "hf"), SPEAKERD_CACHE=str(tmp_path / "speakerd"),
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
-    env.update(values)
-    return env
-
-
-def speakerd(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "speakerd", *args], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
 
 
 def serve_error(model: str, env: dict[str, str]) -> str:

@@ -14,9 +14,7 @@ start. No pyannote.audio needed; the server that uses the PLDA is tests/test_dia
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,8 @@ from speakerd.model.diarization.plda import PLDA_FILE, TRANSFORM_FILE
 from speakerd.model.source import PLDA_SUBFOLDER, ModelError, ModelSource, resolve_plda
 from speakerd.serving.server import plda as server_plda
 from speakerd.serving.server.config import UsageError
+from tests.hub_env import environment, one_line, speakerd
+from tests.hub_env import fetched as fetched_lines
 from tests.hub_server import Hub, Repo, commit_of
 from tests.plda_files import write_plda
 
@@ -33,8 +33,6 @@ REPO = "pyannote/speaker-diarization-community-1"
 #: The token the test hub wants for its gated repo.
 TOKEN = "hf_speakerd_test_token"
 #: Environment variables of huggingface_hub and speakerd that each command gets fresh.
-HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE", "SPEAKERD_PLDA",
-           "SPEAKERD_CACHE")  # fmt: skip
 #: A PLDA for 512-dimensional embeddings (the served model's are 256), to community-1's 128.
 WIDE_EMBEDDINGS = 512
 
@@ -68,38 +66,9 @@ def hub(plda_dir: Path):
     server.close()
 
 
-def environment(tmp_path: Path, **values: str) -> dict[str, str]:
-    """This process's environment without the hub's and speakerd's variables, plus `values`."""
-    env = {key: value for key, value in os.environ.items() if key not in HUB_ENV}
-    env.update(HF_HOME=str(tmp_path / "hf"), SPEAKERD_CACHE=str(tmp_path / "speakerd"),
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
-    env.update(values)
-    return env
-
-
-def speakerd(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "speakerd", *args], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-
-
 def fetched(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
     """fetch-model's `plda {directory,id,source} ...` lines: {"directory": ..., ...}."""
-    assert done.returncode == 0, done.stderr
-    out = {}
-    for line in done.stdout.splitlines():
-        for field in ("directory", "id", "source"):
-            if line.startswith(f"plda {field} "):
-                out[field] = line.removeprefix(f"plda {field} ")
-    assert len(out) == 3, done.stdout
-    return out
-
-
-def one_line(done: subprocess.CompletedProcess[str]) -> str:
-    """The one line a failed command wrote; asserts exit code 2 and no traceback."""
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    print(f"\n{lines[0]}")
-    return lines[0]
+    return fetched_lines(done, "plda", ("directory", "id", "source"))
 
 
 def serve(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:

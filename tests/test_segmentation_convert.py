@@ -14,7 +14,6 @@ weights cannot be had is one line. Skips without torch or pyannote.audio.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,8 @@ from speakerd.model.source import (
 )
 from speakerd.model.store import default_model_name
 from speakerd.model.weights import file_sha256
+from tests.hub_env import environment, one_line
+from tests.hub_env import fetched as fetched_lines
 from tests.hub_server import Hub, Repo, build_cache, commit_of
 from tests.pyannote_checkpoints import (
     LAYOUTS,
@@ -52,8 +53,6 @@ REPO = "pyannote/segmentation-3.0"
 #: The token the test hub wants for its gated repo.
 TOKEN = "hf_speakerd_test_token"
 #: Environment variables of huggingface_hub and speakerd that each command gets fresh.
-HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE", "SPEAKERD_MODEL",
-           "SPEAKERD_WEIGHTS", "SPEAKERD_SEGMENTATION_MODEL", "SPEAKERD_CACHE")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -141,37 +140,14 @@ def test_bad_checkpoints_are_one_line(model, checkpoint: bytes, tmp_path: Path, 
 # ---------------------------------------------------------------------------------------
 
 
-def environment(tmp_path: Path, **values: str) -> dict[str, str]:
-    """This process's environment without the hub's and speakerd's variables, plus `values`."""
-    env = {key: value for key, value in os.environ.items() if key not in HUB_ENV}
-    env.update(HF_HOME=str(tmp_path / "hf"), SPEAKERD_CACHE=str(tmp_path / "speakerd"),
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
-    env.update(values)
-    return env
+def fetched(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    """fetch-model's `segmentation {weights,model id,source} ...` lines: {"weights": ..., ...}."""
+    return fetched_lines(done, "segmentation", ("weights", "model id", "source"))
 
 
 def fetch(spec: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "speakerd", "fetch-model", "--segmentation-model", spec]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-
-
-def fetched(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
-    """fetch-model's `segmentation {weights,model id,source} ...` lines: {"weights": ..., ...}."""
-    assert done.returncode == 0, done.stderr
-    out = {}
-    for line in done.stdout.splitlines():
-        for field in ("weights", "model id", "source"):
-            if line.startswith(f"segmentation {field} "):
-                out[field] = line.removeprefix(f"segmentation {field} ")
-    assert len(out) == 3, done.stdout
-    return out
-
-
-def one_line(done: subprocess.CompletedProcess[str]) -> str:
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    print(f"\n{lines[0]}")
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

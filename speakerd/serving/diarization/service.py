@@ -115,18 +115,15 @@ class DiarizationService:
             assert isinstance(header, pb.DiarizeHeader)
             options = diarization_options(header)
             if header.names and self.voiceprints is None:
-                raise Rejection(
-                    grpc.StatusCode.FAILED_PRECONDITION, "invalid_argument",
-                    "names: this server keeps no voiceprints (serve --voiceprints off); diarize "
-                    "without names",
+                raise _unserved(
                     "names", "false on a server without voiceprints",
+                    "this server keeps no voiceprints (serve --voiceprints off); diarize without names",
                 )  # fmt: skip
             if options.vbx and self.plda is None:
-                raise Rejection(
-                    grpc.StatusCode.FAILED_PRECONDITION, "invalid_argument",
-                    "clustering.method: vbx needs a PLDA and this server has none: start it with "
-                    "--plda (e.g. pyannote/speaker-diarization-community-1), or cluster with agglomerative",
+                raise _unserved(
                     "clustering.method", "agglomerative on a server without --plda",
+                    "vbx needs a PLDA and this server has none: start it with --plda (e.g. "
+                    "pyannote/speaker-diarization-community-1), or cluster with agglomerative",
                 )  # fmt: skip
             used = self.plda if options.vbx else None  # (where from, the PLDA) VBx clusters in
             if not header.HasField("recording"):
@@ -267,6 +264,13 @@ class Options:
     def vbx(self) -> bool:
         """VBx (community-1's clustering), which needs the server's PLDA."""
         return isinstance(self.clustering, VBxParameters)
+
+
+def _unserved(field: str, expected: str, why: str) -> Rejection:
+    """FAILED_PRECONDITION for an option this server was not started to serve, naming it."""
+    return Rejection(
+        grpc.StatusCode.FAILED_PRECONDITION, "invalid_argument", f"{field}: {why}", field, expected
+    )
 
 
 def _turns(turns: list[Turn]) -> list[pb.SpeakerTurn]:
