@@ -1,13 +1,14 @@
 """The memory a diarization's clustering holds: the bound the server reserves, and the 3 h figures.
 
-`speakerd.model.diarization.working_bytes(windows, clean_pairs)` is what Diarize reserves in
-the clustering budget (`--clustering-memory-mb`) before it clusters: 8 n^2 bytes for SciPy's
-linkage of the n clean pairs plus DIARIZE_BYTES_PER_WINDOW a window. Each case runs `diarize`
-in a fresh process and compares its peak resident size above its inputs with that bound: the
-bound must hold, and be tight enough to mean something (the measured peak at least half of
-it). The two cases load each term alone: many clean pairs in few windows (the linkage), many
-windows with nothing to link (the per-window arrays). docs/service.md's figures for an hour
-and for 3 h are the formula's.
+`speakerd.model.diarization.working_bytes(windows, clean_pairs, vbx)` is what Diarize reserves
+in the clustering budget (`--clustering-memory-mb`) before it clusters: 8 n^2 bytes for SciPy's
+linkage of the n clean pairs (96 n^2 for VBx's updates) plus DIARIZE_BYTES_PER_WINDOW a
+window. Each case runs `diarize` in a fresh process and compares its peak resident size
+above its inputs with that bound: the bound must hold, and be tight enough to mean
+something (the measured peak at least half of it). The cases load each term alone: many
+clean pairs in few windows (the linkage), many windows with nothing to link (the per-window
+arrays), and VBx's updates where every pair starts as its own cluster (its most).
+docs/service.md's figures for an hour and for 3 h are the formula's.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ TIGHTNESS = 0.5
 #: Run in a fresh process: `diarize` on synthetic segmentations and embeddings, its peak RSS
 #: above what the process held with its inputs made.
 PEAK = r"""
-import json, resource, sys
+import json, resource, sys, tempfile
+from pathlib import Path
 import numpy as np
-from speakerd.model.diarization import clean_speakers, diarize
+from speakerd.model.diarization import COMMUNITY_1, clean_speakers, diarize, load_plda
+from tests.plda_files import write_plda
 
-windows, clean = int(sys.argv[1]), sys.argv[2] == "clean"
+windows, clean, vbx = int(sys.argv[1]), sys.argv[2] == "clean", sys.argv[3] == "vbx"
 rng = np.random.default_rng(0)
 segmentations = np.zeros((windows, 589, 3), np.uint8)
 if clean:  # two speakers taking turns in every window: both pairs clean
@@ -54,16 +57,20 @@ voices = rng.standard_normal((6, 256))
 noise = rng.standard_normal((windows, 3, 256))
 embeddings = (voices[rng.integers(0, 6, (windows, 3))] + noise).astype(np.float32)
 pairs = len(clean_speakers(embeddings, segmentations)[0])
+options = {}
+if vbx:  # a random but valid PLDA: VBx's cost depends on the shapes, not on what it learnt
+    options = {"clustering": COMMUNITY_1, "plda": load_plda(write_plda(Path(tempfile.mkdtemp()), 0))}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-diarize(segmentations, embeddings, 1.0)
+diarize(segmentations, embeddings, 1.0, **options)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"windows": windows, "pairs": pairs, "peak_bytes": peak - before}))
 """
 
 
-def measured(windows: int, clean: bool) -> dict[str, int]:
+def measured(windows: int, clean: bool, vbx: bool) -> dict[str, int]:
     done = subprocess.run(
-        [sys.executable, "-c", PEAK, str(windows), "clean" if clean else "overlapping"],
+        [sys.executable, "-c", PEAK, str(windows), "clean" if clean else "overlapping",
+         "vbx" if vbx else "agglomerative"],
         capture_output=True, text=True, timeout=300, cwd=REPO, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -72,12 +79,13 @@ def measured(windows: int, clean: bool) -> dict[str, int]:
 @pytest.mark.slow
 def test_working_bytes_bound_the_peak_of_diarize() -> None:
     print(f"\n{'case':<34}{'windows':>8}{'pairs':>7}{'peak MB':>9}{'bound MB':>10}{'share':>7}")
-    for case, windows, clean in (
-        ("linkage: 2 clean pairs a window", 1_500, True),
-        ("per window: nothing to link", 4_000, False),
+    for case, windows, clean, vbx in (
+        ("linkage: 2 clean pairs a window", 1_500, True, False),
+        ("per window: nothing to link", 4_000, False, False),
+        ("VBx: every pair its own cluster", 1_000, True, True),
     ):
-        run = measured(windows, clean)
-        bound = working_bytes(run["windows"], run["pairs"])
+        run = measured(windows, clean, vbx)
+        bound = working_bytes(run["windows"], run["pairs"], vbx)
         share = run["peak_bytes"] / bound
         print(f"{case:<34}{run['windows']:>8}{run['pairs']:>7}{run['peak_bytes'] / 1e6:>9.1f}"
               f"{bound / 1e6:>10.1f}{share:>7.2f}")  # fmt: skip

@@ -42,7 +42,7 @@ from speakerd.model.diarization.plda import Plda
 from speakerd.model.diarization.reconstruct import reconstruct
 from speakerd.model.diarization.rttm import to_rttm
 from speakerd.model.diarization.turns import Track, Turn, binarize, speech_seconds
-from speakerd.model.diarization.vbx import VBxParameters, vbx_clustering
+from speakerd.model.diarization.vbx import VBX_BYTES_PER_PAIR_SQUARED, VBxParameters, vbx_clustering
 
 #: pyannote's speaker names: SPEAKER_ and the speaker's index, two digits at least.
 SPEAKER_PREFIX = "SPEAKER_"
@@ -94,13 +94,15 @@ def bind_speakers(
     return num_speakers, low, high
 
 
-def working_bytes(windows: int, clean_pairs: int) -> int:
+def working_bytes(windows: int, clean_pairs: int, vbx: bool = False) -> int:
     """The most memory `diarize` holds at once above its inputs, for `windows` windows of
     which `clean_pairs` (window, speaker) pairs are clustered (clustering.clean_speakers):
-    the linkage's quadratic scratch, the same for the agglomerative clustering and VBx's
-    initialisation, plus the per-window arrays. An upper bound, not an estimate: the server
-    reserves it before clustering (serving/diarization/service.py)."""
-    return LINKAGE_BYTES_PER_PAIR_SQUARED * clean_pairs * clean_pairs + DIARIZE_BYTES_PER_WINDOW * windows
+    the clustering's quadratic scratch (the agglomerative clustering's linkage, or with `vbx`
+    VBx's updates, whose initialisation is that linkage), plus the per-window arrays. An upper
+    bound, not an estimate: the server reserves it before clustering
+    (serving/diarization/service.py)."""
+    per_pair_squared = VBX_BYTES_PER_PAIR_SQUARED if vbx else LINKAGE_BYTES_PER_PAIR_SQUARED
+    return per_pair_squared * clean_pairs * clean_pairs + DIARIZE_BYTES_PER_WINDOW * windows
 
 
 def _named(tracks: list[Track], names: dict[int, str]) -> list[Turn]:

@@ -140,7 +140,7 @@ class DiarizationService:
                 assert last is not None, "a recording has at least one window"
                 segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
                 del rows
-                room = await self._clustering_room(segmentations, embeddings, context)
+                room = await self._clustering_room(segmentations, embeddings, options.vbx, context)
             finally:
                 for reservation in held:  # the recording's: what it keeps is in `room` now
                     reservation.release()
@@ -194,12 +194,12 @@ class DiarizationService:
         )
 
     async def _clustering_room(
-        self, segmentations: np.ndarray, embeddings: np.ndarray, context: grpc.aio.ServicerContext
+        self, segmentations: np.ndarray, embeddings: np.ndarray, vbx: bool, context: grpc.aio.ServicerContext
     ) -> Reservation:
         """The clustering budget's room for this recording's clustering (class docstring)."""
         windows = segmentations.shape[0]
         pairs = len(clean_speakers(embeddings, segmentations)[0])
-        need = working_bytes(windows, pairs) + segmentations.nbytes + embeddings.nbytes
+        need = working_bytes(windows, pairs, vbx) + segmentations.nbytes + embeddings.nbytes
         budget = self.clustering_budget
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
