@@ -61,7 +61,7 @@ MAX_SPEAKERS_ASKED = 1000
 DEFAULT_URI = "recording"
 #: MiB Diarize calls clustering at once may hold (`--clustering-memory-mb`): an hour's
 #: clustering takes at most 1.0 GB (every pair clean), so two at once fit; a 3 h recording
-#: (2.1 GB with 47% of its pairs clean, sample.wav's share) fits up to that share.
+#: fits with up to 46% of its pairs clean (sample.wav's share, 47%, takes 2.2 GB).
 DEFAULT_CLUSTERING_MEMORY_MB = 2048
 #: What a call keeps of each window until its clustering ends: the segmentation row (uint8
 #: [589, 3]) and the embeddings (float32 [3, 256]); 4,839 bytes, 52 MB for 3 h.
