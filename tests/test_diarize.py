@@ -62,8 +62,8 @@ CASES = [
 
 
 #: The clustering budget of the module's server, MiB: the smallest the flag takes, so that a
-#: minute of audio does not fit it (51 windows reserve 1.47 MB) while the sample (11 windows,
-#: at most 33 clean pairs: 0.33 MB) does.
+#: minute of audio does not fit it (51 windows reserve 1.47 MB) while the sample (6 windows,
+#: at most 18 clean pairs: 0.18 MB) does.
 CLUSTERING_MEMORY_MB = 1
 #: Seconds of silence whose clustering reservation exceeds that budget.
 OVER_BUDGET_S = 60

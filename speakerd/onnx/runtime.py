@@ -24,9 +24,19 @@ _SESSIONS: dict[tuple[str, bool, int], ort.InferenceSession] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
+#: ONNX Runtime's intra-op threads busy-wait for the next operator by default. A CPU server
+#: shares its cores with its own decoding, segmentation and gRPC threads, and often with
+#: other processes; spinning threads take those cores for nothing. Measured on 2 cores, the
+#: CPU engine's 8-chunk batches: alone 3.94 chunks/s spinning, 3.99 not; two engines at once
+#: 1.70 + 1.69 spinning, 1.93 + 1.92 not (13.6% more). The bits are the same either way.
+ALLOW_SPINNING = "0"
+
+
 def session_options(threads: int) -> ort.SessionOptions:
-    """CPU session options: `threads` intra-op threads, one inter-op thread, sequential."""
+    """CPU session options: `threads` intra-op threads that sleep when idle (ALLOW_SPINNING),
+    one inter-op thread, sequential."""
     options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", ALLOW_SPINNING)
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
