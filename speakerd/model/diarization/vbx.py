@@ -71,10 +71,11 @@ PRIOR_FLOOR = 1e-8
 KEPT_PRIOR = 1e-7
 #: Bytes VBx holds per squared clean pair at its peak, at most: its variational updates keep
 #: several float64 [n, s] arrays for s initial clusters, and s reaches n when the AHC cut
-#: leaves every pair alone (random embeddings). Measured peak RSS of `diarize` with every pair
-#: its own initial cluster: 82.5-83 n^2 over n = 2,000, 3,000 and 4,000; rounded up. Ten
-#: times the agglomerative clustering's linkage (clustering.LINKAGE_BYTES_PER_PAIR_SQUARED).
-VBX_BYTES_PER_PAIR_SQUARED = 96
+#: leaves every pair alone (random embeddings). Measured peak resident size of `diarize`
+#: with every pair its own initial cluster: 80-87 n^2 over n = 2,000 and 3,000, with a
+#: quarter of margin: fourteen times the agglomerative clustering's linkage
+#: (clustering.LINKAGE_BYTES_PER_PAIR_SQUARED).
+VBX_BYTES_PER_PAIR_SQUARED = 112
 #: Fewer clean embeddings than this: no clustering, one cluster.
 MIN_TRAIN_EMBEDDINGS = 2
 #: `VBxClustering`'s KMeans: 3 runs from different k-means++ seeds (the lowest inertia kept),
