@@ -531,9 +531,8 @@ class _Call:
         )
 
     def _report_budget(self, waiting: int = 0) -> None:
-        budget = self.service.budget
-        self.host.metrics.recordings_waiting.set(budget.waiting + waiting)
-        self.host.metrics.recording_bytes_held.set(budget.held_bytes)
+        metrics = self.host.metrics
+        self.service.budget.report(metrics.recordings_waiting, metrics.recording_bytes_held, waiting)
 
     def _resize_rows(self, masks: np.ndarray) -> None:
         """The first masks message tells the rows' real size: give back what the call

@@ -217,8 +217,7 @@ class DiarizationService:
 
     def _report_clustering(self, waiting: int) -> None:
         metrics = self.host.metrics
-        metrics.clusterings_waiting.set(self.clustering_budget.waiting + waiting)
-        metrics.clustering_bytes_held.set(self.clustering_budget.held_bytes)
+        self.clustering_budget.report(metrics.clusterings_waiting, metrics.clustering_bytes_held, waiting)
 
     async def _names(
         self,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 class QueueFull(Exception):
@@ -52,6 +53,12 @@ class Reservation:
             self.budget._release(self)
 
 
+class Gauge(Protocol):
+    """What `RecordingBudget.report` sets: a Prometheus gauge, or anything with `set`."""
+
+    def set(self, value: float) -> None: ...
+
+
 class RecordingBudget:
     """`limit_bytes` of recordings held at once; at most `max_waiting` calls wait for room."""
 
@@ -69,6 +76,11 @@ class RecordingBudget:
     @property
     def waiting(self) -> int:
         return len(self._queue)
+
+    def report(self, waiting_gauge: Gauge, held_gauge: Gauge, waiting: int = 0) -> None:
+        """Set the budget's two gauges: calls waiting (plus `waiting` about to) and bytes held."""
+        waiting_gauge.set(self.waiting + waiting)
+        held_gauge.set(self.held_bytes)
 
     async def admit(self, nbytes: int) -> Reservation:
         """Reserve `nbytes`, waiting behind earlier calls while they do not fit. QueueFull
