@@ -110,6 +110,32 @@ def test_plans_times_and_errors(engine: CpuEngine, folded_model) -> None:
         engine.embed(np.zeros((1, 997, 80), np.float32), np.ones((1, 3, 589), np.float32))
 
 
+class CountingSession:
+    """An ORT session that counts its runs (the CPU engine makes one per chunk)."""
+
+    def __init__(self, session) -> None:
+        self.session, self.runs = session, 0
+
+    def run(self, *args, **kwargs):
+        self.runs += 1
+        return self.session.run(*args, **kwargs)
+
+
+def test_plan_times_come_from_a_warm_chunk_already_run(folded_model) -> None:
+    """A server's start-up self-check runs chunks before it asks for plan times: the time of a
+    warm one is the measurement, no chunk is run for it; a cold engine warms up then times one."""
+    warm = CpuEngine(folded_model, Math.FP32, PLANS)
+    warm.session = counting = CountingSession(warm.session)
+    warm.run_batch(np.zeros((2, 998, 80), np.float32), np.ones((2, MAX_SPEAKERS, 589), np.float32))
+    assert counting.runs == 2, counting.runs
+    times = warm.plan_times_ms()
+    assert counting.runs == 2 and set(times) == set(PLANS), (counting.runs, times)
+    assert times[4] == 4 * times[1] > 0, times
+    cold = CpuEngine(folded_model, Math.FP32, PLANS)
+    cold.session = counting = CountingSession(cold.session)
+    assert cold.plan_times_ms()[1] > 0 and counting.runs == 2, counting.runs  # a warm-up, a timed run
+
+
 def test_factory_chooses_cpu_without_gpu_and_refuses_gpu(folded_model) -> None:
     usable, why = gpu_available()
     if usable:
