@@ -12,7 +12,7 @@ import sys
 
 #: command -> (module with `configure(parser)` and `run(args) -> int`, help line)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("speakerd.serving.server.serve", "run the gRPC server (GPU when present, else CPU)"),
+    "serve": ("speakerd.serving.server.command", "run the gRPC server (GPU when present, else CPU)"),
     "embed": ("speakerd.tools.embed", "embed an .npz of fbank or waveform chunks offline"),
     "make-model": ("speakerd.model.synthetic", "write the deterministic synthetic default model"),
     "make-segmentation-model": (

@@ -25,7 +25,8 @@ import pytest
 pytest.importorskip("scipy", reason="SciPy is a server dependency (pip install 'speakerd[server]')")
 
 from speakerd.model.diarization import working_bytes
-from speakerd.serving.diarization.service import DEFAULT_CLUSTERING_MEMORY_MB, KEPT_ROW_BYTES
+from speakerd.serving.diarization.service import KEPT_ROW_BYTES
+from speakerd.serving.memory.recording_budget import DEFAULT_CLUSTERING_MEMORY_MB
 from tests.plda_files import write_plda
 
 REPO = Path(__file__).resolve().parent.parent

@@ -153,6 +153,19 @@ def test_bad_port_flag_says_what_is_expected() -> None:
     assert_one_line_usage_error(done, "--port", "'abc': expected a port number 0..65535")
 
 
+def test_a_bad_flag_is_refused_before_the_server_loads() -> None:
+    """serve's flags are checked before the server's modules are imported (command.py), so a
+    mistyped flag answers at once instead of after 1.5 s of gRPC, ONNX and SciPy imports."""
+    probe = ("import sys\nfrom speakerd.cli import main\n"
+             "try:\n    main(['serve', '--port', 'abc'])\nexcept SystemExit as error:\n    code = error.code\n"
+             "print(code, sorted(m for m in ('grpc', 'onnx', 'onnxruntime', 'scipy', "
+             "'speakerd.serving.server.serve') if m in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=FRONT_DOOR_TIMEOUT_S)  # fmt: skip
+    assert done.stdout.strip() == "2 []", done.stdout + done.stderr
+    assert "--port" in done.stderr, done.stderr
+
+
 def test_serve_help_shows_the_defaults() -> None:
     done = subprocess.run([sys.executable, "-m", "speakerd", "serve", "--help"], capture_output=True,
                           text=True, timeout=FRONT_DOOR_TIMEOUT_S)  # fmt: skip

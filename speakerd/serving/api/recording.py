@@ -82,7 +82,14 @@ from speakerd.model.segmentation.samples import SegmentingSource
 from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_stream
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
-from speakerd.serving.memory.recording_budget import QueueFull, RecordingBudget, Reservation, TooLarge
+from speakerd.serving.memory.recording_budget import (
+    DEFAULT_RECORDING_MEMORY_MB,
+    DEFAULT_RECORDING_QUEUE,
+    QueueFull,
+    RecordingBudget,
+    Reservation,
+    TooLarge,
+)
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import TensorError, from_tensor, to_tensor
@@ -93,12 +100,6 @@ METHOD = "EmbedRecording"
 REQUEST_ID_KEY = "x-request-id"
 #: Longest recording one call may send: its frames take 32 KB per second (345 MB for 3 h).
 MAX_RECORDING_S = 3 * 3600.0
-#: Bytes of recordings in progress at once (`--recording-memory-mb`): four 3 h recordings
-#: with pyannote's float32 masks (421 MB each), or hundreds of short ones.
-DEFAULT_RECORDING_MEMORY_MB = 2048
-#: Calls waiting for room in that budget (`--recording-queue`); one more is RESOURCE_EXHAUSTED
-#: at once (the clients retry with backoff).
-DEFAULT_RECORDING_QUEUE = 64
 #: A second of audio's log-mel frames as the call keeps them: 100 frames of 80 float32.
 FRAME_BYTES_PER_S = 100 * MEL_BINS * 4
 #: Mask bytes a window is reserved before its first masks message says more: pyannote's

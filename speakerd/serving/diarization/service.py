@@ -59,10 +59,6 @@ CLUSTER_THREADS = 2
 #: windows x 3 local speakers cannot be formed.
 MAX_SPEAKERS_ASKED = 1000
 DEFAULT_URI = "recording"
-#: MiB Diarize calls clustering at once may hold (`--clustering-memory-mb`): an hour's
-#: clustering takes at most 1.0 GB (every pair clean), so two at once fit; a 3 h recording
-#: fits with up to 46% of its pairs clean (sample.wav's share, 47%, takes 2.2 GB).
-DEFAULT_CLUSTERING_MEMORY_MB = 2048
 #: What a call keeps of each window until its clustering ends: the segmentation row (uint8
 #: [589, 3]) and the embeddings (float32 [3, 256]); 4,839 bytes, 52 MB for 3 h.
 KEPT_ROW_BYTES = MASK_FRAMES * MAX_SPEAKERS + MAX_SPEAKERS * EMBEDDING_DIM * 4

@@ -22,6 +22,19 @@ import collections
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# The server's two budgets, defined here rather than beside the calls that reserve in them
+# so that `serve`'s flags (serving/server/config.py) load without the services' modules.
+#: Bytes of recordings in progress at once (`--recording-memory-mb`): four 3 h recordings
+#: with pyannote's float32 masks (421 MB each), or hundreds of short ones.
+DEFAULT_RECORDING_MEMORY_MB = 2048
+#: Calls waiting for room in that budget (`--recording-queue`); one more is RESOURCE_EXHAUSTED
+#: at once (the clients retry with backoff).
+DEFAULT_RECORDING_QUEUE = 64
+#: MiB Diarize calls clustering at once may hold (`--clustering-memory-mb`): an hour's
+#: clustering takes at most 1.0 GB (every pair clean), so two at once fit; a 3 h recording
+#: fits with up to 46% of its pairs clean (sample.wav's share, 47%, takes 2.2 GB).
+DEFAULT_CLUSTERING_MEMORY_MB = 2048
+
 
 class QueueFull(Exception):
     """`max_waiting` calls already wait: refused without waiting."""

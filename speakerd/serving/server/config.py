@@ -17,8 +17,11 @@ from pathlib import Path
 from speakerd.engine.factory import ENGINE_KINDS
 from speakerd.model.numerics import Math
 from speakerd.model.source import MODEL_ENV, MODEL_HELP, PLDA_HELP, env_model
-from speakerd.serving.api.recording import DEFAULT_RECORDING_MEMORY_MB, DEFAULT_RECORDING_QUEUE
-from speakerd.serving.diarization.service import DEFAULT_CLUSTERING_MEMORY_MB
+from speakerd.serving.memory.recording_budget import (
+    DEFAULT_CLUSTERING_MEMORY_MB,
+    DEFAULT_RECORDING_MEMORY_MB,
+    DEFAULT_RECORDING_QUEUE,
+)
 
 ENV_PREFIX = "SPEAKERD_"
 #: Loopback by default: exposing the port is a deliberate act (the container sets SPEAKERD_HOST).
@@ -61,9 +64,13 @@ DEFAULT_DATA_DIR = "~/.local/share/speakerd"
 #: Log lines of the server and of its receiver processes.
 
 
+#: The exit code of a UsageError: argparse's usage-error code.
+USAGE_EXIT = 2
+
+
 class UsageError(ValueError):
     """A flag or SPEAKERD_* value the server cannot start with. `serve` prints it as one line
-    naming the flag and what it takes, and exits 2 (the usage-error code argparse uses)."""
+    naming the flag and what it takes, and exits USAGE_EXIT."""
 
 
 @dataclass(frozen=True)

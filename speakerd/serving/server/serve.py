@@ -1,4 +1,5 @@
-"""`python -m speakerd serve`: the gRPC server's life cycle.
+"""`python -m speakerd serve`: the gRPC server's life cycle, once its flags were read
+(command.py).
 
 Before listening, what can be checked at once is (`preflight`): the flags' combination, the
 engine kind (an explicit `--engine gpu` needs a usable GPU), the CPU engine's FP32-only
@@ -29,7 +30,6 @@ time bounds the exit, not the work in flight.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -93,16 +93,12 @@ STOP_GRACE_S = 1.0
 #: After the drain time, how long calls failed with UNAVAILABLE get to send that answer
 #: before the server cancels whatever is left (a few event-loop turns are enough).
 FAIL_LEFTOVERS_S = 0.5
-#: Exit code of a configuration the server cannot start with (argparse's usage-error code);
-#: a failed self-check keeps exit code 1.
-USAGE_EXIT = 2
+#: A failed self-check's exit code; a configuration the server cannot start with has
+#: config.USAGE_EXIT, as its flags do.
+USAGE_EXIT = config.USAGE_EXIT
 START_FAILED_EXIT = 1
 
 T = TypeVar("T")
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    config.configure(parser)
 
 
 @dataclass
@@ -130,12 +126,8 @@ class Outcome:
     abandoned_work: bool = False
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        settings = config.from_args(args)
-    except config.UsageError as error:
-        print(f"speakerd serve: error: {error}", file=sys.stderr)
-        return USAGE_EXIT
+def run(settings: config.ServeConfig) -> int:
+    """Preflight, then serve until stopped; the process's exit code."""
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
     heap.keep_freed_memory()  # before any thread: requests' buffers reused, arenas capped (heap.py)
     try:
