@@ -66,8 +66,11 @@ PERTURBATION = 0.05
 #: windows, not 21: pyannote's CPU pipeline runs its ResNet 3 times a window at about 0.7 s
 #: each on 2 cores, and its runs here were CI's slowest fixture (181 s at 20 s of audio).
 SAMPLE_SECONDS = 15
-#: Seconds of sample.wav the fallback test embeds (3 windows: 9 local ResNet runs).
+#: Seconds of sample.wav the served-segmentation and file-path tests diarize (3 windows).
 SHORT_SECONDS = 12
+#: Seconds the fallback test embeds with pyannote's own model, twice: one window (3 local
+#: ResNet runs each) shows the fallback's rows are pyannote's as well as three would.
+FALLBACK_SECONDS = 10
 
 pytestmark = pytest.mark.slow
 if not SEGMENTATION.is_file():
@@ -274,7 +277,7 @@ def test_unreachable_target_is_named(segmentation, embedding) -> None:
 
 def test_local_fallback_is_explicit(segmentation, embedding, sample) -> None:
     """local_fallback=True: a warning at start and per file, then pyannote's own embeddings."""
-    short = {**sample, "waveform": sample["waveform"][:, : SHORT_SECONDS * sample["sample_rate"]]}
+    short = {**sample, "waveform": sample["waveform"][:, : FALLBACK_SECONDS * sample["sample_rate"]]}
     pipeline = models.diarization_pipeline(segmentation, embedding, exclude_overlap=True)
     segmentations = pipeline.get_segmentations(short)
     expected = pipeline.get_embeddings(short, segmentations, exclude_overlap=True)
@@ -283,7 +286,7 @@ def test_local_fallback_is_explicit(segmentation, embedding, sample) -> None:
     with pytest.warns(SpeakerdFallbackWarning, match="local_fallback=True"):
         fallback = pipeline.get_embeddings(short, segmentations, exclude_overlap=True)
     assert pipeline.get_embeddings.last.fallback
-    assert fallback.shape == expected.shape == (3, 3, 256)
+    assert fallback.shape == expected.shape == (FALLBACK_SECONDS - 9, 3, 256)
     assert np.array_equal(fallback, expected)
 
 
