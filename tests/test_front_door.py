@@ -157,7 +157,8 @@ def test_a_bad_flag_is_refused_before_the_server_loads() -> None:
     """serve's flags are checked before the server's modules are imported (command.py), so a
     mistyped flag answers at once instead of after 1.5 s of gRPC, ONNX and SciPy imports."""
     probe = ("import sys\nfrom speakerd.cli import main\n"
-             "try:\n    main(['serve', '--port', 'abc'])\nexcept SystemExit as error:\n    code = error.code\n"
+             "try:\n    main(['serve', '--port', 'abc'])\n"
+             "except SystemExit as error:\n    code = error.code\n"
              "print(code, sorted(m for m in ('grpc', 'onnx', 'onnxruntime', 'scipy', "
              "'speakerd.serving.server.serve') if m in sys.modules))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
