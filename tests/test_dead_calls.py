@@ -29,6 +29,8 @@ from tests.test_bad_inputs import _good
 pytestmark = pytest.mark.slow
 
 EMBEDDED = "speakerd_chunks_embedded_total{}"
+TAKEN = "speakerd_queue_wait_seconds_count{}"  # calls whose first chunks left the queue
+QUEUED = "speakerd_queue_depth_chunks{}"
 EXPIRED = "speakerd_requests_rejected_total{reason=deadline_exceeded}"
 CANCELLED = "speakerd_requests_rejected_total{reason=cancelled}"
 #: Calls sent to expire in the queue, from this many threads on as many connections, each
@@ -37,10 +39,25 @@ CANCELLED = "speakerd_requests_rejected_total{reason=cancelled}"
 DOOMED_CALLS = 48
 SENDERS = 8
 DOOMED_CHUNKS = 8
-#: Their deadline: far shorter than the backlog of 8-chunk requests ahead of them.
+#: Their deadline: far shorter than the backlog ahead of them.
 DOOMED_TIMEOUT_S = 1.5
-#: The backlog: 8-chunk requests (a CPU b8 run is ~1 s or more on 2 cores), no deadline.
-BACKLOG_REQUESTS = 6
+#: The server's plans. A backlog call is one full batch of BATCH chunks, so that no two
+#: share a batch and none is split (a split call's rest queues behind the calls that came
+#: after it). A call behind the backlog finds every engine worker busy until all but the
+#: last PIPELINE_DEPTH - 1 backlog batches have run: those are held by the other workers
+#: and run after it. With b8 batches (~2 s each on CPU) that was 4 s of engine work a
+#: backlog paid for nothing; b2 makes it 1 s.
+PLANS = "1,2"
+BATCH = 2
+#: Backlog calls ahead of each test's dead calls (no deadline), sized by what each must
+#: outlast, measured on 2 cores (each test prints it): the 48 doomed calls had all ended
+#: 1.8 s after their backlog began (their 1.5 s deadline after their bytes); 24 chunks of
+#: protection are 2.9 s even at 0.12 s a chunk (cpu.py's figure; 0.26 s on the development
+#: machine). The 160 short calls took 0.5 s and the cancellation 0.2 s: 12 and 6 chunks
+#: leave them several times that. (Six 8-chunk calls each, 144 chunks; these are 54.)
+EXPIRED_BACKLOG = 14
+REFUSAL_BACKLOG = 8
+CANCEL_BACKLOG = 5
 #: Calls in flight on one connection in the refused-stream test: the server's
 #: MAX_CONCURRENT_STREAMS, each expiring in the queue, for REFUSAL_CALLS calls in all.
 IN_FLIGHT = 32
@@ -52,7 +69,7 @@ SETTLE_S = 120.0
 
 @pytest.fixture(scope="module")
 def server(weights_path) -> Iterator[ServerProcess]:
-    running = start_server(weights_path, "--plans", "1,8")
+    running = start_server(weights_path, "--plans", PLANS)
     yield running
     assert running.terminate() == 0, running.log()
 
@@ -82,18 +99,42 @@ def _b1_ms(server: ServerProcess) -> float:
     return float(match[1])
 
 
-def _backlog(server: ServerProcess):
-    """(channel, futures) of BACKLOG_REQUESTS 8-chunk calls without a deadline."""
+def _wait(condition, what: str) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {SETTLE_S} s"
+        time.sleep(0.05)
+
+
+def _backlog(server: ServerProcess, requests: int):
+    """(channel, futures) of `requests` calls of one full batch each, without a deadline,
+    once every one of them is with the batcher (on a worker or queued): ahead of every call
+    sent after."""
+    before = scrape(server)
     channel, call = _embed(server)
-    raw = _good(8).SerializeToString()
-    futures = [call.future(raw, timeout=600) for _ in range(BACKLOG_REQUESTS)]
-    time.sleep(0.5)  # queued ahead of every call sent after
+    raw = _good(BATCH).SerializeToString()
+    futures = [call.future(raw, timeout=600) for _ in range(requests)]
+
+    def submitted() -> bool:
+        now = scrape(server)
+        taken = now.get(TAKEN, 0) - before.get(TAKEN, 0)
+        return taken + now.get(QUEUED, 0) / BATCH >= requests
+
+    _wait(submitted, f"{requests} backlog calls with the batcher")
     return channel, futures
+
+
+def _left(server: ServerProcess, before: dict[str, float], backlog: int, began: float) -> str:
+    """How much of the backlog's engine work was still to run (for the test's output)."""
+    embedded = scrape(server)[EMBEDDED] - before[EMBEDDED]
+    chunks, elapsed = backlog * BATCH, time.monotonic() - began
+    return f"{elapsed:.2f} s after the backlog began, {chunks - embedded:.0f} of its {chunks} chunks to run"
 
 
 def test_calls_expired_in_the_queue_are_counted_as_expired(server: ServerProcess) -> None:
     before = _settled(server)
-    backlog_channel, backlog = _backlog(server)
+    began = time.monotonic()
+    backlog_channel, backlog = _backlog(server, EXPIRED_BACKLOG)
     seen: Counter[str] = Counter()
     lock = threading.Lock()
 
@@ -118,21 +159,24 @@ def test_calls_expired_in_the_queue_are_counted_as_expired(server: ServerProcess
         sender.start()
     for sender in senders:
         sender.join()
+    left = _left(server, before, EXPIRED_BACKLOG, began)
     for future in backlog:
         future.result()
     backlog_channel.close()
     after = _settled(server)
     expired, cancelled = after[EXPIRED] - before[EXPIRED], after[CANCELLED] - before[CANCELLED]
-    print(f"clients saw {dict(seen)}; counted deadline_exceeded {expired:.0f}, cancelled {cancelled:.0f}")
-    assert seen == {"DEADLINE_EXCEEDED": DOOMED_CALLS}, seen
+    print(f"clients saw {dict(seen)}; counted deadline_exceeded {expired:.0f}, cancelled {cancelled:.0f}; "
+          f"when the last ended, {left}")  # fmt: skip
+    assert seen == {"DEADLINE_EXCEEDED": DOOMED_CALLS}, (seen, f"when the last ended, {left}")
     assert (expired, cancelled) == (DOOMED_CALLS, 0)
 
 
 def test_no_stream_is_refused_with_32_calls_in_flight_on_one_connection(server: ServerProcess) -> None:
     """A raw grpc client (no retries) keeping MAX_CONCURRENT_STREAMS calls in flight on one
     connection, each expiring in the queue, never sees UNAVAILABLE (RST_STREAM code 7)."""
-    _settled(server)
-    backlog_channel, backlog = _backlog(server)
+    before = _settled(server)
+    began = time.monotonic()
+    backlog_channel, backlog = _backlog(server, REFUSAL_BACKLOG)
     channel, call = _embed(server)
     raw = _good().SerializeToString()
     seen: Counter[str] = Counter()
@@ -154,38 +198,45 @@ def test_no_stream_is_refused_with_32_calls_in_flight_on_one_connection(server: 
     for future in in_flight:
         error = future.exception()
         seen["OK" if error is None else error.code().name] += 1
+    left = _left(server, before, REFUSAL_BACKLOG, began)
     for future in backlog:
         future.result()
     channel.close()
     backlog_channel.close()
     _settled(server)
-    print(f"{REFUSAL_CALLS} calls, {IN_FLIGHT} in flight on one connection: {dict(seen)} {details}")
+    print(f"{REFUSAL_CALLS} calls, {IN_FLIGHT} in flight on one connection: {dict(seen)} {details}; "
+          f"when the last ended, {left}")  # fmt: skip
     assert "UNAVAILABLE" not in seen, details
     assert sum(seen.values()) == REFUSAL_CALLS
 
 
-def _in_flight(server: ServerProcess, calls: int) -> None:
-    """Wait until the server has `calls` calls in flight (its gauge), so a call sent after
-    another is known to have reached the server behind it."""
-    deadline = time.monotonic() + SETTLE_S
-    while scrape(server).get("speakerd_inflight_requests{}", 0) < calls:
-        assert time.monotonic() < deadline, f"the server never had {calls} calls in flight"
-        time.sleep(0.05)
+def _behind(server: ServerProcess, backlog: list[grpc.Future]) -> None:
+    """Wait until the server has one call in flight besides the backlog's unanswered calls
+    (its gauge), so the call sent after the backlog is known to have reached the server
+    behind it."""
+
+    def arrived() -> bool:
+        pending = sum(not future.done() for future in backlog)  # counted before the gauge is read
+        return scrape(server).get("speakerd_inflight_requests{}", 0) >= pending + 1
+
+    _wait(arrived, "the call sent after the backlog at the server")
 
 
 def test_a_call_its_client_cancels_is_counted_as_cancelled(server: ServerProcess) -> None:
     before = _settled(server)
-    backlog_channel, backlog = _backlog(server)
-    _in_flight(server, BACKLOG_REQUESTS)
+    began = time.monotonic()
+    backlog_channel, backlog = _backlog(server, CANCEL_BACKLOG)
     channel, call = _embed(server)
     cancelled = call.future(_good().SerializeToString(), timeout=600)
-    _in_flight(server, BACKLOG_REQUESTS + 1)  # queued behind seconds of 8-chunk batches
+    _behind(server, backlog)
     cancelled.cancel()
+    left = _left(server, before, CANCEL_BACKLOG, began)
     for future in backlog:
         future.result()
     channel.close()
     backlog_channel.close()
     after = _settled(server)
+    print(f"when the call was cancelled, {left}")
     assert after[CANCELLED] - before[CANCELLED] == 1
     assert after[EXPIRED] == before[EXPIRED]
 

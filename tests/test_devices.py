@@ -42,8 +42,24 @@ from tests.serving import ServerProcess, scrape, start_server
 #: Small plans keep each CPU batch short (b1 ~0.15 s on one core) while a b4 request still
 #: spans several batches, so both devices hold work at once.
 PLANS = "1,4"
-CHUNKS_PER_REQUEST = 4
-REQUESTS = 6
+#: One chunk more than a b4 batch: a request of these is a b4 and a b1 batch at once, one
+#: on each device.
+OVER_BOTH_CHUNKS = 5
+#: The killed worker's load: REQUESTS concurrent requests of CHUNKS_PER_REQUEST chunks,
+#: each its own rows (so rows answered to the wrong request would show), two to four
+#: batches in flight on the two devices and one queued when device 1 is killed. (Six of 4
+#: chunks checked the same with three times the engine work, here and in process.)
+CHUNKS_PER_REQUEST = 2
+REQUESTS = 4
+#: `load`'s streams of one chunk: one more than a b4 batch holds, so two batches are in
+#: flight at once and the least-loaded rule gives the second to device 1 (4 streams would
+#: fit one batch at a time, which the rule always gives device 0). `load` runs three calls'
+#: time of all its streams: each stream more lengthens the run.
+LOAD_STREAMS = 5
+#: The engine-error pool's one plan: batches of up to 2 chunks, and the least self-check
+#: work for each of its three workers to start (the check runs each plan on the fewest
+#: chunks that select it: 1 + 2 chunks for b1 and b4, 1 for b2 alone).
+POOL_PLAN = 2
 #: How long a test waits for something the server does within a second or two (a worker's
 #: death noticed, a batch in flight), on a loaded 2-core machine.
 WAIT_S = 60.0
@@ -62,7 +78,8 @@ def expected(reference_cases, folded_model) -> tuple[np.ndarray, np.ndarray, np.
     """(fbank, masks, embeddings) of the mixed case's first chunks (every one a test sends),
     from one engine in this process."""
     case = reference_cases[-1]
-    fbank, masks = case.fbank[: REQUESTS * CHUNKS_PER_REQUEST], case.masks[: REQUESTS * CHUNKS_PER_REQUEST]
+    chunks = max(OVER_BOTH_CHUNKS, REQUESTS * CHUNKS_PER_REQUEST)
+    fbank, masks = case.fbank[:chunks], case.masks[:chunks]
     return fbank, masks, CpuEngine(folded_model, Math.FP32, (1, 4)).embed(fbank, masks).embeddings
 
 
@@ -99,19 +116,20 @@ def test_a_request_over_both_devices_keeps_its_order(server: ServerProcess, expe
     fbank, masks, reference = expected
     before = scrape(server)
     with server.client() as client:
-        served = client.embed(fbank[:8], masks[:8], timeout_s=WAIT_S)
+        served = client.embed(fbank[:OVER_BOTH_CHUNKS], masks[:OVER_BOTH_CHUNKS], timeout_s=WAIT_S)
     after = scrape(server)
-    assert_within_fp32(served.embeddings, reference[:8, : masks.shape[1]])
+    assert_within_fp32(served.embeddings, reference[:OVER_BOTH_CHUNKS, : masks.shape[1]])
     ran = {d: after[f"speakerd_device_batches_total{{device={d}}}"] - before.get(
         f"speakerd_device_batches_total{{device={d}}}", 0.0) for d in (0, 1)}  # fmt: skip
-    assert ran[0] > 0 and ran[1] > 0, f"8 chunks in plans {PLANS} ran on {ran}: one device idle"
+    assert ran[0] > 0 and ran[1] > 0, (
+        f"{OVER_BOTH_CHUNKS} chunks in plans {PLANS} ran on {ran}: one device idle"
+    )
 
 
 def test_load_reports_batches_per_device(server: ServerProcess, capsys) -> None:
-    """8 one-chunk streams fill two b4 batches at once, so both devices get work (4 streams
-    would fit one batch at a time, which the least-loaded rule always gives device 0)."""
-    flags = ["--target", server.target, "--streams", "8", "--seconds", "2", "--warmup", "0", "--chunks", "1",
-             "--metrics-url", server.metrics_url]  # fmt: skip
+    """LOAD_STREAMS one-chunk streams keep two batches in flight, so both devices get work."""
+    flags = ["--target", server.target, "--streams", str(LOAD_STREAMS), "--seconds", "1", "--warmup", "0",
+             "--chunks", "1", "--metrics-url", server.metrics_url]  # fmt: skip
     assert client_main(["load", *flags]) == 0
     report = json.loads(capsys.readouterr().out)
     batches = report["device_batches"]
@@ -168,16 +186,16 @@ def test_an_engine_error_takes_its_device_out_once(weights_path, expected) -> No
     padded, speakers = pad_speakers(masks), masks.shape[1]
     lost: list[tuple[int, int]] = []
     faults = {0: (1,), 1: (1, 2)}  # device -> its batches (1-based) whose engine run raises
-    config = PoolConfig("cpu", str(weights_path), Math.FP32, (1, 4), (0, 1, 2), fail_batches=faults)
+    config = PoolConfig("cpu", str(weights_path), Math.FP32, (POOL_PLAN,), (0, 1, 2), fail_batches=faults)
     pool = DevicePool(config, Metrics(), on_lost=lambda device, left: lost.append((device, left)))
     pool.start()
     try:
         with pytest.raises(RuntimeError, match="engine error on device 0 and again on device 1"):
             pool.run_batch(fbank[:2], padded[:2])
         assert lost == [(0, 2)] and pool.live_devices == (1, 2)
-        run = pool.run_batch(fbank[2:5], padded[2:5])
+        run = pool.run_batch(fbank[2:4], padded[2:4])
         assert lost == [(0, 2), (1, 1)] and pool.live_devices == (2,)
-        assert_within_fp32(run.embeddings[:, :speakers], reference[2:5])
+        assert_within_fp32(run.embeddings[:, :speakers], reference[2:4])
         failures = {device: pool.metrics.device_failures.labels(device=str(device))._value.get()
                     for device in (0, 1, 2)}  # fmt: skip
         assert failures == {0: 1, 1: 1, 2: 0}

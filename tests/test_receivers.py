@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -37,16 +38,32 @@ pytestmark = pytest.mark.slow  # a CPU server doing seconds of engine work per t
 PLANS = "1,8"
 RECEIVERS = 2
 PIDS = re.compile(r"receiver processes take calls on port \d+ \(pids \[(?P<pids>[\d, ]+)\]\)")
+REPLACED = re.compile(r"receiver (?P<index>\d+) listening again \(pid (?P<pid>\d+)\)")
+#: Chunks of a call whose rows are compared: more than one, so a slot carries several
+#: chunks and their order shows; how a call travels does not depend on more (a call of 8
+#: cost 4x the engine time for the same check).
+CALL_CHUNKS = 2
+#: Chunks of a call that must still be running when the test acts (its worker busy, a
+#: drain with work to finish): ~1 s of CPU engine time, several times what the test needs
+#: to see the call reach the server and act on it.
+LONG_CHUNKS = 4
+#: How long a test waits for something the server does within a second or two on a quiet
+#: machine (a call reaching it, a receiver replaced), on a loaded 2-core one.
+WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def server(weights_path):
+    """One server for the whole module, the killed receiver's replacement and the final
+    SIGTERM (the module's last two tests) included: each start costs 5-15 s of 2 cores.
+    Whichever test stopped it, the server and every receiver it ever started must be gone."""
     running = start_server(weights_path, "--plans", PLANS, "--receivers", str(RECEIVERS))
     yield running
-    pids = receiver_pids(running)
     assert running.terminate() == 0, running.log()
-    gone = [pid for pid in pids if not alive(pid)]
-    assert gone == pids, f"receivers still running after the server exited: {set(pids) - set(gone)}"
+    started = receiver_pids(running, every=True)
+    assert not [pid for pid in started if alive(pid)], (
+        f"receivers still running after the server exited: {started}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +73,31 @@ def mixed(reference_cases):
 
 @pytest.fixture(scope="module")
 def direct(folded_model, mixed) -> np.ndarray:
-    """The same engine in process on the first 8 chunks of mixed_b32: what must come back."""
-    return CpuEngine(folded_model, Math.FP32, (1, 8)).embed(mixed.fbank[:8], mixed.masks[:8]).embeddings
+    """The same engine in process on the first LONG_CHUNKS chunks of mixed_b32 (every chunk
+    a test sends): what must come back."""
+    fbank, masks = mixed.fbank[:LONG_CHUNKS], mixed.masks[:LONG_CHUNKS]
+    return CpuEngine(folded_model, Math.FP32, (1, 8)).embed(fbank, masks).embeddings
 
 
-def receiver_pids(server: ServerProcess) -> list[int]:
+def receiver_pids(server: ServerProcess, every: bool = False) -> list[int]:
+    """The receivers' pids now (each replaced one's successor in its place), or with `every`
+    each pid any receiver ever had."""
     match = PIDS.search(server.log())
     assert match, f"no receiver pids in the log:\n{server.log()}"
-    return [int(pid) for pid in match["pids"].split(",")]
+    pids = [int(pid) for pid in match["pids"].split(",")]
+    replacements = [(int(found["index"]), int(found["pid"])) for found in REPLACED.finditer(server.log())]
+    if every:
+        return pids + [pid for _, pid in replacements]
+    for index, pid in replacements:
+        pids[index] = pid
+    return pids
+
+
+def wait_for(condition: Callable[[], bool], what: str, server: ServerProcess) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not seen within {WAIT_S} s:\n{server.log()[-4000:]}"
+        time.sleep(0.05)
 
 
 def alive(pid: int) -> bool:
@@ -78,10 +112,11 @@ def alive(pid: int) -> bool:
 
 def test_handed_over_calls_equal_the_engine_output(server: ServerProcess, mixed, direct) -> None:
     """Concurrent clients on fresh connections (spread over the receivers by the kernel)."""
+    fbank, masks, expected = mixed.fbank[:CALL_CHUNKS], mixed.masks[:CALL_CHUNKS], direct[:CALL_CHUNKS]
 
     def call(index: int) -> np.ndarray:
         with server.client(retry=NO_RETRY) as client:
-            result = client.embed(mixed.fbank[:8], mixed.masks[:8], request_id=f"handed-{index}")
+            result = client.embed(fbank, masks, request_id=f"handed-{index}")
         assert result.request_id == f"handed-{index}"
         return result.embeddings
 
@@ -89,7 +124,7 @@ def test_handed_over_calls_equal_the_engine_output(server: ServerProcess, mixed,
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(call, range(6)))
     for result in results:
-        assert np.array_equal(result, direct), f"max abs {np.abs(result - direct).max()}"
+        assert np.array_equal(result, expected), f"max abs {np.abs(result - expected).max()}"
     after = scrape(server)
     counted = [key for key in after if key.startswith("speakerd_receiver_calls_total{")]
     calls = {key: after[key] - before.get(key, 0) for key in counted}
@@ -102,10 +137,9 @@ def test_every_other_call_is_forwarded(server: ServerProcess, mixed, direct) -> 
         assert client.health() == "SERVING"
         info = client.model_info()
         assert (info.engine, info.max_batch) == ("cpu-onnxruntime", 8)
-        streamed = list(
-            client.embed_stream([(mixed.fbank[:4], mixed.masks[:4]), (mixed.fbank[4:8], mixed.masks[4:8])])
-        )
-    assert np.array_equal(np.concatenate([r.embeddings for r in streamed]), direct)
+        items = [(mixed.fbank[i : i + 1], mixed.masks[i : i + 1]) for i in range(CALL_CHUNKS)]
+        streamed = list(client.embed_stream(items))
+    assert np.array_equal(np.concatenate([r.embeddings for r in streamed]), direct[:CALL_CHUNKS])
     with grpc.insecure_channel(server.target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         answers = list(
@@ -132,75 +166,72 @@ def test_errors_name_the_field_on_both_paths(server: ServerProcess) -> None:
 
 
 def test_a_deadline_reaches_the_servers_queue(server: ServerProcess, mixed) -> None:
-    """With every engine worker busy on a full b8 batch (~2 s each on CPU), a request with
-    0.3 s to live waits in the server's queue: the caller gets DEADLINE_EXCEEDED, the server
-    counts it as dropped and never runs its chunks (test_service.py's rule, through a receiver)."""
+    """With every engine worker busy on a call of LONG_CHUNKS chunks (~1 s of CPU engine
+    time each), a request with 0.3 s to live waits in the server's queue: the caller gets
+    DEADLINE_EXCEEDED, the server counts it as dropped and never runs its chunks
+    (test_service.py's rule, through a receiver)."""
     before = scrape(server)
+    taken = "speakerd_queue_wait_seconds_count{}"  # a call's first chunks left the queue
     with ThreadPoolExecutor(PIPELINE_DEPTH) as pool:
         busy = []
-        for _ in range(PIPELINE_DEPTH):  # 0.2 s apart: each leaves the queue before the next
-            busy.append(pool.submit(server.client(timeout_s=120).embed, mixed.fbank[:8], mixed.masks[:8]))
-            time.sleep(0.2)
+        # each taken by a worker before the next is sent: no two share a batch, leaving a
+        # worker free for the short call
+        for index in range(PIPELINE_DEPTH):
+            call = server.client(timeout_s=120).embed
+            busy.append(pool.submit(call, mixed.fbank[:LONG_CHUNKS], mixed.masks[:LONG_CHUNKS]))
+            wait_for(lambda index=index: scrape(server).get(taken, 0) - before.get(taken, 0) > index,
+                     f"busy call {index} taken by a worker", server)  # fmt: skip
         with server.client(retry=NO_RETRY) as client, pytest.raises(grpc.RpcError) as raised:
             client.embed(mixed.fbank[:1], mixed.masks[:1], timeout_s=0.3)
         for future in busy:
             future.result()
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, raised.value
     reasons = [f"speakerd_requests_rejected_total{{reason={r}}}" for r in ("deadline_exceeded", "cancelled")]
-    deadline = time.monotonic() + 10
-    while sum(scrape(server).get(key, 0) - before.get(key, 0) for key in reasons) < 1:
-        assert time.monotonic() < deadline, "the server never counted the expired request"
-        time.sleep(0.1)
+    wait_for(lambda: sum(scrape(server).get(key, 0) - before.get(key, 0) for key in reasons) >= 1,
+             "the expired request counted", server)  # fmt: skip
     chunks = "speakerd_chunks_embedded_total{}"
     embedded = scrape(server)[chunks] - before[chunks]
-    assert embedded == 8 * PIPELINE_DEPTH, f"{embedded} chunks embedded; only the busy requests' should be"
+    expected = LONG_CHUNKS * PIPELINE_DEPTH
+    assert embedded == expected, f"{embedded} chunks embedded; only the busy requests' {expected} should be"
 
 
-def test_a_killed_receiver_is_replaced(weights_path, mixed, direct) -> None:
-    running = start_server(weights_path, "--plans", PLANS, "--receivers", str(RECEIVERS))
-    try:
-        victim = receiver_pids(running)[0]
-        os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while "listening again" not in running.log():
-            assert time.monotonic() < deadline, running.log()
-            time.sleep(0.1)
-        assert f"(pid {victim}) exited (code -9)" in running.log(), running.log()
-        for index in range(4):  # fresh connections, whichever receiver each lands on
-            with running.client(retry=NO_RETRY) as client:
-                assert np.array_equal(client.embed(mixed.fbank[:8], mixed.masks[:8]).embeddings, direct), (
-                    index
-                )
-    finally:
-        assert running.terminate() == 0, running.log()
+def test_a_killed_receiver_is_replaced(server: ServerProcess, mixed, direct) -> None:
+    """On the module's server: the killed receiver is replaced, and calls on fresh
+    connections answer the engine's rows whichever receiver each reaches. (The next test,
+    the module's last, stops that server: none runs on the replacement unawares.)"""
+    victim = receiver_pids(server)[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: victim not in receiver_pids(server), "the killed receiver replaced", server)
+    assert f"(pid {victim}) exited (code -9)" in server.log(), server.log()
+    fbank, masks = mixed.fbank[:CALL_CHUNKS], mixed.masks[:CALL_CHUNKS]
+    for index in range(4):  # fresh connections, whichever receiver each lands on
+        with server.client(retry=NO_RETRY) as client:
+            assert np.array_equal(client.embed(fbank, masks).embeddings, direct[:CALL_CHUNKS]), index
 
 
-def test_sigterm_to_every_process_drains_the_calls_in_progress(weights_path, mixed, direct) -> None:
+def test_sigterm_to_every_process_drains_the_calls_in_progress(server: ServerProcess, mixed, direct) -> None:
     """What systemd does by default: SIGTERM to the server and its receivers at once. Calls
     already received are answered (each receiver drains as the server does), and every
-    process exits."""
-    running = start_server(weights_path, "--plans", PLANS, "--receivers", str(RECEIVERS))
-    pids = receiver_pids(running)
+    process exits. The module's last test: it stops the module's server."""
+    pids = receiver_pids(server)
 
     def call() -> np.ndarray:
-        with running.client(retry=NO_RETRY, timeout_s=120) as client:
-            return client.embed(mixed.fbank[:8], mixed.masks[:8]).embeddings
+        with server.client(retry=NO_RETRY, timeout_s=120) as client:
+            return client.embed(mixed.fbank[:LONG_CHUNKS], mixed.masks[:LONG_CHUNKS]).embeddings
 
     try:
         with ThreadPoolExecutor(2) as pool:
             calls = [pool.submit(call) for _ in range(2)]
-            deadline = time.monotonic() + 60
-            while scrape(running).get("speakerd_inflight_requests{}", 0) < 2:
-                assert time.monotonic() < deadline, "the calls never reached the server"
-                time.sleep(0.05)
+            wait_for(lambda: scrape(server).get("speakerd_inflight_requests{}", 0) >= 2,
+                     "both calls at the server", server)  # fmt: skip
             for pid in pids:
                 os.kill(pid, signal.SIGTERM)
-            running.process.send_signal(signal.SIGTERM)
+            server.process.send_signal(signal.SIGTERM)
             for result in [future.result() for future in calls]:
                 assert np.array_equal(result, direct)
-        assert running.wait(60) == 0, running.log()
+        assert server.wait(60) == 0, server.log()
     finally:
-        if running.process.poll() is None:
-            running.process.kill()
-    assert "SIGTERM, stopping" in running.log(), running.log()
+        if server.process.poll() is None:
+            server.process.kill()
+    assert "SIGTERM, stopping" in server.log(), server.log()
     assert not [pid for pid in pids if alive(pid)], "receivers outlived the server"

@@ -11,38 +11,72 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY, RetryPolicy, SpeakerClient
 from speakerd.client.verify import main as verify_main
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.architecture import EMBEDDING_DIM
+from speakerd.model.cases import mixed_rows
 from speakerd.model.numerics import Math
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.observability.metrics import METRIC_NAMES
 from tests.serving import ServerProcess, scrape, start_server
 
-#: Plans of the test servers: b8 keeps CPU batches short (~1 s) yet spans several requests.
-PLANS = "1,8"
-#: Concurrent requests of 1 to MAX_REQUEST_CHUNKS chunks (seeded: 71 chunks, 5 requests larger
-#: than a b8 batch, so split): enough to share batches; 16 of up to 40 chunks (330 chunks)
-#: was the suite's second-slowest test.
-CONCURRENT_REQUESTS = 8
-MAX_REQUEST_CHUNKS = 12
+#: The chunks of mixed_b32 the tests send: its last conversation chunk (partial), the short
+#: recording's (speaker 2 empty), the empty-mask, one-frame and soft-mask chunks (16-20),
+#: after four ordinary ones. Nine: one request of them all spans a b8 and a b1 plan run. The
+#: other 23 chunks are more of the same computation, a CPU chunk at a time (all 32 were the
+#: suite's third-slowest test; `verify` still sends them, against the reference).
+SENT = slice(12, 21)
+#: Sizes of the concurrent requests, over SENT (wrapping): two larger than a b8 batch, so
+#: split over batches, among six small ones that share batches with them (31 chunks; 8
+#: seeded requests of up to 12 chunks, 71 chunks, checked the same).
+CONCURRENT_SIZES = (9, 1, 3, 2, 10, 1, 2, 3)
+#: Where the stream's 2-chunk items start in SENT: first, middle (edge chunks), last.
+STREAMED = (0, 4, 7)
+#: The small server's largest plan, and its whole queue: a call of SMALL_BATCH chunks is
+#: one full batch (~1 s of CPU engine time), so two concurrent ones fill the queue. b8 (the
+#: shared server's) doubled the engine time of its tests for the same checks.
+SMALL_BATCH = 4
+#: How long a test waits for something the server does within a second on a quiet machine.
+WAIT_S = 60.0
+#: Counts the calls whose first chunks left the queue for an engine worker.
+TAKEN = "speakerd_queue_wait_seconds_count{}"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What the tests send: fbank [n, 998, 80] and masks [n, 3, 589]."""
+
+    fbank: np.ndarray
+    masks: np.ndarray
+
+    @property
+    def chunks(self) -> int:
+        return self.fbank.shape[0]
 
 
 def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not seen within {WAIT_S} s"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +91,17 @@ def engine(folded_model) -> CpuEngine:
 
 
 @pytest.fixture(scope="module")
-def mixed(reference_cases):
-    return reference_cases[-1]
+def mixed(reference_cases) -> Sent:
+    """The SENT chunks of mixed_b32, its edge cases among them."""
+    case = reference_cases[-1]
+    edges = {row for name, row in mixed_rows().items() if name != "first_b1"}
+    assert edges <= set(range(case.chunks)[SENT]), f"edge chunks {edges} not all in {SENT}"
+    return Sent(np.ascontiguousarray(case.fbank[SENT]), np.ascontiguousarray(case.masks[SENT]))
 
 
 @pytest.fixture(scope="module")
-def direct(engine: CpuEngine, mixed) -> np.ndarray:
-    """Engine output for every chunk of mixed_b32 [32, 3, 256]."""
+def direct(engine: CpuEngine, mixed: Sent) -> np.ndarray:
+    """Engine output for every chunk sent [9, 3, 256]."""
     return engine.embed(mixed.fbank, mixed.masks).embeddings
 
 
@@ -86,9 +124,8 @@ def test_embeddings_equal_the_engine_output(server: ServerProcess, mixed, direct
 
 
 def test_concurrent_requests_share_batches_and_keep_their_rows(server: ServerProcess, mixed, direct) -> None:
-    rng = np.random.default_rng(7)
-    sizes = rng.integers(1, MAX_REQUEST_CHUNKS + 1, CONCURRENT_REQUESTS)
-    starts = rng.integers(0, mixed.chunks, CONCURRENT_REQUESTS)
+    sizes = np.array(CONCURRENT_SIZES)
+    starts = np.random.default_rng(7).integers(0, mixed.chunks, len(sizes))
     before = scrape(server)
 
     def call(i: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -103,8 +140,8 @@ def test_concurrent_requests_share_batches_and_keep_their_rows(server: ServerPro
                 client.embed(mixed.fbank[index], masks, request_id=f"concurrent-{i}").embeddings,
             )
 
-    with ThreadPoolExecutor(CONCURRENT_REQUESTS) as pool:
-        results = list(pool.map(call, range(CONCURRENT_REQUESTS)))
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        results = list(pool.map(call, range(len(sizes))))
     after = scrape(server)
     for i, index, embeddings in results:
         assert embeddings.shape == (sizes[i], 3, EMBEDDING_DIM)
@@ -124,11 +161,11 @@ def test_model_info_stream_and_reflection(server: ServerProcess, mixed, direct, 
     with SpeakerClient(server.target) as client:
         info = client.model_info()
         streamed = list(
-            client.embed_stream([(mixed.fbank[i : i + 2], mixed.masks[i : i + 2]) for i in (0, 6, 30)])
+            client.embed_stream([(mixed.fbank[i : i + 2], mixed.masks[i : i + 2]) for i in STREAMED])
         )
     assert info.model_id == folded_model.model_id and info.engine == "cpu-onnxruntime"
     assert list(info.plan_sizes) == [1, 8] and info.max_batch == 8 and info.precision == "fp32"
-    for i, result in zip((0, 6, 30), streamed, strict=True):
+    for i, result in zip(STREAMED, streamed, strict=True):
         assert np.array_equal(result.embeddings, direct[i : i + 2]), f"stream item at chunk {i}"
     with grpc.insecure_channel(server.target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -161,19 +198,20 @@ def test_verify_passes_against_the_server(server: ServerProcess, references_dir,
     assert "7/7 cases within the parity bounds (docs/parity.md)" in table and "FAIL" not in table
 
 
-def test_load_generator_reports_throughput_latency_and_batch_fill(server: ServerProcess) -> None:
+def test_load_generator_reports_throughput_latency_and_batch_fill(server: ServerProcess, capsys) -> None:
     """`client load` over two processes: every call succeeds, and the JSON's numbers agree
-    with each other and with the server's /metrics."""
-    command = [sys.executable, "-m", "speakerd.client", "load", "--target", server.target, "--streams", "4",
-               "--processes", "2", "--seconds", "3", "--warmup", "0", "--chunks", "2",
-               "--metrics-url", server.metrics_url]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    with each other and with the server's /metrics. One-chunk calls and the shortest window
+    (`load` lengthens it to three calls' time of the 4 streams): a call of 2 chunks doubled
+    the run for the same checks."""
+    chunks = 1
+    flags = ["--target", server.target, "--streams", "4", "--processes", "2", "--seconds", "1",
+             "--warmup", "0", "--chunks", str(chunks), "--metrics-url", server.metrics_url]  # fmt: skip
+    assert client_main(["load", *flags]) == 0
+    report = json.loads(capsys.readouterr().out)
     print(report)
     assert report["processes"] == 2 and report["streams"] == 4 and report["errors"] == {}, report
     assert report["requests_ok"] >= 4, report
-    rate = report["requests_ok"] * 2 / report["seconds"]
+    rate = report["requests_ok"] * chunks / report["seconds"]
     assert report["chunks_per_s"] == pytest.approx(rate, rel=1e-3), (report["chunks_per_s"], rate)
     assert report["latency_p50_ms"] <= report["latency_p90_ms"] <= report["latency_p99_ms"], report
     assert 0 < report["batch_fill_mean"] <= 1 and 1 <= report["batch_size_mean_chunks"] <= 8, report
@@ -185,9 +223,9 @@ def test_load_generator_reports_throughput_latency_and_batch_fill(server: Server
 
 @pytest.fixture(scope="module")
 def small_server(weights_path):
-    """Queue of 8 chunks (one b8 batch), no batching delay."""
-    running = start_server(weights_path, "--plans", PLANS, "--queue-chunks", "8", "--max-delay-ms", "0",
-                           "--drain-seconds", "60")  # fmt: skip
+    """Queue of SMALL_BATCH chunks (one full batch), no batching delay."""
+    running = start_server(weights_path, "--plans", f"1,{SMALL_BATCH}", "--queue-chunks", str(SMALL_BATCH),
+                           "--max-delay-ms", "0", "--drain-seconds", "60")  # fmt: skip
     yield running
     if running.process.poll() is None:
         running.terminate()
@@ -196,11 +234,12 @@ def small_server(weights_path):
 def test_full_queue_is_resource_exhausted_and_retry_gets_through(small_server: ServerProcess, mixed) -> None:
     codes: list[grpc.StatusCode] = []
     lock = threading.Lock()
+    fbank, masks = mixed.fbank[:SMALL_BATCH], mixed.masks[:SMALL_BATCH]
 
     def call(_: int) -> None:
         with SpeakerClient(small_server.target, timeout_s=120, retry=NO_RETRY) as client:
             try:
-                client.embed(mixed.fbank[:8], mixed.masks[:8])
+                client.embed(fbank, masks)
                 code = grpc.StatusCode.OK
             except grpc.RpcError as error:
                 code = error.code()
@@ -211,7 +250,7 @@ def test_full_queue_is_resource_exhausted_and_retry_gets_through(small_server: S
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(call, range(8)))
     after = scrape(small_server)
-    print(f"\ncodes of 8 concurrent 8-chunk calls on an 8-chunk queue: {[c.name for c in codes]}")
+    print(f"\ncodes of 8 concurrent calls of a full queue each: {[c.name for c in codes]}")
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     rejected = delta(before, after, "speakerd_requests_rejected_total{reason=queue_full}")
@@ -219,23 +258,23 @@ def test_full_queue_is_resource_exhausted_and_retry_gets_through(small_server: S
     # the client's retry with backoff gets every call through eventually
     retry = RetryPolicy(attempts=50, initial_backoff_s=0.1, max_backoff_s=1.0)
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: SpeakerClient(small_server.target, 300, retry).embed(
-            mixed.fbank[:8], mixed.masks[:8]), range(4)))  # fmt: skip
+        results = list(pool.map(lambda _: SpeakerClient(small_server.target, 300, retry).embed(fbank, masks),
+                                range(4)))  # fmt: skip
     assert len(results) == 4
 
 
 def test_expired_deadline_costs_no_engine_work(small_server: ServerProcess, mixed) -> None:
     before = scrape(small_server)
-    with ThreadPoolExecutor(3) as pool:
-        # one full b8 batch per engine worker: all busy for ~1 s each (smaller requests
-        # would share a batch and leave a worker free to serve the next call in time),
-        # sent 0.2 s apart so each has left the 8-chunk queue when the next arrives
+    with ThreadPoolExecutor(PIPELINE_DEPTH) as pool:
+        # one full batch per engine worker: all busy for ~1 s each (smaller requests would
+        # share a batch and leave a worker free to serve the next call in time), each sent
+        # once the one before has left the one-batch queue
         busy = []
-        for _ in range(PIPELINE_DEPTH):
-            busy.append(
-                pool.submit(SpeakerClient(small_server.target, 120).embed, mixed.fbank[:8], mixed.masks[:8])
-            )
-            time.sleep(0.2)
+        for index in range(PIPELINE_DEPTH):
+            call = SpeakerClient(small_server.target, 120).embed
+            busy.append(pool.submit(call, mixed.fbank[:SMALL_BATCH], mixed.masks[:SMALL_BATCH]))
+            wait_for(lambda index=index: delta(before, scrape(small_server), TAKEN) > index,
+                     f"busy call {index} taken by a worker")  # fmt: skip
         with (
             SpeakerClient(small_server.target, retry=NO_RETRY) as client,
             pytest.raises(grpc.RpcError) as raised,
@@ -244,21 +283,25 @@ def test_expired_deadline_costs_no_engine_work(small_server: ServerProcess, mixe
         for future in busy:
             future.result()
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.5)
+    reasons = [f"speakerd_requests_rejected_total{{reason={r}}}" for r in ("deadline_exceeded", "cancelled")]
+    wait_for(lambda: sum(delta(before, scrape(small_server), key) for key in reasons) >= 1,
+             "the expired call counted")  # fmt: skip
     after = scrape(small_server)
     embedded = delta(before, after, "speakerd_chunks_embedded_total{}")
-    expected = 8 * PIPELINE_DEPTH
+    expected = SMALL_BATCH * PIPELINE_DEPTH
     assert embedded == expected, f"{embedded} chunks embedded; only the busy requests' {expected} should be"
-    dropped = sum(delta(before, after, f"speakerd_requests_rejected_total{{reason={r}}}")
-                  for r in ("deadline_exceeded", "cancelled"))  # fmt: skip
+    dropped = sum(delta(before, after, key) for key in reasons)
     assert dropped == 1, f"rejections {dropped}"
 
 
 def test_sigterm_drains_in_flight_requests(small_server: ServerProcess, mixed, direct) -> None:
+    """A call of one full batch (~1 s of engine time), its run begun, is in flight when the
+    SIGTERM comes (and likely still through the health check and the refused call after)."""
+    before = scrape(small_server)
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(SpeakerClient(small_server.target, 120, NO_RETRY).embed,
-                                mixed.fbank[:8], mixed.masks[:8])  # fmt: skip
-        time.sleep(0.3)
+                                mixed.fbank[:SMALL_BATCH], mixed.masks[:SMALL_BATCH])  # fmt: skip
+        wait_for(lambda: delta(before, scrape(small_server), TAKEN) >= 1, "the call's first batch begun")
         started = time.monotonic()
         small_server.process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
@@ -272,7 +315,9 @@ def test_sigterm_drains_in_flight_requests(small_server: ServerProcess, mixed, d
         result = in_flight.result(timeout=120)
     assert status in ("NOT_SERVING", "UNAVAILABLE"), status
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
-    assert np.array_equal(result.embeddings, direct[:8]), "the in-flight request did not complete intact"
+    assert np.array_equal(result.embeddings, direct[:SMALL_BATCH]), (
+        "the in-flight request did not complete intact"
+    )
     assert small_server.process.wait(60) == 0, small_server.log()
     print(f"\ndrained and exited in {time.monotonic() - started:.2f} s")
     assert small_server.index_of("draining") >= 0 and small_server.index_of("stopped after") >= 0
