@@ -20,6 +20,7 @@ import pytest
 from speakerd.client.cli import main as cli_main
 from speakerd.client.client import SpeakerClient
 from speakerd.client.voiceprints import VoiceprintClient
+from speakerd.model.architecture import CHUNK_SAMPLES
 from speakerd.model.audio import synthetic_recording
 from speakerd.model.fbank import chunk_recording
 from speakerd.model.segmentation.architecture import CLASSES, OUTPUT_FRAMES, SPEAKERS
@@ -32,8 +33,8 @@ from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from tests.serving import scrape, serve_module
 from tests.test_bad_inputs import field_violations
 
-#: b8 keeps a CPU batch near 1 s, so a recording spans several batches.
-PLANS = "1,8"
+#: b2 keeps a CPU batch near 0.5 s, so the 3 windows of `speech` span two batches (2, 1).
+PLANS = "1,2"
 TIMEOUT_S = 600.0
 SEGMENTED = "speakerd_windows_segmented_total{}"
 #: Log-probability margin under which two powerset classes tie to float32 rounding: the two
@@ -55,8 +56,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def speech():
-    """13.5 s of 3-speaker speech-like audio: 5 windows, the last one zero-padded."""
-    return synthetic_recording(13.5, seed=23)
+    """11.5 s of 3-speaker speech-like audio: 3 windows, the last one zero-padded."""
+    return synthetic_recording(11.5, seed=23)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,10 @@ def test_masks_beside_segment_are_invalid_argument(server, speech) -> None:
     header = pb.RecordingHeader(
         sample_rate=16_000, channels=1, encoding=pb.AUDIO_ENCODING_PCM_S16LE, segment=True
     )
+    windows = len(chunk_recording(speech.samples))
     masks = pb.RecordingMasks(
-        windows=5, masks=pb.Tensor(dtype=pb.DTYPE_UINT8, shape=[5, 3, 589], data=bytes(5 * 3 * 589))
+        windows=windows,
+        masks=pb.Tensor(dtype=pb.DTYPE_UINT8, shape=[windows, 3, 589], data=bytes(windows * 3 * 589)),
     )
     messages = [
         pb.EmbedRecordingRequest(header=header),
@@ -136,12 +139,14 @@ def test_model_info_names_the_segmentation_model(client, segmentation_path) -> N
 
 
 def test_a_call_without_segment_segments_nothing(server, client, speech, segmented) -> None:
+    """Counted on the first window alone (10 s): the count, not the recording, is the point."""
+    first_window = speech.samples[:CHUNK_SAMPLES]
     before = scrape(server)[SEGMENTED]
-    masks = np.transpose(segmented[False].segmentation, (0, 2, 1))
-    client.embed_recording(speech.samples, 16_000, masks)
+    masks = np.transpose(segmented[False].segmentation[:1], (0, 2, 1))
+    client.embed_recording(first_window, 16_000, masks)
     assert scrape(server)[SEGMENTED] == before
-    client.embed_recording(speech.samples, 16_000, None)
-    assert scrape(server)[SEGMENTED] == before + len(segmented[False].starts)
+    client.embed_recording(first_window, 16_000, None)
+    assert scrape(server)[SEGMENTED] == before + 1
 
 
 def test_cli_embed_segment_writes_the_segmentation(server, speech, segmented, tmp_path, capsys) -> None:
