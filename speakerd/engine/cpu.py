@@ -31,11 +31,10 @@ from speakerd.model.numerics import Math, resize_masks
 from speakerd.model.weights import FoldedModel
 from speakerd.onnx.runtime import cpu_session
 
-#: Warm-up runs before timing: the first run of the session lets ORT size its arenas (every
-#: run has the same shape, see the module docstring); one timed run after that is
-#: representative on a CPU (no clocks to ramp up).
+#: Runs not timed: the first run of the session lets ORT size its arenas (every run has the
+#: same shape, see the module docstring); one run after that is representative on a CPU (no
+#: clocks to ramp up).
 WARMUP_RUNS = 1
-TIMED_RUNS = 1
 
 
 def default_threads() -> int:
@@ -69,19 +68,17 @@ class CpuEngine(Engine):
         # contend for the same cores; serialising keeps each batch's timing honest.
         self._lock = threading.Lock()
         self._times_ms: dict[int, float] | None = None  # measured on first ask: see plan_times_ms
-        self._chunk_runs = 0  # ORT runs so far; the first one is the warm-up
+        self._chunk_runs = 0  # ORT runs so far; the first WARMUP_RUNS are not timed
         self._warm_chunk_ms: float | None = None  # the latest warm run's time, see plan_times_ms
 
-    def _time_chunk(self) -> float:
-        """Warm the session, then time one chunk's run (ms, wall clock)."""
+    def _warm_chunk(self) -> float:
+        """A warm chunk's run time (ms, wall clock): the latest one run, else zero chunks run
+        until one is warm."""
         fbank = np.zeros((1, FRAMES, MEL_BINS), dtype=np.float32)
         masks = np.ones((1, MAX_SPEAKERS, TRUNK_FRAMES), dtype=np.float32)
-        for _ in range(max(0, WARMUP_RUNS - self._chunk_runs)):
+        while self._warm_chunk_ms is None:
             self._forward(fbank, masks)
-        started = time.perf_counter()
-        for _ in range(TIMED_RUNS):
-            self._forward(fbank, masks)
-        return (time.perf_counter() - started) * 1e3 / TIMED_RUNS
+        return self._warm_chunk_ms
 
     def _forward(self, fbank: np.ndarray, masks: np.ndarray) -> np.ndarray:
         """[n, 998, 80] and [n, 3, F] -> [n * 3, 256], one chunk per ORT run (module
@@ -102,7 +99,7 @@ class CpuEngine(Engine):
         `embed` never does): a warm chunk the engine already ran (the server's self-check
         runs several) is that measurement, else one is run for it."""
         if self._times_ms is None:
-            chunk_ms = self._warm_chunk_ms if self._warm_chunk_ms is not None else self._time_chunk()
+            chunk_ms = self._warm_chunk()
             self._times_ms = {size: size * chunk_ms for size in self.plan_sizes}
         return dict(self._times_ms)
 

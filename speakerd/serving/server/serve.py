@@ -93,9 +93,8 @@ STOP_GRACE_S = 1.0
 #: After the drain time, how long calls failed with UNAVAILABLE get to send that answer
 #: before the server cancels whatever is left (a few event-loop turns are enough).
 FAIL_LEFTOVERS_S = 0.5
-#: A failed self-check's exit code; a configuration the server cannot start with has
+#: A failed self-check's exit code; a configuration the server cannot start with exits
 #: config.USAGE_EXIT, as its flags do.
-USAGE_EXIT = config.USAGE_EXIT
 START_FAILED_EXIT = 1
 
 T = TypeVar("T")
@@ -134,7 +133,7 @@ def run(settings: config.ServeConfig) -> int:
         prepared = preflight(settings)
     except config.UsageError as error:
         log.error("%s", error)
-        return USAGE_EXIT
+        return config.USAGE_EXIT
     outcome = asyncio.run(serve(settings, prepared))
     if outcome.abandoned_work:
         # a batch or the warm-up is still running in native code; joining it (what the
@@ -279,7 +278,7 @@ async def serve(settings: config.ServeConfig, prepared: Prepared) -> Outcome:
     except config.UsageError as error:
         log.error("%s", error)
         await server.close_unstarted()
-        return Outcome(USAGE_EXIT)
+        return Outcome(config.USAGE_EXIT)
     code = await server.wait()
     return Outcome(code, server.abandoned_work)
 
