@@ -138,6 +138,22 @@ def serve_module(weights: Path, *flags: str) -> Iterator[ServerProcess]:
     assert running.terminate() == 0, running.log()
 
 
+#: How often `wait_until` asks again: a metric or a log line, cheap to read 20 times a second.
+POLL_S = 0.05
+
+
+def wait_until(
+    condition: Callable[[], bool], what: str, server: ServerProcess | None = None, *, timeout_s: float
+) -> None:
+    """Poll `condition` until it holds; fail naming `what` (and the end of `server`'s log)
+    after `timeout_s`: a test waits for what it needs instead of sleeping a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        log = f":\n{server.log()[-4000:]}" if server is not None else ""
+        assert time.monotonic() < deadline, f"{what} not seen within {timeout_s} s{log}"
+        time.sleep(POLL_S)
+
+
 def scrape(server: ServerProcess) -> dict[str, float]:
     """Every sample of the server's /metrics as {name{labels}: value}."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()

@@ -13,6 +13,7 @@ the reason its client saw, and none costs engine work that could still be droppe
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -23,7 +24,7 @@ import grpc
 import pytest
 
 from speakerd.serving.api.service import SERVICE_NAME
-from tests.serving import ServerProcess, scrape, start_server
+from tests.serving import ServerProcess, scrape, start_server, wait_until
 from tests.test_bad_inputs import _good
 
 pytestmark = pytest.mark.slow
@@ -99,11 +100,7 @@ def _b1_ms(server: ServerProcess) -> float:
     return float(match[1])
 
 
-def _wait(condition, what: str) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {SETTLE_S} s"
-        time.sleep(0.05)
+_wait = functools.partial(wait_until, timeout_s=SETTLE_S)
 
 
 def _backlog(server: ServerProcess, requests: int):

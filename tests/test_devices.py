@@ -15,6 +15,7 @@ The choice of device alone is tested as plain data in tests/test_device_table.py
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -37,7 +38,7 @@ from speakerd.serving.observability.metrics import Metrics
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
 from speakerd.serving.server import config as serve_config
 from speakerd.serving.server.serve import _check_shared_memory
-from tests.serving import ServerProcess, scrape, start_server
+from tests.serving import ServerProcess, scrape, start_server, wait_until
 
 #: Small plans keep each CPU batch short (b1 ~0.15 s on one core) while a b4 request still
 #: spans several batches, so both devices hold work at once.
@@ -94,11 +95,7 @@ def assert_within_fp32(served: np.ndarray, reference: np.ndarray) -> None:
     assert parity.within(BOUNDS[Math.FP32]), parity
 
 
-def wait_for(condition, what: str, server: ServerProcess) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not seen within {WAIT_S} s:\n{server.log()[-4000:]}"
-        time.sleep(0.02)
+wait_for = functools.partial(wait_until, timeout_s=WAIT_S)
 
 
 def test_serving_only_after_every_device_passed_its_self_check(server: ServerProcess) -> None:

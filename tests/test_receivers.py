@@ -12,11 +12,10 @@ test_tls_auth.py's (each of its tests runs with `--receivers 2` too).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -30,7 +29,7 @@ from speakerd.model.architecture import FRAMES, MEL_BINS
 from speakerd.model.numerics import Math
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES
-from tests.serving import ServerProcess, scrape, start_server
+from tests.serving import ServerProcess, scrape, start_server, wait_until
 
 pytestmark = pytest.mark.slow  # a CPU server doing seconds of engine work per test
 
@@ -93,11 +92,7 @@ def receiver_pids(server: ServerProcess, every: bool = False) -> list[int]:
     return pids
 
 
-def wait_for(condition: Callable[[], bool], what: str, server: ServerProcess) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not seen within {WAIT_S} s:\n{server.log()[-4000:]}"
-        time.sleep(0.05)
+wait_for = functools.partial(wait_until, timeout_s=WAIT_S)
 
 
 def alive(pid: int) -> bool:

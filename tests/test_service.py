@@ -9,12 +9,12 @@ says SERVING only after the parity self-check; /metrics has every metric.
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,7 +32,7 @@ from speakerd.model.cases import mixed_rows
 from speakerd.model.numerics import Math
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.observability.metrics import METRIC_NAMES
-from tests.serving import ServerProcess, scrape, start_server
+from tests.serving import ServerProcess, scrape, start_server, wait_until
 
 #: The chunks of mixed_b32 the tests send: its last conversation chunk (partial), the short
 #: recording's (speaker 2 empty), the empty-mask, one-frame and soft-mask chunks (16-20),
@@ -72,11 +72,7 @@ def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not seen within {WAIT_S} s"
-        time.sleep(0.05)
+wait_for = functools.partial(wait_until, timeout_s=WAIT_S)
 
 
 @pytest.fixture(scope="module")
