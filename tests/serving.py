@@ -24,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from speakerd.client.client import SpeakerClient
 
 LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics on :(?P<metrics>\d+)[,)]")
+#: What the server logs once health says SERVING (serve.py), the last line of its start-up.
+SERVING_LINE = "SERVING speakerd.v1.SpeakerEmbedding after"
 #: Start-up on 2 cores: ORT session build, plan timing and the self-check take ~10-20 s.
 START_TIMEOUT_S = 180.0
 
@@ -128,6 +130,11 @@ def start_server(
                     process.kill()
                     raise RuntimeError(f"server never SERVING (seen {server.health_seen}):\n{server.log()}")
                 time.sleep(0.05)
+        # The server sets health SERVING, then logs it; the pump thread copies stderr a line
+        # at a time after that. Tests read start-up lines (the memory bound, each device's
+        # self-check) from `lines`, so "started" means the SERVING line is there too.
+        wait_until(lambda: server.index_of(SERVING_LINE) >= 0, f"the log line {SERVING_LINE!r}", server,
+                   timeout_s=max(deadline - time.monotonic(), 10.0))  # fmt: skip
     return server
 
 
