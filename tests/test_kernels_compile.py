@@ -10,6 +10,7 @@ catch a kernel drifting from the Python side without any CUDA at all.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -35,11 +36,18 @@ NO_NVRTC = _nvrtc_or_reason()
 ENTRY = r'extern "C" __global__ (?:__launch_bounds__\([^)]*\) )?void (\w+)'
 
 
+@functools.cache
+def compiled(name: str) -> bytes:
+    """kernels/`name` compiled by NVRTC for its architecture, once per test process: the
+    compile test and the cache test below share it (sm_90a's wgmma file alone costs seconds)."""
+    return kernels.compile_binary(kernels.kernel_sources()[name], kernels.arch_of(name), name)
+
+
 @pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
 @pytest.mark.parametrize("name", sorted(kernels.kernel_sources()))
 def test_kernel_file_compiles_for_sm90(name: str) -> None:
     source = kernels.kernel_sources()[name]
-    cubin = kernels.compile_binary(source, kernels.arch_of(name), name)  # sm_90a for wgmma
+    cubin = compiled(name)  # sm_90a for wgmma
     assert cubin[:4] == b"\x7fELF", f"{name}: NVRTC output is not an ELF cubin ({cubin[:16]!r})"
     launched = {
         kernels.ENGINE_SOURCE: kernels.KERNEL_NAMES, igemm.SOURCE: igemm.KERNEL_NAMES,
@@ -107,8 +115,18 @@ def test_chip_kernels_are_compiled_once_per_machine(tmp_path, monkeypatch) -> No
     nothing; where the folder cannot be written the cubin goes to a folder of the process."""
     from speakerd.engine.gpu import igemm
 
+    compiles: list[str] = []
+
+    def compile_once(source: str, arch: str, name: str) -> bytes:
+        """NVRTC's cubin of `name`, each call counted (the compile test's, when it ran first)."""
+        assert source == kernels.kernel_sources()[name] and arch == kernels.arch_of(name), (name, arch)
+        compiles.append(name)
+        return compiled(name)
+
+    monkeypatch.setattr(kernels, "compile_binary", compile_once)
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     first = kernels._cubin(igemm.WGMMA_SOURCE)
+    assert compiles == [igemm.WGMMA_SOURCE], compiles
     assert first.parent == tmp_path / "cache" and first.read_bytes()[:4] == b"\x7fELF", first
     assert not list(first.parent.glob("*.part")), "a partial file was left behind"
 
@@ -117,10 +135,11 @@ def test_chip_kernels_are_compiled_once_per_machine(tmp_path, monkeypatch) -> No
 
     monkeypatch.setattr(kernels, "compile_binary", no_compile)
     assert kernels._cubin(igemm.WGMMA_SOURCE) == first
-    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "compile_binary", compile_once)
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
     monkeypatch.setenv("CUPY_CACHE_DIR", str(blocked))
     fallback = kernels._cubin(igemm.WGMMA_SOURCE)
+    assert compiles == [igemm.WGMMA_SOURCE] * 2, compiles
     assert fallback.parent == Path(kernels._process_folder().name), fallback
     assert fallback.read_bytes() == first.read_bytes()
