@@ -42,23 +42,26 @@ SENDERS = 8
 DOOMED_CHUNKS = 8
 #: Their deadline: far shorter than the backlog ahead of them.
 DOOMED_TIMEOUT_S = 1.5
-#: The server's plans. A backlog call is one full batch of BATCH chunks, so that no two
+#: The server's one plan. A backlog call is one full batch of BATCH chunks, so that no two
 #: share a batch and none is split (a split call's rest queues behind the calls that came
 #: after it). A call behind the backlog finds every engine worker busy until all but the
 #: last PIPELINE_DEPTH - 1 backlog batches have run: those are held by the other workers
 #: and run after it. With b8 batches (~2 s each on CPU) that was 4 s of engine work a
-#: backlog paid for nothing; b2 makes it 1 s.
-PLANS = "1,2"
-BATCH = 2
+#: backlog paid for nothing, with b2 1 s; b1 makes it 0.5 s, and the server's self-check
+#: one chunk instead of three.
+PLANS = "1"
+BATCH = 1
 #: Backlog calls ahead of each test's dead calls (no deadline), sized by what each must
 #: outlast, measured on 2 cores (each test prints it): the 48 doomed calls had all ended
 #: 1.8 s after their backlog began (their 1.5 s deadline after their bytes); 24 chunks of
 #: protection are 2.9 s even at 0.12 s a chunk (cpu.py's figure; 0.26 s on the development
 #: machine). The 160 short calls took 0.5 s and the cancellation 0.2 s: 12 and 6 chunks
-#: leave them several times that. (Six 8-chunk calls each, 144 chunks; these are 54.)
-EXPIRED_BACKLOG = 14
-REFUSAL_BACKLOG = 8
-CANCEL_BACKLOG = 5
+#: leave them several times that. Each backlog is that protection plus the PIPELINE_DEPTH
+#: - 1 = 2 batches run after the dead calls. (Six 8-chunk calls each, 144 chunks; b2
+#: backlogs of the same protection, 54; these are 48.)
+EXPIRED_BACKLOG = 26
+REFUSAL_BACKLOG = 14
+CANCEL_BACKLOG = 8
 #: Calls in flight on one connection in the refused-stream test: the server's
 #: MAX_CONCURRENT_STREAMS, each expiring in the queue, for REFUSAL_CALLS calls in all.
 IN_FLIGHT = 32
