@@ -39,6 +39,9 @@ PLANS = "1,8"
 QUEUE_CHUNKS = 96
 SLOW_CHUNKS = 64
 MESSAGE_BYTES = 64 * 1024 * 1024
+#: The good neighbour's request: one chunk keeps a call in flight for an engine run, far
+#: longer than a bad call takes to be refused; each row of BAD pays for its neighbour's chunks.
+NEIGHBOUR_CHUNKS = 1
 #: Starts a log line of its own if a request id's newline reached the log unescaped.
 FORGED = "FORGED-LOG-LINE"
 CALL_TIMEOUT_S = 120.0
@@ -220,7 +223,7 @@ class GoodNeighbour:
             call = unary(channel)
             while not self._stop.is_set() or not (self.results or self.errors):
                 try:
-                    response = call(_bytes(_good(2, "neighbour")), timeout=CALL_TIMEOUT_S)
+                    response = call(_bytes(_good(NEIGHBOUR_CHUNKS, "neighbour")), timeout=CALL_TIMEOUT_S)
                     array = np.frombuffer(response.embeddings.data, np.float32)
                     self.results.append(array.reshape(tuple(response.embeddings.shape)))
                 except grpc.RpcError as error:
@@ -247,9 +250,9 @@ BAD = bad_inputs()
 @pytest.fixture(scope="module")
 def neighbour_rows(channel: grpc.Channel) -> np.ndarray:
     """What the good neighbour's request embeds to, asked alone."""
-    response = unary(channel)(_bytes(_good(2)), timeout=CALL_TIMEOUT_S)
+    response = unary(channel)(_bytes(_good(NEIGHBOUR_CHUNKS)), timeout=CALL_TIMEOUT_S)
     rows = np.frombuffer(response.embeddings.data, np.float32).reshape(tuple(response.embeddings.shape))
-    assert rows.shape == (2, 3, 256) and np.isfinite(rows).all(), rows.shape
+    assert rows.shape == (NEIGHBOUR_CHUNKS, 3, 256) and np.isfinite(rows).all(), rows.shape
     return rows
 
 
