@@ -30,8 +30,9 @@ from tests.serving import ServerProcess, scrape, start_server
 
 pytestmark = pytest.mark.slow  # a CPU server doing seconds of engine work per test
 
-#: Plans of the engines here: b8 keeps a CPU batch short while a request spans several.
-PLANS = (1, 8)
+#: Plans of the engines here: b4 keeps a CPU batch short while a request spans several, and
+#: few windows with speech fill more than one batch (the batcher test's 6, the recording's 5).
+PLANS = (1, 4)
 MAX_BATCH = PLANS[-1]
 TIMEOUT_S = 600.0
 SKIPPED = "speakerd_windows_skipped_total{}"
@@ -140,13 +141,14 @@ def test_silent_means_no_weight_on_the_frames_the_trunk_pools() -> None:
 # --- the batcher on the CPU engine ----------------------------------------------------
 
 
-#: The chunks of the reference case mixed_b32 the batcher test sends: 20 of its 32 are enough
-#: for two requests of 6 and 7 windows to run with silent ones between, and they hold its
-#: padded last window, a short recording's and one with an empty speaker (rows 16-18:
-#: cases.mixed_rows), which run, and its one-frame and soft ones (19, 20), which go silent.
-MIXED_CHUNKS = slice(10, 30)
+#: The chunks of the reference case mixed_b32 the batcher test sends: 13 of its 32 are enough
+#: for two requests of 5 and 1 windows to run with silent ones between (6, more than a batch,
+#: so the second batch holds windows of both), and they hold its padded last window, a short
+#: recording's and one with an empty speaker (rows 16-18: cases.mixed_rows), which run, and
+#: its one-frame and soft ones (19, 20), which go silent.
+MIXED_CHUNKS = slice(11, 24)
 #: Where the two requests meet: a run of silent windows straddles it.
-SPLIT = 10
+SPLIT = 9
 
 
 def run(test) -> None:  # type: ignore[no-untyped-def]
@@ -162,14 +164,14 @@ def test_mixed_requests_give_todays_rows_and_only_speech_reaches_the_engine(
 ) -> None:
     """Two requests with silent windows alone, in runs, first and last: every row equals
     today's path (every window through the engine) bit for bit; the engine is given only
-    the windows that are not silent, in full batches (8, then the rest) across the two."""
+    the windows that are not silent, in full batches (4, then the rest) across the two."""
     mixed = reference_cases[-1]
     fbank_in = mixed.fbank[MIXED_CHUNKS]
-    silent = [0, 2, 3, 9, 10, 11, 19]  # alone first and last, a run, a run across the requests
+    silent = [0, 2, 3, 8, 9, 10, 12]  # alone first and last, a run, a run across the requests
     masks = silence(mixed.masks[MIXED_CHUNKS], silent)
     today = engine.embed(fbank_in, masks).embeddings  # every window through the engine
     chunks = fbank_in.shape[0]
-    voiced = chunks - len(silent)  # 6 in the first request, 7 in the second
+    voiced = chunks - len(silent)  # 5 in the first request, 1 in the second
 
     async def scenario() -> None:
         metrics = Metrics()
@@ -292,13 +294,13 @@ def expected_recording(samples: np.ndarray, masks: np.ndarray, engine: CpuEngine
 def test_embed_recording_skips_silent_windows_and_keeps_batches_full(
     server: ServerProcess, engine: WatchedCpuEngine
 ) -> None:
-    """26 s (17 windows) with a 6-window silence and two silent windows alone: the rows
-    equal today's bit for bit, in window order; the 9 windows with speech run as two
-    batches, 8 and 1: a submission holds 8 windows to run, the silent ones riding along
-    (submissions of 8 windows would make three batches of 6, 2 and 1)."""
-    recording = synthetic_recording(26.0, seed=31)
+    """17.5 s (9 windows, the last zero-padded) with a 3-window silence and a silent window
+    alone: the rows equal today's bit for bit, in window order; the 5 windows with speech
+    run as two batches, 4 and 1: a submission holds 4 windows to run, the silent ones riding
+    along (submissions of 4 windows would make three batches of 3, 1 and 1)."""
+    recording = synthetic_recording(17.5, seed=31)
     chunks = chunk_recording(recording.samples)
-    silent = [2, 6, *range(9, 15)]
+    silent = [2, *range(4, 7)]
     masks = silence(speaker_masks(recording, chunks.starts), silent)
     assert silent_windows(exclude_overlap(masks)).tolist() == [w in silent for w in range(len(chunks))]
     today = expected_recording(recording.samples, masks, engine)
