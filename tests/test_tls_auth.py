@@ -30,6 +30,8 @@ from tests.tls_certs import Authority, require_openssl
 
 TOKEN = "first-token-0123456789"
 ROTATED_TOKEN = "second-token-9876543210"
+#: The tests' calls are of one chunk: one plan, so each start's self-check runs one chunk.
+PLANS = "1"
 #: A fresh channel per client: each connects anew, so it sees the certificate in use now.
 CALL_TIMEOUT_S = 30.0
 
@@ -70,7 +72,7 @@ def server(request, weights_path, pki):
         "tls_key": pki["client_key"],
         "token": TOKEN,
     }
-    running = start_server(weights_path, "--plans", "1,2", "--tls-cert", str(pki["live_cert"]),
+    running = start_server(weights_path, "--plans", PLANS, "--tls-cert", str(pki["live_cert"]),
                            "--tls-key", str(pki["live_key"]), "--tls-client-ca", str(pki["live_ca"]),
                            "--auth-tokens", str(pki["tokens"]), *receivers,
                            client_options=options)  # fmt: skip
