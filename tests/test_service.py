@@ -17,18 +17,20 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from safetensors.numpy import save_file
 
 from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY, RetryPolicy, SpeakerClient
 from speakerd.client.verify import main as verify_main
 from speakerd.engine.cpu import CpuEngine
-from speakerd.model.architecture import EMBEDDING_DIM
-from speakerd.model.cases import mixed_rows
+from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
+from speakerd.model.cases import B1_CASES, BATCH_CASE, FILE_SUFFIX, mixed_rows
 from speakerd.model.numerics import Math
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.observability.metrics import METRIC_NAMES
@@ -38,12 +40,15 @@ from tests.serving import ServerProcess, scrape, start_server, wait_until
 #: recording's (speaker 2 empty), the empty-mask, one-frame and soft-mask chunks (16-20),
 #: after four ordinary ones. Nine: one request of them all spans a b8 and a b1 plan run. The
 #: other 23 chunks are more of the same computation, a CPU chunk at a time (all 32 were the
-#: suite's third-slowest test; `verify` still sends them, against the reference).
+#: suite's third-slowest test). `verify` here sends mixed_b32 as these nine too, with every
+#: b1 case (23 chunks more was 10 s of CPU); all 32 are test_suite_harness.py's, whose
+#: service suite runs `verify` against a CPU server with the session's reference cases.
 SENT = slice(12, 21)
 #: Sizes of the concurrent requests, over SENT (wrapping): two larger than a b8 batch, so
-#: split over batches, among six small ones that share batches with them (31 chunks; 8
-#: seeded requests of up to 12 chunks, 71 chunks, checked the same).
-CONCURRENT_SIZES = (9, 1, 3, 2, 10, 1, 2, 3)
+#: split over batches, among six small ones that share batches with them (26 chunks; 31
+#: with small ones of up to 3 chunks, and 8 seeded requests of up to 12 chunks, 71 chunks,
+#: checked the same).
+CONCURRENT_SIZES = (9, 1, 2, 1, 9, 1, 2, 1)
 #: Where the stream's 2-chunk items start in SENT: first, middle (edge chunks), last.
 STREAMED = (0, 4, 7)
 #: The small server's largest plan, and its whole queue: a call of SMALL_BATCH chunks is
@@ -187,8 +192,23 @@ def test_metrics_endpoint_has_every_metric(server: ServerProcess) -> None:
     assert samples.get("speakerd_request_duration_seconds_count{code=OK,method=EmbedChunks}", 0) >= 1
 
 
-def test_verify_passes_against_the_server(server: ServerProcess, references_dir, capsys) -> None:
-    assert verify_main(["--target", server.target, "--references", str(references_dir)]) == 0
+@pytest.fixture(scope="module")
+def sent_references(tmp_path_factory, references_dir, reference_cases, mixed: Sent) -> Path:
+    """The reference cases with mixed_b32 cut to its SENT chunks and their reference rows
+    (row = chunk * 3 + speaker), every b1 case as it is."""
+    directory = tmp_path_factory.mktemp("sent-references")
+    for name in B1_CASES:
+        (directory / f"{name}{FILE_SUFFIX}").symlink_to(references_dir / f"{name}{FILE_SUFFIX}")
+    case = reference_cases[-1]
+    assert case.name == BATCH_CASE, case.name
+    rows = case.output[SENT.start * MAX_SPEAKERS : SENT.stop * MAX_SPEAKERS]
+    tensors = {"input/fbank": mixed.fbank, "input/masks": mixed.masks, "tensor/output": rows}
+    save_file(tensors, str(directory / f"{BATCH_CASE}{FILE_SUFFIX}"))
+    return directory
+
+
+def test_verify_passes_against_the_server(server: ServerProcess, sent_references, capsys) -> None:
+    assert verify_main(["--target", server.target, "--references", str(sent_references)]) == 0
     table = capsys.readouterr().out
     print(table)
     assert "7/7 cases within the parity bounds (docs/parity.md)" in table and "FAIL" not in table
