@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from speakerd.cli import main as speakerd_main
 from speakerd.model.numerics import BOUNDS, Math, compare
 from speakerd.model.source import CONVERTED_DIR, HUB_FILENAME
 from speakerd.model.weights import file_sha256
-from tests.hub_env import environment, speakerd
+from tests.hub_env import HUB_ENV, environment, speakerd
 from tests.hub_server import Hub, Repo, build_cache, commit_of
 from tests.pyannote_checkpoints import PYANNOTE_MISSING, TORCH_MISSING, random_wespeaker, save_checkpoint
 from tests.serving import ServerProcess, start_server
@@ -44,7 +45,9 @@ UNREACHABLE = "http://127.0.0.1:1"
 #: How long `serve` may take to say the hub is unreachable: its start-up and one refused
 #: request on 2 busy cores. huggingface_hub's own retries alone sleep 23 s (1+2+4+8+8).
 UNREACHABLE_S = 15.0
-#: Environment variables of huggingface_hub and speakerd that each command gets fresh.
+#: pyannote's forward on one thread: on 2 busy cores a second one spins more than it computes
+#: (measured: 11 CPU-s on 2 threads, 5.5 on one, in the same wall time).
+TORCH_THREADS = 1
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +146,22 @@ def pyannote_embeddings(model, waveform: np.ndarray, masks: np.ndarray) -> np.nd
     return np.stack(rows, axis=1)
 
 
-def check_serves_pyannote(server: ServerProcess, model, checkpoint: bytes, commit: str, case: str) -> str:
-    """GetModelInfo names the source; the embeddings are pyannote's. Returns the model id."""
+@pytest.fixture(scope="module")
+def expected(model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The waveform, its masks and pyannote's own model's embeddings of them: the same for
+    every server of `model`'s checkpoint, so computed once, on TORCH_THREADS."""
     waveform, masks = waveform_and_masks()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    try:
+        return waveform, masks, pyannote_embeddings(model, waveform, masks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_serves_pyannote(server: ServerProcess, expected, checkpoint: bytes, commit: str, case: str) -> str:
+    """GetModelInfo names the source; the embeddings are pyannote's. Returns the model id."""
+    waveform, masks, rows = expected
     with server.client() as client:
         info = client.model_info()
         served = client.embed_waveform(waveform, masks)
@@ -153,7 +169,7 @@ def check_serves_pyannote(server: ServerProcess, model, checkpoint: bytes, commi
     assert (source.repo_id, source.revision, source.filename) == (REPO, commit, HUB_FILENAME), source
     assert source.sha256 == hashlib.sha256(checkpoint).hexdigest(), source
     assert served.model_id == info.model_id and len(info.model_id) == 64
-    parity = compare(served.embeddings, pyannote_embeddings(model, waveform, masks))
+    parity = compare(served.embeddings, rows)
     print(f"\n{'case':<34}{'rows':>6}{'min cosine':>14}{'max abs':>11}")
     print(f"{case:<34}{parity.rows:>6}{parity.min_cosine:>14.9f}{parity.max_abs:>11.2e}")
     assert parity.min_cosine >= BOUNDS[Math.FP32].min_cosine, parity
@@ -161,12 +177,16 @@ def check_serves_pyannote(server: ServerProcess, model, checkpoint: bytes, commi
 
 
 @pytest.mark.slow
-def test_serve_by_name_from_the_hub_then_offline(model, checkpoint: bytes, hub: Hub, tmp_path: Path) -> None:
+def test_serve_by_name_from_the_hub_then_offline(
+    expected, checkpoint: bytes, hub: Hub, tmp_path: Path
+) -> None:
     commit = commit_of(REPO)
     online = environment(tmp_path, HF_ENDPOINT=hub.endpoint, HF_TOKEN=TOKEN)
     server = started(REPO, online)
     try:
-        model_id = check_serves_pyannote(server, model, checkpoint, commit, "hub on 127.0.0.1 (HF_ENDPOINT)")
+        model_id = check_serves_pyannote(
+            server, expected, checkpoint, commit, "hub on 127.0.0.1 (HF_ENDPOINT)"
+        )
     finally:
         assert server.terminate() == 0, server.log()
     repo_folder = tmp_path / "hf" / "hub" / "models--pyannote--wespeaker-voxceleb-resnet34-LM"
@@ -184,30 +204,41 @@ def test_serve_by_name_from_the_hub_then_offline(model, checkpoint: bytes, hub: 
 
 
 @pytest.mark.slow
-def test_serve_by_name_from_a_cache_it_did_not_fill(model, checkpoint: bytes, tmp_path: Path) -> None:
+def test_serve_by_name_from_a_cache_it_did_not_fill(expected, checkpoint: bytes, tmp_path: Path) -> None:
     commit = commit_of("a commit of the cache")
     build_cache(tmp_path / "hf" / "hub", REPO, HUB_FILENAME, checkpoint, commit)
     server = started(REPO, environment(tmp_path, HF_HUB_OFFLINE="1"))
     try:
-        check_serves_pyannote(server, model, checkpoint, commit, "hand-built cache (HF_HUB_OFFLINE)")
+        check_serves_pyannote(server, expected, checkpoint, commit, "hand-built cache (HF_HUB_OFFLINE)")
     finally:
         assert server.terminate() == 0, server.log()
 
 
-def test_local_checkpoint_and_directory(checkpoint: bytes, tmp_path: Path) -> None:
-    """A local pytorch_model.bin, its directory and the converted .safetensors are one model."""
+def test_local_checkpoint_and_directory(
+    checkpoint: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local pytorch_model.bin, its directory and the converted .safetensors are one model.
+    fetch-model runs in this process, in the environment a subprocess would get: what is
+    checked is how paths resolve, not the process (test_two_processes_convert_at_once runs it
+    as one)."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / HUB_FILENAME).write_bytes(checkpoint)
-    env = environment(tmp_path)
+    for key in HUB_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environment(tmp_path).items():
+        monkeypatch.setenv(key, value)
+
+    def fetch(model: Path) -> list[str]:
+        assert speakerd_main(["fetch-model", "--model", str(model)]) == 0
+        return capsys.readouterr().out.splitlines()
+
     ids = set()
     for given in (tmp_path / "model" / HUB_FILENAME, tmp_path / "model"):
-        done = speakerd("fetch-model", "--model", str(given), env=env)
-        assert done.returncode == 0, done.stderr
-        ids.add(next(line for line in done.stdout.splitlines() if line.startswith("model id")))
-        weights = Path(done.stdout.splitlines()[0].removeprefix("weights "))
+        stdout = fetch(given)
+        ids.add(next(line for line in stdout if line.startswith("model id")))
+        weights = Path(stdout[0].removeprefix("weights "))
     assert weights.parent == tmp_path / "speakerd" / CONVERTED_DIR
-    done = speakerd("fetch-model", "--model", str(weights), env=env)
-    ids.add(next(line for line in done.stdout.splitlines() if line.startswith("model id")))
+    ids.add(next(line for line in fetch(weights) if line.startswith("model id")))
     assert len(ids) == 1, ids
 
 
