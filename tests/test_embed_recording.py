@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
+from speakerd.client import load_sizing
 from speakerd.client.cli import main as cli_main
 from speakerd.client.client import AsyncSpeakerClient, SpeakerClient
 from speakerd.client.recording import PIECE_BYTES, collect, recording_requests
@@ -37,8 +38,9 @@ from tests.test_bad_inputs import field_violations
 
 pytestmark = pytest.mark.slow  # a CPU server doing seconds of engine work per test
 
-#: b2 keeps a CPU batch near 0.5 s, so the 5 windows of `speech` span three batches (2, 2, 1)
-#: and a cancelled call has little engine work in flight; the cost of a test is its windows.
+#: b2 keeps a CPU batch near 0.5 s, so the 3 windows of `speech` span two batches (2, then the
+#: padded last one alone) and a cancelled call has little engine work in flight; the cost of a
+#: test is its windows.
 PLANS = "1,2"
 MAX_BATCH = 2
 TIMEOUT_S = 600.0
@@ -62,6 +64,9 @@ WORK_SEEN_S = 120.0
 #: Batches of a call that may still run once its answers stop: the one being answered,
 #: BATCHES_IN_FLIGHT queued behind it, and one the submitter made and waits to queue.
 IN_FLIGHT_AFTER_ANSWERS = BATCHES_IN_FLIGHT + 2
+#: The recording the three clients send: 2 windows (their rows in order, the last padded),
+#: each sent three times, so a window fewer than `speech` is three chunks less per server.
+CLIENTS_S = 10.5
 #: Poll /metrics at a pace a monitor might: scraping it 20 times a second on 2 cores starves
 #: the server's event loop of the GIL (the cancellation then waited for the scrapes to stop).
 SCRAPE_EVERY_S = 0.5
@@ -91,15 +96,27 @@ def stub(server):
 
 @pytest.fixture(scope="module")
 def speech():
-    """13.5 s of 3-speaker speech-like audio with overlap: 5 windows (three batches), the last
-    one zero-padded; the first speaker is silent in window 3, so one of its rows is empty."""
-    return synthetic_recording(13.5, seed=2)
+    """11.5 s of 3-speaker speech-like audio with overlap in every window: 3 windows (two
+    batches), the last one zero-padded; the first speaker is silent in windows 0 and 1 and
+    speaks in window 2, so some of its rows are empty and one is not."""
+    return synthetic_recording(11.5, seed=53)
 
 
-def _windows_via_embed_chunks(client: SpeakerClient, samples16k: np.ndarray, masks: np.ndarray):
+@pytest.fixture(scope="module")
+def via_embed_chunks() -> dict[str, object]:
+    """The EmbedChunks rows of each case, computed by the first server variant that asks and
+    reused by the other: the same windows and masks through the same model's EmbedChunks."""
+    return {}
+
+
+def _windows_via_embed_chunks(
+    client: SpeakerClient, samples16k: np.ndarray, masks: np.ndarray, cache: dict[str, object], case: str
+):
     """What the pipeline computes: per-window fbank (speakerd.model.fbank) over EmbedChunks."""
-    chunks = chunk_recording(samples16k)
-    return client.embed(fbank(chunks.waveforms), masks)
+    if case not in cache:
+        chunks = chunk_recording(samples16k)
+        cache[case] = client.embed(fbank(chunks.waveforms), masks)
+    return cache[case]
 
 
 def _check_equal(result, expected, windows: int, speakers: int) -> None:
@@ -115,16 +132,20 @@ def _check_equal(result, expected, windows: int, speakers: int) -> None:
     np.testing.assert_allclose(result.starts, np.arange(windows, dtype=np.float64))
 
 
-def test_equals_embed_chunks_at_16k_with_exclude_overlap(client: SpeakerClient, speech) -> None:
+def test_equals_embed_chunks_at_16k_with_exclude_overlap(
+    client: SpeakerClient, speech, via_embed_chunks
+) -> None:
     chunks = chunk_recording(speech.samples)
     masks = speaker_masks(speech, chunks.starts)
     result = client.embed_recording(speech.samples, 16_000, masks, exclude_overlap=True)
-    expected = _windows_via_embed_chunks(client, speech.samples, exclude_overlap(masks))
+    expected = _windows_via_embed_chunks(
+        client, speech.samples, exclude_overlap(masks), via_embed_chunks, "16k exclude_overlap"
+    )
     _check_equal(result, expected, len(chunks), 3)
     assert result.precision == "fp32" and result.model_id == expected.model_id
 
 
-def test_equals_embed_chunks_for_stereo_s16_at_22k(client: SpeakerClient, speech) -> None:
+def test_equals_embed_chunks_for_stereo_s16_at_22k(client: SpeakerClient, speech, via_embed_chunks) -> None:
     """22.05 kHz stereo int16: the server downmixes and resamples; the expected windows are
     cut from the same decode -> downmix -> resample (speakerd.model, tested on its own)."""
     rate = 22_050
@@ -137,7 +158,7 @@ def test_equals_embed_chunks_for_stereo_s16_at_22k(client: SpeakerClient, speech
     chunks = chunk_recording(mono16k)
     masks = speaker_masks(speech, chunks.starts)[:, :2]
     result = client.embed_recording(pcm, rate, masks)
-    expected = _windows_via_embed_chunks(client, mono16k, masks)
+    expected = _windows_via_embed_chunks(client, mono16k, masks, via_embed_chunks, "22k stereo s16")
     _check_equal(result, expected, len(chunks), 2)
 
 
@@ -345,9 +366,11 @@ def test_cancel_mid_recording_costs_no_further_engine_work(server, unread: int) 
 
 def test_async_client_and_cli_give_the_same_rows(server, client: SpeakerClient, speech, tmp_path) -> None:
     """AsyncSpeakerClient.embed_recording and `client embed --audio WAV --masks NPY` (16-bit
-    stereo WAV at 44.1 kHz) agree with the blocking client on the same recording."""
+    stereo WAV at 44.1 kHz) agree with the blocking client on the same recording (the first
+    CLIENTS_S of `speech`: 2 windows, the last zero-padded)."""
     rate = 44_100
-    pcm = np.round(np.stack([resample(speech.samples, 16_000, rate)] * 2, axis=1) * 32767).astype(np.int16)
+    samples = speech.samples[: int(CLIENTS_S * 16_000)]
+    pcm = np.round(np.stack([resample(samples, 16_000, rate)] * 2, axis=1) * 32767).astype(np.int16)
     windows = len(chunk_recording(resample(pcm[:, 0].astype(np.float32) / 32768, rate, 16_000)))
     masks = np.ones((windows, 1, 589), dtype=np.float32)
     blocking = client.embed_recording(pcm, rate, masks)
@@ -382,10 +405,26 @@ def test_async_client_and_cli_give_the_same_rows(server, client: SpeakerClient, 
         np.testing.assert_array_equal(saved["starts"], blocking.starts)
 
 
+#: What `unsized_load` has the load's probe say: a chunk in a millisecond, so that sizing
+#: lengthens neither the 0.5 s counted window nor the warm-up of 0 s.
+QUICK_PROBE_S = 1e-3
+
+
+@pytest.fixture
+def unsized_load(monkeypatch) -> None:
+    """`client load` runs the window asked for, one recording, instead of sizing itself for
+    the CPU server: its probe (GetModelInfo and a timed EmbedChunks, load_sizing.py) would
+    lengthen 0.5 s to three recordings and a warm-up one, 4-5x the engine work, for the same
+    report fields. The probe and that lengthening, recording mode included, are
+    test_load_sizing's, against a real server (test_a_recording_load_gets_a_deadline_it_can_meet)."""
+    quick = load_sizing.Probe(engine="cpu-onnxruntime", max_batch=MAX_BATCH, seconds=QUICK_PROBE_S)
+    monkeypatch.setattr(load_sizing, "probe", lambda args: quick)
+
+
 @pytest.mark.parametrize(
     "order", [[], ["--masks-after-audio", "--piece-kib", "64"]], ids=("masks-first", "masks-after-audio")
 )
-def test_load_generator_recording_mode(server, capsys, order: list[str]) -> None:
+def test_load_generator_recording_mode(server, capsys, unsized_load, order: list[str]) -> None:
     """`client load --recording 11`: 11 s make 2 windows; the JSON counts them per second."""
     argv = ["load", "--target", server.target, "--recording", "11", "--seconds", "0.5", "--warmup", "0",
             "--streams", "1", "--timeout", "300", *order]  # fmt: skip
@@ -401,7 +440,7 @@ def test_load_generator_recording_mode(server, capsys, order: list[str]) -> None
     assert report["bytes_sent_over_pcm"] <= 1.1, report
 
 
-def test_load_generator_recording_mode_at_another_rate(server, capsys) -> None:
+def test_load_generator_recording_mode_at_another_rate(server, capsys, unsized_load) -> None:
     """`client load --recording 10.3 --sample-rate 44100 --channels 2`: the masks match the
     server's window count of the resampled audio (2 windows, the last padded)."""
     argv = ["load", "--target", server.target, "--recording", "10.3", "--sample-rate", "44100",
