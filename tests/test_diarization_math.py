@@ -50,6 +50,7 @@ pytest.importorskip(
 )
 
 import soundfile
+import torch
 from pyannote.audio.pipelines.clustering import AgglomerativeClustering
 from pyannote.audio.pipelines.speaker_diarization import SpeakerDiarization
 from pyannote.audio.pipelines.utils.diarization import SpeakerDiarizationMixin, set_num_speakers
@@ -106,6 +107,11 @@ PLANTED_SCALE = (0.5, 2.0)
 INTRUDER_ROWS = 3
 EMBEDDING_DIM = 256
 LOCAL_SPEAKERS = 3
+#: The sample's segmentation (torch) and synthetic embeddings (ONNX Runtime) run on one
+#: thread: on CI's 2 cores, which the other pytest worker shares, a pool of 2 spins waiting
+#: for each other. pyannote's segmentation of 6 windows took 6 to 24 CPU-s on 2 torch threads
+#: and 0.4 s on one; the CPU engine's 5 windows 4.2 CPU-s on 2 threads and 3.4 s on one.
+THREADS = 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -250,13 +256,19 @@ def sample(models_module, weights_path) -> dict[str, Any]:
     file = models.in_memory(samples, rate, "sample")
     segmentation_model = models.segmentation_model(SEGMENTATION)
     embedding_model = models.embedding_model(weights_path)
-    segmentations = models.diarization_pipeline(segmentation_model, embedding_model).get_segmentations(file)
+    pipeline = models.diarization_pipeline(segmentation_model, embedding_model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        segmentations = pipeline.get_segmentations(file)
+    finally:
+        torch.set_num_threads(threads)
     binarized = segmentations.data
     assert binarized.shape == (21, 589, LOCAL_SPEAKERS), binarized.shape
 
     # the synthetic model's embeddings, pooled under pyannote's masks (speakerd's CPU engine
     # runs one window at a time, so the windows exclude_overlap leaves alone keep their rows)
-    engine = CpuEngine(load_model(weights_path))
+    engine = CpuEngine(load_model(weights_path), threads=THREADS)
     try:
         features = fbank(chunk_recording(samples).waveforms)
         masks = np.ascontiguousarray(np.transpose(binarized, (0, 2, 1)))
