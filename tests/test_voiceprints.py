@@ -10,6 +10,7 @@ the math) and check the service's plumbing and policies, not the model's accurac
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import sqlite3
@@ -29,7 +30,7 @@ from speakerd.client.voiceprints import VoiceprintClient
 from speakerd.model.audio import synthetic_recording
 from speakerd.v1 import speakerd_pb2 as pb
 from tests.pg import Cluster, start_cluster
-from tests.serving import ServerProcess, start_server
+from tests.serving import ServerProcess, scrape, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +39,19 @@ TOKENS = ("token-of-tenant-a", "token-of-tenant-b")
 SECONDS, STEP_S = 12.0, 5.0
 #: The same audio scored against its own voiceprint: cosine 1 up to float32 rounding.
 SAME_AUDIO_COSINE = 0.9999
+#: Tests run on one store only: the command line's and pyannote's naming run the same client
+#: and server code on both stores, and their store calls (put, list, delete, a search of the
+#: index) are those test_list_and_delete and test_identify_takes_embeddings_and_a_threshold
+#: run on PostgreSQL too.
+SQLITE_ONLY = pytest.mark.parametrize("server", ["sqlite"], indirect=True)
 
 
+@functools.cache
 def voice(seed: int) -> np.ndarray:
-    return synthetic_recording(seconds=SECONDS, seed=seed, speakers=1).samples
+    """SECONDS of speaker `seed`, made once and shared by every test (so read-only)."""
+    samples = synthetic_recording(seconds=SECONDS, seed=seed, speakers=1).samples
+    samples.flags.writeable = False
+    return samples
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +309,9 @@ def _accepting(cluster: Cluster) -> bool:
 
 # --- SQLite: restart and SIGKILL -------------------------------------------------------------
 
+#: Chunks waiting for the engine: above 0 once a call's windows are being embedded.
+QUEUED_CHUNKS = "speakerd_queue_depth_chunks{}"
+
 
 def test_sqlite_voiceprints_survive_a_restart_and_a_sigkill_mid_enrollment(
     weights_path: Path, tmp_path
@@ -320,7 +333,10 @@ def test_sqlite_voiceprints_survive_a_restart_and_a_sigkill_mid_enrollment(
             target=lambda: outcome.append(_try(lambda: a.enroll("killed", long, 16000)))
         )
         enrolling.start()
-        time.sleep(2.0)  # the call is uploading and embedding its 111 windows
+        # killed once windows of its 111 wait for the engine (the verify's were all embedded
+        # before it answered, so these are the enrollment's): embedding, far from its write
+        wait_until(lambda: scrape(second)[QUEUED_CHUNKS] > 0, "the enrollment's windows queued", second,
+                   timeout_s=120)  # fmt: skip
         second.process.send_signal(signal.SIGKILL)
         enrolling.join(60)
     second.wait(30)
@@ -346,6 +362,7 @@ def _try(call):  # type: ignore[no-untyped-def]
 # --- pyannote: a diarization's labels named from the embeddings it already has --------------
 
 
+@SQLITE_ONLY
 def test_a_diarizations_speakers_get_their_enrolled_names(enrolled, server: ServerProcess) -> None:
     pytest.importorskip("pyannote.audio", reason="pyannote.audio not installed (the pyannote extra)")
     from pyannote.audio.pipelines.speaker_diarization import DiarizeOutput
@@ -380,6 +397,7 @@ def test_a_diarizations_speakers_get_their_enrolled_names(enrolled, server: Serv
 # --- the command line ----------------------------------------------------------------------
 
 
+@SQLITE_ONLY
 def test_the_command_line_enrolls_and_identifies_from_a_file_and_its_masks(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
