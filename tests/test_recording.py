@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 
+import speakerd.model.recording as recording_module
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MASK_FRAMES, MEL_BINS, SAMPLE_RATE
 from speakerd.model.audio import synthetic_recording
 from speakerd.model.fbank import _log_mel, chunk_recording, chunk_starts, fbank
@@ -243,6 +244,27 @@ def test_shared_frames_equal_per_window_fbank(seconds: float) -> None:
     assert worst < SHARED_FBANK_BOUND, f"max abs {worst:.3e} >= {SHARED_FBANK_BOUND}"
     last = len(chunks)
     np.testing.assert_array_equal(source.windows(last - 1, last), shared[last - 1 :])
+
+
+def test_windows_read_while_finish_runs_are_only_ready_ones(monkeypatch) -> None:
+    """Another thread (the batcher's) reads `ready()` windows while the reader thread is in
+    `finish`: every window `ready()` names must be readable at every moment of it. Made
+    deterministic by reading from inside finish's padded-window fbank, the step that takes time."""
+    samples = synthetic_recording(11.5, seed=11).samples  # 2 full windows and a padded third
+    source = SharedFrames()
+    source.push(samples)
+    seen: list[int] = []
+    real = recording_module.log_mel_frames
+
+    def reading_meanwhile(window: np.ndarray) -> np.ndarray:
+        seen.append(source.ready())
+        source.windows(0, seen[-1])  # raised (INTERNAL for the call) when ready() ran ahead
+        return real(window)
+
+    monkeypatch.setattr(recording_module, "log_mel_frames", reading_meanwhile)
+    assert source.finish() == 3
+    assert seen == [2], seen  # the padded window was not ready while its frames were made
+    assert source.windows(0, 3).shape == (3, FRAMES, MEL_BINS)
 
 
 def test_shared_frames_match_kaldi_native_fbank() -> None:

@@ -212,16 +212,19 @@ class SharedFrames:
         if self.samples < 1:
             raise InputError("audio", "no samples; a recording needs at least one")
         starts = chunk_starts(self.samples, CHUNK_SAMPLES, self.step)
-        self._count = int(starts.shape[0])
+        count = int(starts.shape[0])
         self._full = complete_windows(self.samples, self.step)
-        if self._full < self._count:  # the padded last window: its own frames
+        if self._full < count:  # the padded last window: its own frames
             tail = self._recent[self._recent.shape[0] - (self.samples - int(starts[-1])) :]
             window = np.zeros(CHUNK_SAMPLES, dtype=np.float32)
             window[: tail.shape[0]] = tail
             self._padded = log_mel_frames(window)
         self._pending = np.zeros(0, dtype=np.float32)
         self._recent = np.zeros(0, dtype=np.float32)
-        return self._count
+        # set last, as `push` counts its samples last: once `ready()` (read by the engine's
+        # threads) says every window, the padded one's frames are there
+        self._count = count
+        return count
 
     def windows(self, start: int, stop: int) -> np.ndarray:
         ready = self.ready()
