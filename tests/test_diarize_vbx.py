@@ -28,6 +28,7 @@ Skips, saying why, without pyannote.audio or the segmentation checkpoint (.ci/ru
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -122,6 +123,15 @@ def served_arrays(server, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return result.segmentation, result.embeddings
 
 
+@functools.cache
+def pyannote_models() -> tuple[Any, Any]:
+    """The models pyannote's VBx pipelines are built on, loaded once for the module's six:
+    segmentation-3.0 (its checkpoint read on each load) and an untrained WeSpeakerResNet34."""
+    from pyannote.audio.models.embedding import WeSpeakerResNet34
+
+    return models.segmentation_model(SEGMENTATION_CHECKPOINT), WeSpeakerResNet34().eval()
+
+
 def pyannote_vbx(
     plda_dir: Path,
     arrays: tuple[np.ndarray, np.ndarray],
@@ -133,12 +143,12 @@ def pyannote_vbx(
     get_segmentations and get_embeddings answering the server's arrays: its DiarizeOutput.
     The embedding model is an untrained WeSpeakerResNet34 that never runs (the pipeline
     needs one to exist); the segmentation model is segmentation-3.0, for its frames."""
-    from pyannote.audio.models.embedding import WeSpeakerResNet34
     from pyannote.audio.pipelines import SpeakerDiarization
 
+    segmentation_model, embedding_model = pyannote_models()
     pipeline = SpeakerDiarization(
-        segmentation=models.segmentation_model(SEGMENTATION_CHECKPOINT),
-        embedding=WeSpeakerResNet34().eval(),
+        segmentation=segmentation_model,
+        embedding=embedding_model,
         plda=PLDA.from_pretrained(str(plda_dir)),
         clustering="VBxClustering",
     ).instantiate({"segmentation": {"min_duration_off": 0.0}, "clustering": clustering})
