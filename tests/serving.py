@@ -24,6 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from speakerd.client.client import SpeakerClient
 
 LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics on :(?P<metrics>\d+)[,)]")
+#: The test servers' CPU engine threads. Under `make test` two workers share the cores, each
+#: with its servers: one ONNX Runtime thread a server took 0.53-0.59 CPU-s a chunk on 2 cores,
+#: two threads 0.76-0.92 (the second thread buys 1.4x the speed for 1.45x the CPU), so one
+#: thread each leaves more of the cores to the other worker's tests.
+CPU_THREADS = 1
 #: What the server logs once health says SERVING (serve.py), the last line of its start-up.
 SERVING_LINE = "SERVING speakerd.v1.SpeakerEmbedding after"
 #: Start-up on 2 cores: ORT session build, plan timing and the self-check take ~10-20 s.
@@ -91,6 +96,8 @@ def start_server(
     `preexec_fn`: run in the child before it starts the server (e.g. join a cgroup)."""
     if "--data-dir" not in flags:  # each server its own voiceprint store, never the user's
         flags = (*flags, "--data-dir", tempfile.mkdtemp(prefix="speakerd-data-"))
+    if "--cpu-threads" not in flags:
+        flags = (*flags, "--cpu-threads", str(CPU_THREADS))
     command = [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu", "--port", "0",
                "--metrics-port", "0", "--weights", str(weights), *flags]  # fmt: skip
     process = subprocess.Popen(

@@ -111,6 +111,19 @@ def test_tls_and_token_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         parse(["--auth-tokens", str(tmp_path / "missing")])
 
 
+def test_cpu_threads_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0 (every core this process may run on) unless SPEAKERD_CPU_THREADS or --cpu-threads
+    says otherwise (the flag wins); a negative count is refused naming the flag."""
+    monkeypatch.delenv("SPEAKERD_CPU_THREADS", raising=False)
+    assert parse([]).cpu_threads == 0
+    monkeypatch.setenv("SPEAKERD_CPU_THREADS", "3")
+    assert parse([]).cpu_threads == 3
+    assert parse(["--cpu-threads", "1"]).cpu_threads == 1
+    monkeypatch.delenv("SPEAKERD_CPU_THREADS")
+    with pytest.raises(SystemExit):
+        parse(["--cpu-threads", "-1"])
+
+
 def test_devices_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unset: one engine in this process (as before --devices); `all` or indices otherwise,
     from the flag or SPEAKERD_DEVICES (the flag wins)."""

@@ -34,7 +34,7 @@ from speakerd.model.cases import B1_CASES, BATCH_CASE, FILE_SUFFIX, mixed_rows
 from speakerd.model.numerics import Math
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.observability.metrics import METRIC_NAMES
-from tests.serving import ServerProcess, scrape, start_server, wait_until
+from tests.serving import CPU_THREADS, ServerProcess, scrape, start_server, wait_until
 
 #: The chunks of mixed_b32 the tests send: its last conversation chunk (partial), the short
 #: recording's (speaker 2 empty), the empty-mask, one-frame and soft-mask chunks (16-20),
@@ -104,6 +104,14 @@ def mixed(reference_cases) -> Sent:
 def direct(engine: CpuEngine, mixed: Sent) -> np.ndarray:
     """Engine output for every chunk sent [9, 3, 256]."""
     return engine.embed(mixed.fbank, mixed.masks).embeddings
+
+
+def test_the_cpu_engine_runs_the_threads_asked_for(server: ServerProcess) -> None:
+    """--cpu-threads reaches the engine (tests/serving.py starts every test server with
+    CPU_THREADS), and its build line says so."""
+    built = [line for line in server.lines if "engine cpu-onnxruntime" in line and " built in " in line]
+    said = f"), {CPU_THREADS} thread{'s' * (CPU_THREADS != 1)} built in"
+    assert len(built) == 1 and said in built[0], built
 
 
 def test_health_serving_only_after_self_check(server: ServerProcess) -> None:

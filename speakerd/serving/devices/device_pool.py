@@ -81,6 +81,8 @@ class PoolConfig:
     devices: tuple[int, ...]
     conv_kernels: str = "auto"
     log_level: str = "INFO"
+    #: --cpu-threads: each CPU worker's threads; 0 splits the cores between the workers
+    cpu_threads: int = 0
     #: Tests only: device -> the batches (1-based, as its worker counts them) on which its
     #: engine raises (WorkerSpec.fail_batches).
     fail_batches: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -116,7 +118,7 @@ def worker_specs(config: PoolConfig, slot_names: dict[int, list[str]]) -> list[W
                 max_batch=config.plan_sizes[-1],
                 log_level=config.log_level,
                 cuda_visible=visible_gpu(device, inherited) if gpu else None,
-                cpu_threads=None if gpu else max(1, cores // len(config.devices)),
+                cpu_threads=None if gpu else config.cpu_threads or max(1, cores // len(config.devices)),
                 fail_batches=config.fail_batches.get(device, ()),
             )
         )

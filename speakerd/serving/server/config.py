@@ -139,6 +139,9 @@ class ServeConfig:
     #: Processes that receive gRPC calls on the port and hand them over through shared
     #: memory (receiver_link.py); 0: this process receives them itself.
     receivers: int = 0
+    #: The CPU engine's threads (ONNX Runtime intra-op); 0: every core this process may run
+    #: on. With --devices, each CPU worker's (0: the cores split between the workers).
+    cpu_threads: int = 0
     #: Where the server keeps its files (the SQLite voiceprint store).
     data_dir: Path = Path.home() / ".local" / "share" / "speakerd"  # DEFAULT_DATA_DIR, expanded
     #: Voiceprint store: "sqlite" (a file in data_dir), a postgresql:// URL, or "off".
@@ -319,6 +322,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "through shared memory (0: this process receives them)",
         type=_receivers,
     )
+    add(
+        "cpu-threads",
+        0,
+        "threads of the CPU engine (ONNX Runtime's intra-op pool; with --devices, of each CPU worker); "
+        "0: every core this process may run on, which a container's CPU quota does not narrow",
+        type=_non_negative_int,
+    )
     add("data-dir", DEFAULT_DATA_DIR, "directory of the server's files: the SQLite voiceprint store")
     add(
         "voiceprints",
@@ -429,6 +439,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         auth_tokens=_readable_file(args, "auth-tokens"),
         devices=devices,
         receivers=int(args.receivers),
+        cpu_threads=int(args.cpu_threads),
         data_dir=Path(args.data_dir).expanduser(),
         voiceprints=_voiceprints(args),
     )

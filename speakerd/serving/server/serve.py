@@ -291,9 +291,16 @@ def _build_engine(settings: config.ServeConfig, prepared: Prepared, resolved: Re
     started = time.perf_counter()
     model = prepared.model if prepared.model is not None else load_model(resolved.path)
     source = resolved.path
-    engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans, settings.conv_kernels)
-    log.info("engine %s %s plans %s built in %.1f s from %s (model %s)", engine.name, engine.math,
-             engine.plan_sizes, time.perf_counter() - started, source, model.model_id[:12])  # fmt: skip
+    engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans, settings.conv_kernels,
+                           cpu_threads=settings.cpu_threads or None)  # fmt: skip
+    from speakerd.engine.cpu import CpuEngine
+
+    threads = ""
+    if isinstance(engine, CpuEngine):
+        threads = f", {engine.threads} thread{'s' * (engine.threads != 1)}"
+    log.info("engine %s %s plans %s%s built in %.1f s from %s (model %s)", engine.name, engine.math,
+             engine.plan_sizes, threads, time.perf_counter() - started, source,
+             model.model_id[:12])  # fmt: skip
     try:
         check_engine(engine, model)
         log.info("self-check passed for every plan; timing plans for the batcher's cost model")
@@ -328,6 +335,7 @@ def _start_pool(
         devices=prepared.devices,
         conv_kernels=settings.conv_kernels,
         log_level=settings.log_level,
+        cpu_threads=settings.cpu_threads,
     )
     pool = DevicePool(pool_config, metrics, on_lost)
     pool.start()
