@@ -22,6 +22,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from speakerd.client.client import SpeakerClient
+from speakerd.serving.api.service import SERVICE_NAME
 
 LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics on :(?P<metrics>\d+)[,)]")
 #: The test servers' CPU engine threads. Under `make test` two workers share the cores, each
@@ -30,7 +31,7 @@ LISTENING = re.compile(r"listening on (?P<host>[\w.:]+):(?P<port>\d+) \(metrics 
 #: thread each leaves more of the cores to the other worker's tests.
 CPU_THREADS = 1
 #: What the server logs once health says SERVING (serve.py), the last line of its start-up.
-SERVING_LINE = "SERVING speakerd.v1.SpeakerEmbedding after"
+SERVING_LINE = f"SERVING {SERVICE_NAME} after"
 #: Start-up on 2 cores: ORT session build, plan timing and the self-check take ~10-20 s.
 START_TIMEOUT_S = 180.0
 
