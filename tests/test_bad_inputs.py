@@ -32,6 +32,8 @@ from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import to_tensor
 from tests.serving import ServerProcess, scrape, start_server
 
+pytestmark = pytest.mark.slow  # a CPU server: seconds of 2 cores a test
+
 #: b8 keeps a CPU batch near 1 s: long enough that a 64-chunk request holds a stream's
 #: window full for seconds (8 batches on 3 workers sharing 2 cores).
 PLANS = "1,8"

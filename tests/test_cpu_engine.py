@@ -30,6 +30,7 @@ def engine(folded_model) -> CpuEngine:
     return CpuEngine(folded_model, Math.FP32, PLANS)
 
 
+@pytest.mark.slow
 def test_every_reference_case_within_fp32_bound(engine: CpuEngine, reference_cases) -> None:
     bound = BOUNDS[Math.FP32]
     print(f"\n{'case':<18} {'math':<5} {'rows':>5} {'min cosine':>12} {'max abs':>10}")
@@ -45,6 +46,7 @@ def test_every_reference_case_within_fp32_bound(engine: CpuEngine, reference_cas
         )
 
 
+@pytest.mark.slow
 def test_batch_invariance_bit_for_bit(engine: CpuEngine, reference_cases) -> None:
     """Chunks of mixed_b32 alone equal themselves in batches, at every position of every batch
     size (each chunk is one ORT run, so more chunks would repeat the same check)."""
@@ -60,6 +62,7 @@ def test_batch_invariance_bit_for_bit(engine: CpuEngine, reference_cases) -> Non
             )
 
 
+@pytest.mark.slow
 def test_pieces_give_the_bits_of_the_joined_batch(engine: CpuEngine, reference_cases) -> None:
     """run_batch on lists of pieces (the batcher's requests, fbank and masks split at
     different places) equals run_batch on the joined arrays bit for bit."""

@@ -40,6 +40,8 @@ from speakerd.serving.server import config as serve_config
 from speakerd.serving.server.serve import _check_shared_memory
 from tests.serving import ServerProcess, scrape, start_server, wait_until
 
+pytestmark = pytest.mark.slow  # servers of several CPU workers: seconds of 2 cores a test
+
 #: Small plans keep each CPU batch short (b1 ~0.15 s on one core) while a request of 3
 #: chunks already spans two batches, so both devices hold work at once. (b4 took 5 chunks
 #: for that, and 5 `load` streams: see LOAD_STREAMS.)

@@ -342,6 +342,7 @@ def outcomes(sample, models_module) -> dict[str, Outcome]:
     return out
 
 
+@pytest.mark.slow
 def test_identity_table(outcomes) -> None:
     """The whole comparison in one table (pytest -s shows it); each row is asserted below."""
     print(
@@ -371,6 +372,7 @@ def test_identity_table(outcomes) -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_diarize_equals_pyannote(outcomes, case: Case) -> None:
     o = outcomes[case.name]
@@ -404,6 +406,7 @@ def test_diarize_equals_pyannote(outcomes, case: Case) -> None:
             assert der == 0.0, (name, der)
 
 
+@pytest.mark.slow
 def test_cases_cover_what_they_claim(outcomes, sample) -> None:
     """Each case exercises its path: a case that silently took another would prove less."""
     o = {name: outcome.result for name, outcome in outcomes.items()}

@@ -41,6 +41,8 @@ from speakerd.serving.server import config
 from speakerd.serving.server.serve import plan_times_text
 from tests.serving import scrape, start_server, wait_until
 
+pytestmark = pytest.mark.slow  # a server start per test: seconds of 2 cores a test
+
 #: Start-up of a subprocess that fails its front-door checks: imports, then one check.
 FRONT_DOOR_TIMEOUT_S = 120
 #: The drain test's --drain-seconds, and what the exit may take beyond it: failing the calls

@@ -43,6 +43,7 @@ def compiled(name: str) -> bytes:
     return kernels.compile_binary(kernels.kernel_sources()[name], kernels.arch_of(name), name)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
 @pytest.mark.parametrize("name", sorted(kernels.kernel_sources()))
 def test_kernel_file_compiles_for_sm90(name: str) -> None:

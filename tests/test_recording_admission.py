@@ -28,6 +28,8 @@ from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from tests.serving import scrape, serve_module, start_server
 from tests.test_bad_inputs import field_violations
 
+pytestmark = pytest.mark.slow  # CPU servers and 32 recordings at once: seconds of 2 cores a test
+
 #: b8 keeps a CPU batch near 1 s.
 PLANS = "1,8"
 TIMEOUT_S = 600.0

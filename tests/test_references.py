@@ -27,6 +27,7 @@ from speakerd.model.cases import (
 from speakerd.model.numerics import active_frames
 
 
+@pytest.mark.slow
 def test_two_runs_are_byte_identical(tmp_path: Path, references_dir: Path, weights_path: Path) -> None:
     assert main(["make-references", "--out", str(tmp_path), "--weights", str(weights_path)]) == 0
     for name in CASE_NAMES:

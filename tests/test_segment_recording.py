@@ -33,6 +33,8 @@ from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from tests.serving import scrape, serve_module
 from tests.test_bad_inputs import field_violations
 
+pytestmark = pytest.mark.slow  # a CPU server segmenting and embedding: seconds of 2 cores a test
+
 #: b2 keeps a CPU batch near 0.5 s, so the 3 windows of `speech` span two batches (2, 1).
 PLANS = "1,2"
 TIMEOUT_S = 600.0

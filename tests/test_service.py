@@ -36,6 +36,8 @@ from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.observability.metrics import METRIC_NAMES
 from tests.serving import CPU_THREADS, ServerProcess, scrape, start_server, wait_until
 
+pytestmark = pytest.mark.slow  # a CPU server and its engine work: seconds of 2 cores a test
+
 #: The chunks of mixed_b32 the tests send: its last conversation chunk (partial), the short
 #: recording's (speaker 2 empty), the empty-mask, one-frame and soft-mask chunks (16-20),
 #: after four ordinary ones. Nine: one request of them all spans a b8 and a b1 plan run. The

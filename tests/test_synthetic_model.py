@@ -18,6 +18,8 @@ from speakerd.model.architecture import TAP_NAMES
 from speakerd.model.synthetic import make_model, quantise
 from speakerd.model.weights import file_sha256, load_state_dict, save_state_dict, validate_state_dict
 
+pytestmark = pytest.mark.slow  # synthetic models made and calibrated: seconds of 2 cores a test
+
 #: Post-ReLU taps must keep between these fractions of units active on speech.
 MIN_ACTIVE, MAX_ACTIVE = 0.2, 0.95
 #: Far inside FP16's 65504: a trained ResNet34's activations on fbank stay in the tens.

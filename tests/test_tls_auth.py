@@ -28,6 +28,8 @@ from speakerd.serving.access.security import ReloadingCertificates, TlsFileError
 from tests.serving import ServerProcess, start_server
 from tests.tls_certs import Authority, require_openssl
 
+pytestmark = pytest.mark.slow  # a CPU server per mode: seconds of 2 cores a test
+
 TOKEN = "first-token-0123456789"
 ROTATED_TOKEN = "second-token-9876543210"
 #: The tests' calls are of one chunk: one plan, so each start's self-check runs one chunk.
