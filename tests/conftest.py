@@ -135,12 +135,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: A test whose setup, call and teardown together take longer than this on CI's 2 cores
 #: without the `slow` marker is named at the end of the run: its file belongs with the slow
 #: ones that start first (docs/development.md). A report, not a failure: times vary with load.
+#: GPU tests are left out: they skip on CI, and the device runs them in one process.
 SLOW_TEST_S = 5.0
 _unmarked_seconds: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "slow" not in report.keywords:
+    if "slow" not in report.keywords and "gpu" not in report.keywords:
         _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
 
 

@@ -73,6 +73,7 @@ def test_embed_npz_round_trip(
         assert result["empty"].tolist() == [[False, True, False]]
 
 
+@pytest.mark.slow
 def test_load_generator_reports_json(server: ServerProcess, capsys) -> None:
     """Two streams of one-chunk calls for the shortest window (`load` lengthens it to three
     calls' time of all its streams): 3 streams of 2-chunk calls ran three times as long for

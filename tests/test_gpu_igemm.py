@@ -327,6 +327,7 @@ def test_wgmma_shared_bytes_are_the_kernels() -> None:
     ))  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_NVRTC is not None, reason=str(NO_NVRTC))
 def test_f16_shared_bytes_are_the_kernels() -> None:
     """igemm.f16_shared_bytes equals HaloTile<...>::SHARED_BYTES of every F16_ENTRY."""

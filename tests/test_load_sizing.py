@@ -155,6 +155,7 @@ def test_a_recording_its_deadline_cannot_hold_is_one_line_exit_2(server: ServerP
     assert "--recording 120: 111 windows a call" in lines[0] and "--timeout" in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_a_recording_load_gets_a_deadline_it_can_meet(server: ServerProcess, capsys) -> None:
     """10 s, one window a call: the counted window and the warm-up are stretched to the calls'
     estimated time, so a longer recording costs the engine more and checks no more (how the

@@ -126,6 +126,7 @@ def _send(channel: grpc.Channel, case: Case) -> grpc.RpcError:
     raise AssertionError(f"{case.method}: the call succeeded")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_undecodable_bytes_are_named_logged_and_counted(
     server: ServerProcess, channel: grpc.Channel, name: str

@@ -304,6 +304,7 @@ def test_private_without_and_with_a_wrong_token(hub: Hub, tmp_path: Path) -> Non
     assert "(403, HF_TOKEN was not accepted): set HF_TOKEN" in line, line
 
 
+@pytest.mark.slow
 def test_no_such_repo_revision_or_file(hub: Hub, tmp_path: Path) -> None:
     env = environment(tmp_path, HF_ENDPOINT=hub.endpoint)
     assert "no model repo acme/absent" in serve_error("acme/absent", env)

@@ -23,6 +23,7 @@ OUTPUT_MIN_COSINE = 0.9999999
 CASES = ("first_b1", "soft_masks_b1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_ort_taps_match_float64_numpy(case: str, folded_model, weights_path) -> None:
     fbank, masks = case_inputs(case)

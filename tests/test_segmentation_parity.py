@@ -130,6 +130,7 @@ def _pyannote_multilabel(log_probs: np.ndarray) -> np.ndarray:
     return converter.to_multilabel(torch.from_numpy(log_probs), soft=False).numpy()
 
 
+@pytest.mark.slow
 def test_log_probs_equal_pyannotes(pyannote_model, model) -> None:
     exact_model = copy.deepcopy(pyannote_model).double()
     rows = []

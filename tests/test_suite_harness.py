@@ -120,6 +120,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_step_out_of_time_fails_and_ends_its_children_too(tmp_path):
     ctx = Context("t", ENV, argparse.Namespace(), REPO, tmp_path, time.monotonic() + 60, tmp_path / "r.jsonl")
     pidfile = tmp_path / "child.pid"
