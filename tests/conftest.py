@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +21,12 @@ REQUIRE_GPU = os.environ.get("REQUIRE_GPU", "") not in ("", "0")
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[type-arg]
-    """With REQUIRE_GPU=1 a skipped GPU test is reported as failed, with the skip reason."""
+    """With REQUIRE_GPU=1 a skipped GPU test is reported as failed, with the skip reason. Every
+    report carries the seconds it spent making session fixtures (SESSION_SETUP_S)."""
     outcome = yield
     report = outcome.get_result()
+    report.user_properties.append((SESSION_SETUP_S, _session_setup["seconds"]))
+    _session_setup["seconds"] = 0.0
     if REQUIRE_GPU and report.skipped and item.get_closest_marker("gpu") is not None:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
@@ -137,12 +141,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: ones that start first (docs/development.md). A report, not a failure: times vary with load.
 #: GPU tests are left out: they skip on CI, and the device runs them in one process.
 SLOW_TEST_S = 5.0
+#: The report's user property: seconds of its phase spent making session fixtures (the
+#: default model, the references, the shared server). Whichever test asks first pays them,
+#: and waits for the other worker's lock on them, so they are the run's, not the test's.
+SESSION_SETUP_S = "session_fixture_setup_s"
 _unmarked_seconds: dict[str, float] = {}
+_session_setup = {"seconds": 0.0, "depth": 0}
+
+
+class SessionFixtureTimer:
+    """Times the outermost session fixtures made (one made inside another counts once). A
+    plugin of its own: pytest calls a session fixture's setup hook on the session node, which
+    this directory's conftest hooks do not reach."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef):  # type: ignore[type-arg]
+        if fixturedef.scope != "session":
+            yield
+            return
+        _session_setup["depth"] += 1
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            _session_setup["depth"] -= 1
+            if _session_setup["depth"] == 0:
+                _session_setup["seconds"] += time.perf_counter() - started
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SessionFixtureTimer(), "speakerd-session-fixture-timer")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if "slow" not in report.keywords and "gpu" not in report.keywords:
-        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
+        shared = sum(float(value) for key, value in report.user_properties if key == SESSION_SETUP_S)
+        own = report.duration - shared
+        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + own
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
