@@ -75,6 +75,7 @@ def serve(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
     return speakerd("serve", "--engine", "cpu", "--port", "0", "--metrics-port", "0", *flags, env=env)
 
 
+@pytest.mark.slow
 def test_by_name_from_the_hub_then_offline(plda_dir: Path, hub: Hub, tmp_path: Path) -> None:
     """Both files in one snapshot's plda/ folder; offline, the same lines and no request."""
     online = environment(tmp_path, HF_ENDPOINT=hub.endpoint, HF_TOKEN=TOKEN)
