@@ -22,11 +22,12 @@ REQUIRE_GPU = os.environ.get("REQUIRE_GPU", "") not in ("", "0")
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[type-arg]
     """With REQUIRE_GPU=1 a skipped GPU test is reported as failed, with the skip reason. Every
-    report carries the seconds it spent making session fixtures (SESSION_SETUP_S)."""
+    report of a phase that made session fixtures carries their seconds (SESSION_SETUP_S)."""
     outcome = yield
     report = outcome.get_result()
-    report.user_properties.append((SESSION_SETUP_S, _session_setup["seconds"]))
-    _session_setup["seconds"] = 0.0
+    if _session_setup["seconds"]:
+        report.user_properties.append((SESSION_SETUP_S, _session_setup["seconds"]))
+        _session_setup["seconds"] = 0.0
     if REQUIRE_GPU and report.skipped and item.get_closest_marker("gpu") is not None:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"

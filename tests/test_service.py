@@ -23,14 +23,13 @@ import grpc
 import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from safetensors.numpy import save_file
 
 from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY, RetryPolicy, SpeakerClient
 from speakerd.client.verify import main as verify_main
 from speakerd.engine.cpu import CpuEngine
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
-from speakerd.model.cases import B1_CASES, BATCH_CASE, FILE_SUFFIX, mixed_rows
+from speakerd.model.cases import B1_CASES, BATCH_CASE, FILE_SUFFIX, mixed_rows, save_case
 from speakerd.model.numerics import Math
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.observability.metrics import METRIC_NAMES
@@ -212,8 +211,7 @@ def sent_references(tmp_path_factory, references_dir, reference_cases, mixed: Se
     case = reference_cases[-1]
     assert case.name == BATCH_CASE, case.name
     rows = case.output[SENT.start * MAX_SPEAKERS : SENT.stop * MAX_SPEAKERS]
-    tensors = {"input/fbank": mixed.fbank, "input/masks": mixed.masks, "tensor/output": rows}
-    save_file(tensors, str(directory / f"{BATCH_CASE}{FILE_SUFFIX}"))
+    save_case(directory / f"{BATCH_CASE}{FILE_SUFFIX}", mixed.fbank, mixed.masks, {"output": rows}, {})
     return directory
 
 

@@ -175,6 +175,8 @@ class Engine(abc.ABC):
     math: Math
     #: batch sizes with a preallocated plan, ascending, e.g. (1, 32)
     plan_sizes: tuple[int, ...]
+    #: the host threads of a CPU engine's pool (--cpu-threads); None for a device engine
+    threads: int | None = None
     #: `empty_rows` once measured
     _empty_rows: np.ndarray | None = None
 

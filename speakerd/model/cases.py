@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS, TAP_NAMES, TRUNK_FRAMES
 from speakerd.model.audio import Recording, speaker_masks, synthetic_recording
@@ -190,6 +191,24 @@ def case_inputs(name: str) -> tuple[np.ndarray, np.ndarray]:
             raise KeyError(f"unknown reference case {name!r}; cases are {', '.join(CASE_NAMES)}")
         fbank_in, masks_in = inputs[name]
     return fbank_in.copy(), masks_in.copy()
+
+
+def save_case(
+    path: str | Path,
+    fbank: np.ndarray,
+    masks: np.ndarray,
+    taps: dict[str, np.ndarray],
+    metadata: dict[str, str],
+) -> None:
+    """Write one case file as `load_case` reads it: `input/fbank`, `input/masks`, a
+    `tensor/<tap>` per tap (`output` among them). safetensors writes metadata from a hash map
+    (its key order varies between runs), so it all goes under METADATA_KEY as sorted JSON and
+    the tensors in sorted key order: the same case gives the same bytes every run."""
+    tensors = {f"tensor/{tap}": value for tap, value in taps.items()}
+    tensors["input/fbank"] = fbank
+    tensors["input/masks"] = masks
+    packed = {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
+    save_file({key: tensors[key] for key in sorted(tensors)}, str(path), metadata=packed)
 
 
 def load_case(path: str | Path) -> ReferenceCase:

@@ -4,7 +4,7 @@
 per case: `input/fbank` [n, 998, 80], `input/masks` [n, 3, 589], `tensor/<tap>` for every
 tap of docs/model.md in b1 cases, and `tensor/output` [n * 3, 256] in all of them.
 
-The inputs and the reader live in `speakerd.model.cases`; this module runs ONNX Runtime on
+The inputs, the reader and the writer live in `speakerd.model.cases`; this module runs ONNX Runtime on
 them and writes the files (`make-references`). A full set is about 930 MB: every b1 case
 keeps every tap of the trunk.
 """
@@ -18,17 +18,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from speakerd.model.cases import (
     B1_CASES,
     BATCH_CASE,
     CASE_NAMES,
     FILE_SUFFIX,
-    METADATA_KEY,
     case_inputs,
     load_case,
     mixed_rows,
+    save_case,
 )
 from speakerd.model.source import ModelError, add_model_flag, resolve_model
 from speakerd.model.weights import load_model
@@ -47,9 +46,6 @@ def make_references(out_dir: str | Path, weights_path: str | Path | None = None)
     for name in CASE_NAMES:
         fbank_in, masks_in = case_inputs(name)
         reference = with_taps if name in B1_CASES else output_only
-        tensors = {f"tensor/{tap}": value for tap, value in reference.run(fbank_in, masks_in).items()}
-        tensors["input/fbank"] = fbank_in
-        tensors["input/masks"] = masks_in
         metadata = {
             "case": name,
             "model_id": model.model_id,
@@ -58,10 +54,7 @@ def make_references(out_dir: str | Path, weights_path: str | Path | None = None)
         if name == BATCH_CASE:
             metadata["b1_case_rows"] = json.dumps(rows, sort_keys=True)
         path = out / f"{name}{FILE_SUFFIX}"
-        # safetensors writes metadata from a hash map (its key order varies between runs), so
-        # it all goes under one key as sorted JSON: the bytes are then the same every run
-        packed = {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
-        save_file({key: tensors[key] for key in sorted(tensors)}, str(path), metadata=packed)
+        save_case(path, fbank_in, masks_in, reference.run(fbank_in, masks_in), metadata)
         paths.append(path)
     return paths
 

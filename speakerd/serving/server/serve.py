@@ -293,11 +293,7 @@ def _build_engine(settings: config.ServeConfig, prepared: Prepared, resolved: Re
     source = resolved.path
     engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans, settings.conv_kernels,
                            cpu_threads=settings.cpu_threads or None)  # fmt: skip
-    from speakerd.engine.cpu import CpuEngine
-
-    threads = ""
-    if isinstance(engine, CpuEngine):
-        threads = f", {engine.threads} thread{'s' * (engine.threads != 1)}"
+    threads = f", {engine.threads} thread{'s' * (engine.threads != 1)}" if engine.threads else ""
     log.info("engine %s %s plans %s%s built in %.1f s from %s (model %s)", engine.name, engine.math,
              engine.plan_sizes, threads, time.perf_counter() - started, source,
              model.model_id[:12])  # fmt: skip
