@@ -37,6 +37,8 @@ from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import cdist
 
+from speakerd.model.diarization.linkage import HOST, Linker
+
 log = logging.getLogger(__name__)
 
 #: `filter_embeddings`' default: a speaker must talk alone in a fifth of the window's frames
@@ -198,8 +200,11 @@ def cluster_embeddings(
     min_clusters: int = 1,
     max_clusters: int | None = None,
     num_clusters: int | None = None,
+    linker: Linker = HOST,
 ) -> np.ndarray:
-    """train [n, dim] -> cluster index per row, 0..k-1 (`AgglomerativeClustering.cluster`)."""
+    """train [n, dim] -> cluster index per row, 0..k-1 (`AgglomerativeClustering.cluster`).
+    Centroid linkage (pyannote's) is `linker`'s, SciPy's bits however computed (linkage.py);
+    other methods are SciPy's `linkage`."""
     num_embeddings = train.shape[0]
     max_clusters = num_embeddings if max_clusters is None else max_clusters
     min_cluster_size = min(
@@ -211,7 +216,10 @@ def cluster_embeddings(
     if parameters.metric == "cosine" and parameters.method in EUCLIDEAN_ONLY_METHODS:
         with np.errstate(divide="ignore", invalid="ignore"):
             points = train / np.linalg.norm(train, axis=-1, keepdims=True)
-        dendrogram = linkage(points, method=parameters.method, metric="euclidean")
+        if parameters.method == "centroid":
+            dendrogram = linker(points)
+        else:
+            dendrogram = linkage(points, method=parameters.method, metric="euclidean")
     else:
         points = train
         dendrogram = linkage(points, method=parameters.method, metric=parameters.metric)
@@ -288,9 +296,11 @@ def agglomerative_clustering(
     min_clusters: int | None = None,
     max_clusters: float | None = None,
     parameters: AgglomerativeParameters = SPEAKER_DIARIZATION_3_1,
+    linker: Linker = HOST,
 ) -> Clusters:
     """embeddings [windows, speakers, dim], binarized segmentations [windows, frames,
-    speakers] -> Clusters, as `AgglomerativeClustering.__call__` (module docstring)."""
+    speakers] -> Clusters, as `AgglomerativeClustering.__call__` (module docstring);
+    `linker` computes the centroid linkage (linkage.py)."""
     if embeddings.ndim != 3 or segmentations.ndim != 3:
         raise ValueError(
             f"embeddings {embeddings.shape} and segmentations {segmentations.shape}: expected "
@@ -305,7 +315,12 @@ def agglomerative_clustering(
         # one cluster at most: no clustering (its centroid is NaN when no pair was clean)
         return one_cluster(embeddings, train)
     train_clusters = cluster_embeddings(
-        train, parameters, min_clusters=min_clusters, max_clusters=max_clusters, num_clusters=num_clusters
+        train,
+        parameters,
+        min_clusters=min_clusters,
+        max_clusters=max_clusters,
+        num_clusters=num_clusters,
+        linker=linker,
     )
     return assign_embeddings(
         embeddings,

@@ -38,6 +38,7 @@ from speakerd.model.diarization.clustering import (
 )
 from speakerd.model.diarization.count import SpeakerCount, speaker_count
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, WINDOW_S, SlidingFrames, windows
+from speakerd.model.diarization.linkage import HOST, Linker
 from speakerd.model.diarization.plda import Plda
 from speakerd.model.diarization.reconstruct import reconstruct
 from speakerd.model.diarization.rttm import to_rttm
@@ -125,6 +126,7 @@ def diarize(
     clustering: AgglomerativeParameters | VBxParameters = SPEAKER_DIARIZATION_3_1,
     plda: Plda | None = None,
     min_duration_off: float = 0.0,
+    linker: Linker = HOST,
 ) -> Diarization:
     """segmentations [windows, frames, speakers] (0/1, pyannote's binarized segmentation),
     embeddings [windows, speakers, dim] (`get_embeddings`' array) -> Diarization.
@@ -134,7 +136,9 @@ def diarize(
     picks the clustering (default AgglomerativeParameters, pyannote/speaker-diarization-3.1's;
     VBxParameters, e.g. vbx.COMMUNITY_1, for community-1's VBx, which needs `plda`, e.g.
     plda.load_plda(directory)); min_duration_off: the pipeline's
-    `segmentation.min_duration_off` (0 in speaker-diarization-3.1 and community-1).
+    `segmentation.min_duration_off` (0 in speaker-diarization-3.1 and community-1);
+    linker: how the centroid linkage is computed (linkage.py: the compiled port on this
+    host's cores by default, distances from the GPU on a GPU server; SciPy's bits always).
     With VBx, speaker numbers it does not meet by itself are met by re-clustering with
     scikit-learn's KMeans, as pyannote does (vbx.py; scikit-learn is imported only then).
     """
@@ -169,6 +173,7 @@ def diarize(
             min_clusters=min_speakers,
             max_clusters=max_speakers,
             parameters=clustering,
+            linker=linker,
         )
     else:
         clusters = agglomerative_clustering(
@@ -178,6 +183,7 @@ def diarize(
             min_clusters=min_speakers,
             max_clusters=max_speakers,
             parameters=clustering,
+            linker=linker,
         )
     found = int(np.max(clusters.hard)) + 1
     if not min_speakers <= found <= max_speakers:

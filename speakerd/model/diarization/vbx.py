@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.cluster.hierarchy import fcluster
 from scipy.spatial.distance import cdist
 from scipy.special import logsumexp, softmax
 
@@ -51,6 +51,7 @@ from speakerd.model.diarization.clustering import (
     constrained_argmax,
     one_cluster,
 )
+from speakerd.model.diarization.linkage import HOST, Linker
 from speakerd.model.diarization.plda import Plda
 
 log = logging.getLogger(__name__)
@@ -120,10 +121,11 @@ def unit_rows(train: np.ndarray) -> np.ndarray:
     return train / np.linalg.norm(train, axis=1, keepdims=True)
 
 
-def ahc_init(train: np.ndarray, threshold: float) -> np.ndarray:
+def ahc_init(train: np.ndarray, threshold: float, linker: Linker = HOST) -> np.ndarray:
     """[n, dim] clean embeddings -> initial cluster per row, 0..k-1: centroid linkage of the
-    unit rows cut at `threshold`, labels renumbered in sorted order."""
-    dendrogram = linkage(unit_rows(train), method="centroid", metric="euclidean")
+    unit rows (`linker`'s: SciPy's bits, linkage.py) cut at `threshold`, labels renumbered in
+    sorted order."""
+    dendrogram = linker(unit_rows(train))
     clusters = fcluster(dendrogram, threshold, criterion="distance") - 1
     return np.unique(clusters, return_inverse=True)[1]
 
@@ -222,9 +224,11 @@ def vbx_clustering(
     min_clusters: int | None = None,
     max_clusters: float | None = None,
     parameters: VBxParameters = COMMUNITY_1,
+    linker: Linker = HOST,
 ) -> Clusters:
     """embeddings [windows, speakers, dim], binarized segmentations [windows, frames,
-    speakers] -> Clusters, as `VBxClustering.__call__` (module docstring).
+    speakers] -> Clusters, as `VBxClustering.__call__` (module docstring); `linker` computes
+    the initialisation's centroid linkage (linkage.py).
 
     The speaker numbers are the pipeline's (`set_num_speakers`): min defaults to 1, max to
     no limit; unlike the agglomerative clustering they are not clipped to the number of
@@ -248,7 +252,7 @@ def vbx_clustering(
     if train.shape[0] < MIN_TRAIN_EMBEDDINGS:
         return one_cluster(embeddings, train)  # no clustering
 
-    initial = ahc_init(train, parameters.threshold)
+    initial = ahc_init(train, parameters.threshold, linker)
     gamma, priors = vbx_responsibilities(
         initial, plda.transform(train), plda.phi, Fa=parameters.Fa, Fb=parameters.Fb
     )
