@@ -11,7 +11,7 @@ import abc
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from speakerd.model.fbank import fbank as fbank_of
 from speakerd.model.inputs import MAX_MASK_FRAMES, InputError, InputLengthError, check_fbank, check_masks
 from speakerd.model.numerics import Math, active_frames, pad_speakers
 from speakerd.model.recording import FbankSource, SharedFrames
+
+if TYPE_CHECKING:  # the clustering's types; importing them would import numba and SciPy
+    from speakerd.model.diarization.linkage import SquareDistances
 
 
 @runtime_checkable
@@ -205,6 +208,11 @@ class Engine(abc.ABC):
         Must be safe to call from several threads at once: the batcher overlaps batches'
         assembly and host-to-device copies with the previous batch's compute that way.
         """
+
+    def pair_distances(self) -> SquareDistances | None:
+        """What computes the clustering's square distance matrices on this engine's device
+        (SciPy's pdist bits, model/diarization/linkage.py), or None: the host computes them."""
+        return None
 
     def waveform_fbank(self, waveform: np.ndarray) -> np.ndarray | DeviceFbank:
         """fbank rows of checked waveforms [n, 160000] (EmbedChunks' waveform input): NumPy's

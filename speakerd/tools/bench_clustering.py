@@ -78,9 +78,8 @@ def gpu_distances() -> linkage.SquareDistances | None:
 
 def bench(points: np.ndarray, repeat: int, scipy_max_rows: int) -> dict:
     """One size: every variant's seconds and whether its matrix equals SciPy's."""
-    from scipy.cluster.hierarchy import linkage as scipy_linkage
-
     import numba
+    from scipy.cluster.hierarchy import linkage as scipy_linkage
 
     n = points.shape[0]
     record: dict = {"rows": n, "threads": numba.get_num_threads(), "seconds": {}, "equal": {}}

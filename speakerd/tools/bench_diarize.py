@@ -17,8 +17,10 @@ go through speakerd.model.diarization step by step (the clean pairs kept for clu
 their linkage, the reconstruction), to say where the time between the two calls goes.
 
 One JSON line per call kind (`kind`: `segment` / `diarize`, wall seconds of every run, the
-median, x real time) and one `clustering` line (rows, seconds per step); `--save FILE.npz`
-keeps the last run's segmentation and embeddings for study elsewhere.
+median, x real time) and one `clustering` line (rows, seconds per step, the linkage by
+SciPy and compiled, and whether their clusters are the same); `--save FILE.npz` keeps the
+last run's segmentation and embeddings, and the clean rows the clustering links (`clean`,
+for bench_clustering --rows-file), for study elsewhere.
 
   python -m speakerd.tools.bench_diarize --target 127.0.0.1:50051 --audio sample.wav --seconds 3600
 """
@@ -39,6 +41,7 @@ from speakerd.client.diarize import DiarizationClient
 from speakerd.client.files import UsageError, read_audio
 from speakerd.model.diarization import SPEAKER_DIARIZATION_3_1, diarize
 from speakerd.model.diarization.clustering import clean_speakers, cluster_embeddings
+from speakerd.model.diarization.linkage import SCIPY, Linker
 
 #: Seconds of the warm-up calls (each kind once): long enough to fill a batch of windows and
 #: to run the clustering, short enough to cost nothing next to the hour.
@@ -76,12 +79,15 @@ def clustering_steps(segmentation: np.ndarray, embeddings: np.ndarray) -> dict[s
     binary = segmentation.astype(np.float32)
     filter_s, (windows, speakers) = timed(lambda: clean_speakers(embeddings, binary))
     train = embeddings[windows, speakers]
-    linkage_s, _ = timed(lambda: cluster_embeddings(train, SPEAKER_DIARIZATION_3_1))
+    scipy = Linker(SCIPY)
+    scipy_s, by_scipy = timed(lambda: cluster_embeddings(train, SPEAKER_DIARIZATION_3_1, linker=scipy))
+    linkage_s, compiled = timed(lambda: cluster_embeddings(train, SPEAKER_DIARIZATION_3_1))
     whole_s, result = timed(lambda: diarize(binary, embeddings, 1.0))
     return {
         "kind": "clustering", "processor": "cpu", "windows": int(segmentation.shape[0]),
         "pairs": int(segmentation.shape[0] * segmentation.shape[2]), "clean_pairs": int(train.shape[0]),
         "filter_s": round(filter_s, 4), "linkage_and_cut_s": round(linkage_s, 4),
+        "linkage_and_cut_scipy_s": round(scipy_s, 4), "same_clusters": bool(np.array_equal(compiled, by_scipy)),
         "diarize_s": round(whole_s, 4), "rest_s": round(whole_s - filter_s - linkage_s, 4),
         "speakers": len(result.labels), "turns": len(result.turns),
     }  # fmt: skip
@@ -121,8 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary("diarize", args.seconds, diarize_walls, windows=windows, **turns)), flush=True)
     print(json.dumps(clustering_steps(segmented.segmentation, segmented.embeddings)), flush=True)
     if args.save:
+        binary = segmented.segmentation.astype(np.float32)
+        windows, speakers = clean_speakers(segmented.embeddings, binary)
         np.savez_compressed(
-            args.save, segmentation=segmented.segmentation.astype(np.uint8), embeddings=segmented.embeddings
+            args.save,
+            segmentation=segmented.segmentation.astype(np.uint8),
+            embeddings=segmented.embeddings,
+            clean=segmented.embeddings[windows, speakers],
         )
     return 0
 

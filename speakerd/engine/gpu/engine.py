@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -90,6 +90,7 @@ class GpuEngine(Engine):
         self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
         self._lock = threading.RLock()
         self._fallbacks_logged = False
+        self._distances = None  # GpuDistances, made by pair_distances
         self._last_active: dict[int, np.ndarray] = {}  # plan batch -> the last run's active frames
         #: the event where the last batch enqueued ends (BatchRun.gap_s): one per batch, never
         #: recorded again, so reading it later cannot race with a newer batch (a slot's own
@@ -349,6 +350,17 @@ class GpuEngine(Engine):
         return self.captures[batch].graph is not None
 
     # ----- reports ----------------------------------------------------------------------
+    def pair_distances(self) -> Callable[[np.ndarray], np.ndarray]:
+        """The clustering's distances on this engine's device (engine/gpu/distances.py), built
+        on first use: the kernel is compiled then, not at start-up."""
+        if self._distances is None:
+            with self._lock:
+                if self._distances is None:
+                    from speakerd.engine.gpu.distances import GpuDistances
+
+                    self._distances = GpuDistances(self.device)
+        return self._distances.square
+
     def waveform_fbank(self, waveform: np.ndarray) -> WaveformRows:
         """Waveform rows whose fbank the GPU computes when their batch is staged (waveform.py)."""
         self._check_open()

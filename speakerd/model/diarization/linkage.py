@@ -37,8 +37,8 @@ with ties and duplicates both ways once per process, and callers keep SciPy when
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,30 +52,47 @@ log = logging.getLogger(__name__)
 #: `linkage` holds 8 n^2 (`pdist`'s matrix and `fast_linkage`'s copy).
 CONDENSED_BYTES_PER_ROW_SQUARED = 4
 
-try:  # numba compiles the loops; without it (a thin install) callers keep SciPy
-    import numba
-except ImportError:  # pragma: no cover - numba is a server dependency
-    numba = None
-
 
 def available() -> bool:
-    """True when the compiled linkage can run here (numba imports)."""
-    return numba is not None
+    """True when the compiled linkage can run here (numba is installed)."""
+    return importlib.util.find_spec("numba") is not None
 
 
-def _jit(**options):
-    """numba.njit with the options every function here shares: compiled once per machine
-    (cache=True keeps the machine code beside the module or in numba's user cache), no Python
-    objects, and NumPy's error model (a division by zero gives inf, never an exception; sizes
-    are never zero here). No fastmath: every floating-point operation stays as written, in
-    the order written, so the bits are SciPy's."""
+#: The functions below that numba compiles, and those of them whose loops run in parallel.
+#: They are plain Python until `_compile` turns them into numba dispatchers in this module's
+#: globals (so their calls to each other are compiled calls): importing this module imports
+#: no numba (0.4 s of CPU), only linking does.
+_COMPILED_FUNCTIONS = (
+    "_pdist_tile", "_heap_swap", "_heap_sift_up", "_heap_sift_down", "_heap_change_value",
+    "_find_min_dist", "_centroid", "_fast_linkage",
+)  # fmt: skip
+_PARALLEL_FUNCTIONS = ("_pdist_square",)
+#: numba.prange once compiled; range in the plain Python functions.
+prange = range
+_compile_lock = threading.Lock()
+_compiled = False
 
-    def wrap(function):
-        if numba is None:
-            return function
-        return numba.njit(cache=True, nogil=True, error_model="numpy", **options)(function)
 
-    return wrap
+def _compile() -> None:
+    """numba.njit on every function of _COMPILED_FUNCTIONS, with the options they share:
+    compiled once per machine (cache=True keeps the machine code beside the module or in
+    numba's user cache), no Python objects, the interpreter lock released, and NumPy's error
+    model (a division by zero gives inf, never an exception; sizes are never zero here). No
+    fastmath: every floating-point operation stays as written, in the order written, so the
+    bits are SciPy's."""
+    global _compiled, prange
+    with _compile_lock:
+        if _compiled:
+            return
+        import numba
+
+        names = globals()
+        for name in _COMPILED_FUNCTIONS + _PARALLEL_FUNCTIONS:
+            names[name] = numba.njit(
+                cache=True, nogil=True, error_model="numpy", parallel=name in _PARALLEL_FUNCTIONS
+            )(names[name])
+        prange = numba.prange
+        _compiled = True
 
 
 # --- pdist, as the rows of a square matrix ------------------------------------------------
@@ -90,7 +107,6 @@ TILE_COLUMNS = 64
 MIRROR_TILE = 64
 
 
-@_jit()
 def _pdist_tile(points, columns, out, i0, j0):
     """out[i0:i0+TILE_ROWS, j0:j0+TILE_COLUMNS] = SciPy's distances: per pair, |a - b|
     squared summed over the dimensions in order from 0.0, then sqrt. columns is points
@@ -121,17 +137,16 @@ def _pdist_tile(points, columns, out, i0, j0):
             out[i0 + r, j0 + c] = np.sqrt(sums[r, c])
 
 
-@_jit(parallel=True)
 def _pdist_square(points: np.ndarray, columns: np.ndarray, out: np.ndarray) -> None:
     """out[i, j] = SciPy's distance(i, j) for all i, j: the upper triangle in tiles
     (`_pdist_tile`), row groups spread over the threads, then the lower triangle copied from
     it in tiles: (i, j) and (j, i) are the same bits, as a - b is exactly -(b - a)."""
     n = points.shape[0]
-    for g in numba.prange((n + TILE_ROWS - 1) // TILE_ROWS):
+    for g in prange((n + TILE_ROWS - 1) // TILE_ROWS):
         i0 = g * TILE_ROWS
         for j0 in range((i0 // TILE_COLUMNS) * TILE_COLUMNS, n, TILE_COLUMNS):
             _pdist_tile(points, columns, out, i0, j0)
-    for t in numba.prange((n + MIRROR_TILE - 1) // MIRROR_TILE):
+    for t in prange((n + MIRROR_TILE - 1) // MIRROR_TILE):
         j0 = t * MIRROR_TILE
         for i0 in range(0, j0 + 1, MIRROR_TILE):
             for j in range(j0, min(j0 + MIRROR_TILE, n)):
@@ -146,6 +161,7 @@ def pdist_square(points: np.ndarray) -> np.ndarray:
     if points.ndim != 2:
         raise ValueError(f"points: expected [rows, dim], got shape {points.shape}")
     out = np.empty((points.shape[0], points.shape[0]), dtype=np.float64)
+    _compile()
     _pdist_square(points, np.ascontiguousarray(points.T), out)
     return out
 
@@ -153,7 +169,6 @@ def pdist_square(points: np.ndarray) -> np.ndarray:
 # --- the heap (_structures.pxi's Heap: keys 0..size-1, values, strict sift comparisons) ----
 
 
-@_jit()
 def _heap_swap(values, key_by_index, index_by_key, i, j):
     value = values[i]
     values[i] = values[j]
@@ -166,7 +181,6 @@ def _heap_swap(values, key_by_index, index_by_key, i, j):
     index_by_key[key_j] = i
 
 
-@_jit()
 def _heap_sift_up(values, key_by_index, index_by_key, index):
     parent = (index - 1) >> 1
     while index > 0 and values[parent] > values[index]:
@@ -175,7 +189,6 @@ def _heap_sift_up(values, key_by_index, index_by_key, index):
         parent = (index - 1) >> 1
 
 
-@_jit()
 def _heap_sift_down(values, key_by_index, index_by_key, size, index):
     child = (index << 1) + 1
     while child < size:
@@ -189,7 +202,6 @@ def _heap_sift_down(values, key_by_index, index_by_key, size, index):
             break
 
 
-@_jit()
 def _heap_change_value(values, key_by_index, index_by_key, size, key, value):
     index = index_by_key[key]
     old_value = values[index]
@@ -203,7 +215,6 @@ def _heap_change_value(values, key_by_index, index_by_key, size, key, value):
 # --- fast_linkage ---------------------------------------------------------------------------
 
 
-@_jit()
 def _find_min_dist(S, alive, count, position, x):
     """(nearest live cluster above x, its distance): the first minimum by index, strict <,
     as `find_min_dist`; (-1, inf) when none is below inf (where SciPy raises)."""
@@ -219,7 +230,6 @@ def _find_min_dist(S, alive, count, position, x):
     return y, current_min
 
 
-@_jit()
 def _centroid(d_xi, d_yi, d_xy, size_x, size_y):
     """_hierarchy_distance_update.pxi's `_centroid`, operation for operation: C's int * double
     promotes the size, size_x * size_y multiplies as ints first, and the divisions by the
@@ -229,7 +239,6 @@ def _centroid(d_xi, d_yi, d_xy, size_x, size_y):
     return np.sqrt((spread - ((np.float64(size_x * size_y) * d_xy) * d_xy) / merged) / merged)
 
 
-@_jit()
 def _fast_linkage(S: np.ndarray, Z: np.ndarray) -> int:
     """fast_linkage over the square distances S (updated in place, kept symmetric) into
     Z [n-1, 4]. Returns 0, or -1 where SciPy's find_min_dist raises (no neighbour below inf:
@@ -359,6 +368,7 @@ def linkage_from_square(distances: np.ndarray) -> np.ndarray:
     if not np.all(np.isfinite(distances)):
         raise ValueError("The condensed distance matrix must contain only finite values.")
     Z = np.empty((n - 1, 4))
+    _compile()
     if _fast_linkage(distances, Z) != 0:
         raise ValueError(
             "find_min_dist cannot find any neighbors closer than inf away. "
@@ -426,9 +436,9 @@ def _proven() -> bool:
 
 def proven_equal_to_scipy() -> bool:
     """True when the compiled linkage runs here and gave SciPy's linkage matrix to the bit
-    on the seeded check case (compiled and checked once per process, on first call: about
-    a second to compile, or the cache's load). SPEAKERD_LINKAGE=scipy forces SciPy."""
-    if numba is None or os.environ.get("SPEAKERD_LINKAGE", "").lower() == "scipy":
+    on the seeded check case (compiled and checked once per process, on first call: a few
+    seconds to compile the first time on a machine, a fraction of one from numba's cache)."""
+    if not available():
         return False
     with _proof_lock:
         return _proven()
@@ -452,10 +462,15 @@ class Linker:
 
     implementation: str = COMPILED
     distances: SquareDistances | None = None
+    #: host threads of `pdist_square` (the CPU engine's --cpu-threads); None: numba's default,
+    #: every core. Unused when `distances` is given.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"linkage implementation {self.implementation!r}, expected one of {IMPLEMENTATIONS}")
+            raise ValueError(
+                f"linkage implementation {self.implementation!r}, expected one of {IMPLEMENTATIONS}"
+            )
 
     @property
     def compiled(self) -> bool:
@@ -471,6 +486,11 @@ class Linker:
         square = None
         if self.distances is not None and points.ndim == 2 and points.shape[0] >= 2:
             square = self.distances(points)
+        elif self.threads:
+            import numba  # compiled by now: `compiled` proved the port
+
+            # numba's thread count is the calling thread's own setting
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         return centroid_linkage(points, square)
 
 

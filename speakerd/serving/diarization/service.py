@@ -38,6 +38,7 @@ from speakerd.model.diarization import (
     to_rttm,
     working_bytes,
 )
+from speakerd.model.diarization.linkage import HOST, Linker
 from speakerd.model.inputs import InputError
 from speakerd.model.source import ResolvedPlda
 from speakerd.model.voiceprint import check_threshold, normalize
@@ -100,6 +101,8 @@ class DiarizationService:
         self.authenticated = authenticated
         self.clustering_budget = clustering_budget
         self.plda = plda
+        #: the centroid linkage's implementation: the server sets the engine's once it is built
+        self.linker: Linker = HOST
         self._pool = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="diarize")
 
     def close(self) -> None:
@@ -146,7 +149,7 @@ class DiarizationService:
                 return diarize(
                     segmentations, embeddings, step_s, options.num_speakers, options.min_speakers,
                     options.max_speakers, clustering=options.clustering,
-                    plda=used[1] if used is not None else None,
+                    plda=used[1] if used is not None else None, linker=self.linker,
                 )  # fmt: skip
 
             started = time.perf_counter()

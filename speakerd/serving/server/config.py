@@ -53,6 +53,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: activation kept on chip) where it beats the two (FP16; not the default until measured
 #: on a GPU: docs/performance.md).
 CONV_KERNELS = ("auto", "cudnn", "blocks")
+#: --linkage: Diarize's centroid linkage compiled (distances on the GPU engine's device, else
+#: the host's cores) or SciPy's own, the reference; both give SciPy's bits
+#: (model/diarization/linkage.py), so scipy is for checking a server against it.
+LINKAGES = ("compiled", "scipy")
 #: `--devices` value for every device of the engine's kind on this machine.
 ALL_DEVICES = "all"
 #: Most `--receivers`: each is a process with its own shared-memory slots; past a few per
@@ -116,6 +120,8 @@ class ServeConfig:
     max_message_mb: int
     log_level: str
     conv_kernels: str = "auto"
+    #: --linkage: how Diarize computes the clustering's centroid linkage (LINKAGES)
+    linkage: str = "compiled"
     #: --segmentation-model as given (EmbedRecording's header.segment): a Hugging Face repo id,
     #: a local path, or None for the synthetic default segmentation model
     segmentation_model: str | None = None
@@ -303,6 +309,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "GPU convolutions: auto (ours where faster), cudnn, blocks (auto + one-kernel layer1 blocks, trial)"
     )
     add("conv-kernels", "auto", kernels, choices=CONV_KERNELS)
+    add(
+        "linkage",
+        "compiled",
+        "Diarize's centroid linkage: compiled (SciPy's bits, GPU distances where the "
+        "engine is on one) or scipy (SciPy itself, the reference, for checking)",
+        choices=LINKAGES,
+    )
     # optional transport security; the metrics port stays plain HTTP (scraped inside the cluster)
     add("tls-cert", None, "PEM certificate chain: serve gRPC over TLS (reloaded when the file changes)")
     add("tls-key", None, "PEM private key of --tls-cert (reloaded when the file changes)")
@@ -398,6 +411,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
     _check_choice(args, "math", [m.value for m in Math])
     _check_choice(args, "log-level", LOG_LEVELS)
     _check_choice(args, "conv-kernels", CONV_KERNELS)
+    _check_choice(args, "linkage", LINKAGES)
     try:
         plans = args.plans if isinstance(args.plans, tuple) else parse_plans(str(args.plans))
     except argparse.ArgumentTypeError as error:
@@ -433,6 +447,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         max_message_mb=int(args.max_message_mb),
         log_level=args.log_level,
         conv_kernels=args.conv_kernels,
+        linkage=args.linkage,
         tls_cert=tls_cert,
         tls_key=tls_key,
         tls_client_ca=tls_client_ca,

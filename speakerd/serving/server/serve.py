@@ -52,6 +52,7 @@ from grpc_reflection.v1alpha import reflection
 
 from speakerd.engine.base import Engine
 from speakerd.engine.segmenter import Segmenter
+from speakerd.model.diarization import linkage
 from speakerd.model.diarization.plda import Plda
 from speakerd.model.numerics import Math
 from speakerd.model.segmentation.weights import SegmentationModel
@@ -353,6 +354,23 @@ def plan_times_text(times: dict[int, float], engine_kind: str) -> str:
     return text
 
 
+def diarization_linker(implementation: str, engine: Engine) -> linkage.Linker:
+    """Diarize's centroid linkage (--linkage): compiled, its distances on the engine's device
+    when it has one (Engine.pair_distances) or on the CPU engine's threads; or SciPy's. Waits
+    for the compiled port's check against SciPy and says in one line what it will use."""
+    if implementation == linkage.SCIPY:
+        log.info("clustering: centroid linkage by SciPy (--linkage scipy)")
+        return linkage.Linker(linkage.SCIPY)
+    chosen = linkage.Linker(implementation, engine.pair_distances(), engine.threads)
+    if chosen.compiled:
+        where = f"distances on {engine.name}" if chosen.distances is not None else "distances on the host"
+        log.info("clustering: centroid linkage compiled, checked equal to SciPy's (%s)", where)
+    else:
+        log.info("clustering: centroid linkage by SciPy (the compiled port is %s)",
+                 "not installed" if not linkage.available() else "not equal to this SciPy")  # fmt: skip
+    return chosen
+
+
 def in_daemon_thread(work: Callable[[], T], orphan: Callable[[T], None]) -> asyncio.Future[T]:
     """Run `work` in a daemon thread; its result or exception arrives in the future returned.
 
@@ -579,8 +597,16 @@ class SpeakerServer:
             kind = self.prepared.engine_kind if self.prepared.devices is None else "cpu"
             self.segmenter = segmentation.build(weights, found.path, kind)
             if self.prepared.devices is None:
-                return _build_engine(s, self.prepared, resolved)
-            return _start_pool(s, self.prepared, resolved, self.metrics, on_lost)
+                engine = _build_engine(s, self.prepared, resolved)
+            else:
+                engine = _start_pool(s, self.prepared, resolved, self.metrics, on_lost)
+            self.diarization.linker = diarization_linker(s.linkage, engine)
+            return engine
+
+        # the compiled linkage's compile (numba's cache: a fraction of a second; a few seconds
+        # the first time on a machine) and its check against SciPy, beside the engine's build;
+        # diarization_linker waits for it
+        threading.Thread(target=linkage.proven_equal_to_scipy, name="linkage-check", daemon=True).start()
 
         self._building = in_daemon_thread(build, lambda e: e.close())
         try:
