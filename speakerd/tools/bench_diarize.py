@@ -87,7 +87,8 @@ def clustering_steps(segmentation: np.ndarray, embeddings: np.ndarray) -> dict[s
         "kind": "clustering", "processor": "cpu", "windows": int(segmentation.shape[0]),
         "pairs": int(segmentation.shape[0] * segmentation.shape[2]), "clean_pairs": int(train.shape[0]),
         "filter_s": round(filter_s, 4), "linkage_and_cut_s": round(linkage_s, 4),
-        "linkage_and_cut_scipy_s": round(scipy_s, 4), "same_clusters": bool(np.array_equal(compiled, by_scipy)),
+        "linkage_and_cut_scipy_s": round(scipy_s, 4),
+        "same_clusters": bool(np.array_equal(compiled, by_scipy)),
         "diarize_s": round(whole_s, 4), "rest_s": round(whole_s - filter_s - linkage_s, 4),
         "speakers": len(result.labels), "turns": len(result.turns),
     }  # fmt: skip

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +44,7 @@ from speakerd.model.diarization.plda import Plda
 from speakerd.model.diarization.reconstruct import reconstruct
 from speakerd.model.diarization.rttm import to_rttm
 from speakerd.model.diarization.turns import Track, Turn, binarize, speech_seconds
-from speakerd.model.diarization.vbx import VBX_BYTES_PER_PAIR_SQUARED, VBxParameters, vbx_clustering
+from speakerd.model.diarization.vbx import VBX_BYTES_PER_PAIR_CLUSTER, VBxParameters, vbx_clustering
 
 #: pyannote's speaker names: SPEAKER_ and the speaker's index, two digits at least.
 SPEAKER_PREFIX = "SPEAKER_"
@@ -96,15 +97,17 @@ def bind_speakers(
     return num_speakers, low, high
 
 
-def working_bytes(windows: int, clean_pairs: int, vbx: bool = False) -> int:
+def working_bytes(windows: int, clean_pairs: int, initial_clusters: int = 0) -> int:
     """The most memory `diarize` holds at once above its inputs, for `windows` windows of
     which `clean_pairs` (window, speaker) pairs are clustered (clustering.clean_speakers):
-    the clustering's quadratic scratch (the agglomerative clustering's linkage, or with `vbx`
-    VBx's updates, whose initialisation is that linkage), plus the per-window arrays. An upper
-    bound, not an estimate: the server reserves it before clustering
-    (serving/diarization/service.py)."""
-    per_pair_squared = VBX_BYTES_PER_PAIR_SQUARED if vbx else LINKAGE_BYTES_PER_PAIR_SQUARED
-    return per_pair_squared * clean_pairs * clean_pairs + DIARIZE_BYTES_PER_WINDOW * windows
+    the clustering's quadratic scratch, the centroid linkage's 8 n^2 bytes (the agglomerative
+    clustering's, and VBx's initialisation's), or with `initial_clusters` s > 0 VBx's updates
+    over the s initial clusters of its AHC cut when they hold more (112 n s), plus the
+    per-window arrays. An upper bound, not an estimate: the server reserves it before
+    clustering, and again for VBx once s is known (serving/diarization/service.py)."""
+    linkage = LINKAGE_BYTES_PER_PAIR_SQUARED * clean_pairs * clean_pairs
+    updates = VBX_BYTES_PER_PAIR_CLUSTER * clean_pairs * initial_clusters
+    return max(linkage, updates) + DIARIZE_BYTES_PER_WINDOW * windows
 
 
 def _named(tracks: list[Track], names: dict[int, str]) -> list[Turn]:
@@ -127,6 +130,7 @@ def diarize(
     plda: Plda | None = None,
     min_duration_off: float = 0.0,
     linker: Linker = HOST,
+    on_initial_clusters: Callable[[int, int], None] | None = None,
 ) -> Diarization:
     """segmentations [windows, frames, speakers] (0/1, pyannote's binarized segmentation),
     embeddings [windows, speakers, dim] (`get_embeddings`' array) -> Diarization.
@@ -138,7 +142,9 @@ def diarize(
     plda.load_plda(directory)); min_duration_off: the pipeline's
     `segmentation.min_duration_off` (0 in speaker-diarization-3.1 and community-1);
     linker: how the centroid linkage is computed (linkage.py: the compiled port on this
-    host's cores by default, distances from the GPU on a GPU server; SciPy's bits always).
+    host's cores by default, distances from the GPU on a GPU server; SciPy's bits always);
+    on_initial_clusters: VBx's (vbx_clustering), called with (clean pairs, initial clusters)
+    once its AHC cut is made, before its updates.
     With VBx, speaker numbers it does not meet by itself are met by re-clustering with
     scikit-learn's KMeans, as pyannote does (vbx.py; scikit-learn is imported only then).
     """
@@ -174,6 +180,7 @@ def diarize(
             max_clusters=max_speakers,
             parameters=clustering,
             linker=linker,
+            on_initial_clusters=on_initial_clusters,
         )
     else:
         clusters = agglomerative_clustering(

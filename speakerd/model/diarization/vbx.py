@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,13 +71,14 @@ INIT_SMOOTHING = 7.0
 PRIOR_FLOOR = 1e-8
 #: A speaker whose final prior is at most this is dropped (`VBxClustering`'s sp > 1e-7).
 KEPT_PRIOR = 1e-7
-#: Bytes VBx holds per squared clean pair at its peak, at most: its variational updates keep
-#: several float64 [n, s] arrays for s initial clusters, and s reaches n when the AHC cut
-#: leaves every pair alone (random embeddings). Measured peak resident size of `diarize`
-#: with every pair its own initial cluster: 80-87 n^2 over n = 2,000 and 3,000, with a
-#: quarter of margin: fourteen times the agglomerative clustering's linkage
-#: (clustering.LINKAGE_BYTES_PER_PAIR_SQUARED).
-VBX_BYTES_PER_PAIR_SQUARED = 112
+#: Bytes VBx holds per (clean pair, initial cluster) at its peak, at most: its variational
+#: updates keep several float64 [n, s] arrays (one-hot labels, their softmax, the
+#: log-likelihoods, their exponent, the responsibilities) for n clean pairs and the s
+#: initial clusters of the AHC cut. Measured peak resident size of `diarize` with every pair
+#: its own initial cluster (s = n): 80-87 n s over n = 2,000 and 3,000, with a quarter of
+#: margin. The AHC's linkage before it holds its own 8 n^2 (clustering.py), freed before
+#: the updates: what VBx holds is the larger of the two (pipeline.working_bytes).
+VBX_BYTES_PER_PAIR_CLUSTER = 112
 #: Fewer clean embeddings than this: no clustering, one cluster.
 MIN_TRAIN_EMBEDDINGS = 2
 #: `VBxClustering`'s KMeans: 3 runs from different k-means++ seeds (the lowest inertia kept),
@@ -225,10 +227,13 @@ def vbx_clustering(
     max_clusters: float | None = None,
     parameters: VBxParameters = COMMUNITY_1,
     linker: Linker = HOST,
+    on_initial_clusters: Callable[[int, int], None] | None = None,
 ) -> Clusters:
     """embeddings [windows, speakers, dim], binarized segmentations [windows, frames,
     speakers] -> Clusters, as `VBxClustering.__call__` (module docstring); `linker` computes
-    the initialisation's centroid linkage (linkage.py).
+    the initialisation's centroid linkage (linkage.py); `on_initial_clusters(n, s)` hears the
+    AHC's outcome (n clean pairs in s initial clusters) before the updates that hold
+    VBX_BYTES_PER_PAIR_CLUSTER n s bytes (the server resizes its memory reservation there).
 
     The speaker numbers are the pipeline's (`set_num_speakers`): min defaults to 1, max to
     no limit; unlike the agglomerative clustering they are not clipped to the number of
@@ -253,6 +258,8 @@ def vbx_clustering(
         return one_cluster(embeddings, train)  # no clustering
 
     initial = ahc_init(train, parameters.threshold, linker)
+    if on_initial_clusters is not None:
+        on_initial_clusters(len(initial), int(initial.max()) + 1)
     gamma, priors = vbx_responsibilities(
         initial, plda.transform(train), plda.phi, Fa=parameters.Fa, Fb=parameters.Fb
     )

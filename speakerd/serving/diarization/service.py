@@ -83,8 +83,10 @@ class DiarizationService:
     (`--clustering-memory-mb`), waiting in arrival order up to its deadline while still
     holding its recording's reservation (so what it keeps is always counted; no deadlock: a
     call holding clustering room never waits for anything), then gives the recording's back.
-    A recording whose clustering needs more than the whole budget is INVALID_ARGUMENT naming
-    `recording`."""
+    VBx resizes that room once its AHC cut gives s initial clusters (its updates hold 112 n s
+    bytes): it shrinks, or grows where the budget has the bytes free now, or else gives the
+    room back and waits in line for the whole of it, holding nothing meanwhile. A recording
+    whose clustering needs more than the whole budget is INVALID_ARGUMENT naming `recording`."""
 
     def __init__(
         self,
@@ -139,25 +141,31 @@ class DiarizationService:
                 assert last is not None, "a recording has at least one window"
                 segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
                 del rows
-                room = await self._clustering_room(segmentations, embeddings, options.vbx, context)
+                room = Room(self, segmentations, embeddings, context)
+                await room.reserve(0)
             finally:
                 for reservation in held:  # the recording's: what it keeps is in `room` now
                     reservation.release()
             step_s = header.recording.step_s or DEFAULT_STEP_S
+
+            loop = asyncio.get_running_loop()
+
+            def initial_clusters(pairs: int, clusters: int) -> None:  # on the clustering thread
+                asyncio.run_coroutine_threadsafe(room.reserve(clusters), loop).result()
 
             def cluster() -> Diarization:
                 return diarize(
                     segmentations, embeddings, step_s, options.num_speakers, options.min_speakers,
                     options.max_speakers, clustering=options.clustering,
                     plda=used[1] if used is not None else None, linker=self.linker,
+                    on_initial_clusters=initial_clusters,
                 )  # fmt: skip
 
             started = time.perf_counter()
             try:
-                result = await asyncio.get_running_loop().run_in_executor(self._pool, cluster)
+                result = await loop.run_in_executor(self._pool, cluster)
             finally:
                 room.release()
-                self._report_clustering(0)
             self.host.metrics.clustering_seconds.observe(time.perf_counter() - started)
             speakers = [
                 pb.DiarizedSpeaker(
@@ -191,28 +199,6 @@ class DiarizationService:
             work,
             lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
         )
-
-    async def _clustering_room(
-        self, segmentations: np.ndarray, embeddings: np.ndarray, vbx: bool, context: grpc.aio.ServicerContext
-    ) -> Reservation:
-        """The clustering budget's room for this recording's clustering (class docstring)."""
-        windows = segmentations.shape[0]
-        pairs = len(clean_speakers(embeddings, segmentations)[0])
-        need = working_bytes(windows, pairs, vbx) + segmentations.nbytes + embeddings.nbytes
-        budget = self.clustering_budget
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
-
-        def too_large() -> InputError:
-            return InputError(
-                "recording",
-                f"{windows} windows with {pairs} clean speaker pairs need {need / 2**20:.0f} MiB to "
-                f"cluster, more than the server's whole clustering budget ({budget.limit_bytes / 2**20:.0f} "
-                "MiB, serve --clustering-memory-mb): send a shorter recording",
-            )
-
-        report = self._report_clustering
-        return await reserve(budget, need, deadline, too_large, "clusterings", "clustering", report)
 
     def _report_clustering(self, waiting: int) -> None:
         metrics = self.host.metrics
@@ -347,6 +333,58 @@ def clustering_parameters(clustering: pb.Clustering) -> AgglomerativeParameters 
     if clustering.min_cluster_size:
         parameters = replace(parameters, min_cluster_size=clustering.min_cluster_size)
     return parameters
+
+
+class Room:
+    """A call's room in the clustering budget (DiarizationService's docstring): reserved for
+    the linkage, then resized for VBx's updates once its initial clusters are known."""
+
+    def __init__(
+        self,
+        service: DiarizationService,
+        segmentations: np.ndarray,
+        embeddings: np.ndarray,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        self.service = service
+        self.windows = segmentations.shape[0]
+        self.pairs = len(clean_speakers(embeddings, segmentations)[0])
+        self.kept = segmentations.nbytes + embeddings.nbytes
+        remaining = context.time_remaining()
+        self.deadline = None if remaining is None else time.monotonic() + remaining
+        self.reservation: Reservation | None = None
+
+    async def reserve(self, initial_clusters: int) -> None:
+        """Hold what the clustering needs with `initial_clusters` (0: before VBx's AHC cut)."""
+        budget = self.service.clustering_budget
+        need = working_bytes(self.windows, self.pairs, initial_clusters) + self.kept
+        held = self.reservation
+        if held is not None and need <= held.nbytes:
+            held.shrink(held.nbytes - need)
+        elif held is None or not held.grow(need - held.nbytes):
+            if held is not None:
+                held.release()  # wait holding nothing: no call holding room waits for more
+            self.reservation = None
+
+            def too_large() -> InputError:
+                clusters = f" in {initial_clusters} initial clusters" if initial_clusters else ""
+                return InputError(
+                    "recording",
+                    f"{self.windows} windows with {self.pairs} clean speaker pairs{clusters} need "
+                    f"{need / 2**20:.0f} MiB to cluster, more than the server's whole clustering budget "
+                    f"({budget.limit_bytes / 2**20:.0f} MiB, serve --clustering-memory-mb): send a shorter "
+                    "recording",
+                )
+
+            report = self.service._report_clustering
+            self.reservation = await reserve(budget, need, self.deadline, too_large, "clusterings",
+                                             "clustering", report)  # fmt: skip
+        self.service._report_clustering(0)
+
+    def release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
+        self.service._report_clustering(0)
 
 
 async def _messages(
