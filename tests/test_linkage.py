@@ -68,6 +68,16 @@ def test_exact_duplicates_and_ties() -> None:
     check("duplicates", points)
 
 
+def test_ties_in_a_merge_long_enough_for_threads() -> None:
+    # above PARALLEL_MIN_LIVE live clusters a merge's update runs in chunks on several
+    # threads; the chunks' nearest candidates must combine to the first minimum
+    rng = np.random.default_rng(13)
+    points = unit(rng.standard_normal((linkage.PARALLEL_MIN_LIVE + 700, 8)))
+    points[1000:1600] = points[200:800]  # 600 rows twice: ties across chunks
+    points[2500:2600] = points[7]
+    check("duplicates, threaded merges", points)
+
+
 def test_grid_rows_have_equal_distances_at_every_height() -> None:
     grid = np.array([[x, y] for x in range(12) for y in range(12)], dtype=np.float64)
     check("grid 12x12", grid)
