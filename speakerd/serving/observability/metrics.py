@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics import MetricWrapperBase
 
 from speakerd.serving.observability.metrics_http import BoundedMetricsServer, serve_metrics
@@ -85,6 +85,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: the CPU a server uses
+        # under load (bench_diarize --concurrent reads it) and its memory beside the bound
+        ProcessCollector(registry=r)
         self.request_duration = Histogram(
             "speakerd_request_duration_seconds",
             "Time from receiving a call (or a stream message) to its answer, by method and gRPC code",
