@@ -131,8 +131,8 @@ def concurrent(args: argparse.Namespace, audio: np.ndarray, rate: int) -> dict[s
     hours = args.concurrent * args.seconds / 3600
     return {
         "kind": "diarize-concurrent", "calls": args.concurrent, "audio_s": args.seconds,
-        "wall_s": round(wall, 4), "call_wall_s": [round(w, 4) for w in walls], "hours_per_s": round(hours / wall, 3),
-        "server_cores": cores,
+        "wall_s": round(wall, 4), "call_wall_s": [round(w, 4) for w in walls],
+        "hours_per_s": round(hours / wall, 3), "server_cores": cores,
     }  # fmt: skip
 
 
