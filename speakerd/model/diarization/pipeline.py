@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from speakerd.model.diarization.clustering import (
     NO_CLUSTER,
     SPEAKER_DIARIZATION_3_1,
     AgglomerativeParameters,
+    Clusters,
     agglomerative_clustering,
 )
 from speakerd.model.diarization.count import SpeakerCount, speaker_count
@@ -115,6 +117,42 @@ def _named(tracks: list[Track], names: dict[int, str]) -> list[Turn]:
     return [Turn(t.start, t.end, names.get(t.column, str(t.column))) for t in tracks]
 
 
+def _cluster(
+    embeddings: np.ndarray,
+    segmentations: np.ndarray,
+    clustering: AgglomerativeParameters | VBxParameters,
+    plda: Plda | None,
+    num_speakers: int | None,
+    min_speakers: int,
+    max_speakers: float,
+    linker: Linker,
+    on_initial_clusters: Callable[[int, int], None] | None,
+) -> Clusters:
+    """The clustering `clustering`'s type picks (diarize's step 3)."""
+    if isinstance(clustering, VBxParameters):
+        assert plda is not None  # diarize checked it, before any work
+        return vbx_clustering(
+            embeddings,
+            segmentations,
+            plda,
+            num_clusters=num_speakers,
+            min_clusters=min_speakers,
+            max_clusters=max_speakers,
+            parameters=clustering,
+            linker=linker,
+            on_initial_clusters=on_initial_clusters,
+        )
+    return agglomerative_clustering(
+        embeddings,
+        segmentations,
+        num_clusters=num_speakers,
+        min_clusters=min_speakers,
+        max_clusters=max_speakers,
+        parameters=clustering,
+        linker=linker,
+    )
+
+
 def diarize(
     segmentations: np.ndarray,
     embeddings: np.ndarray,
@@ -165,55 +203,50 @@ def diarize(
         )
     num_speakers, min_speakers, max_speakers = bind_speakers(num_speakers, min_speakers, max_speakers)
     chunks = windows(step_s, window_s, start_s)
-    count = speaker_count(segmentations, step_s, window_s=window_s, start_s=start_s, frames=frames)
-    if np.nanmax(count.counts, initial=0) == 0:
-        return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0)
+    with ThreadPoolExecutor(1, thread_name_prefix="diarize-beside") as beside:
+        # the speaker count and the clustering need nothing of each other: the count runs
+        # beside the clustering (whose compiled linkage and GPU waits release the
+        # interpreter lock); pyannote counts first and stops there when nobody speaks, so
+        # the clustering's outcome, an error too, is dropped then
+        counting = beside.submit(
+            speaker_count, segmentations, step_s, window_s=window_s, start_s=start_s, frames=frames
+        )
+        try:
+            clusters: Clusters | None = _cluster(
+                embeddings, segmentations, clustering, plda, num_speakers, min_speakers, max_speakers,
+                linker, on_initial_clusters,
+            )  # fmt: skip
+            failure: Exception | None = None
+        except Exception as error:  # raised below unless the recording has no speaker
+            clusters, failure = None, error
+        count = counting.result()
+        if np.nanmax(count.counts, initial=0) == 0:
+            return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0)
+        if failure is not None:
+            raise failure
+        assert clusters is not None
+        found = int(np.max(clusters.hard)) + 1
+        if not min_speakers <= found <= max_speakers:
+            warnings.warn(
+                f"diarize: {found} speakers found, outside the bounds [{min_speakers}, {max_speakers}] "
+                "(too few clean embeddings for more clusters; a lower min_speakers may help)",
+                stacklevel=2,
+            )
 
-    if isinstance(clustering, VBxParameters):
-        assert plda is not None  # checked above, before any work
-        clusters = vbx_clustering(
-            embeddings,
-            segmentations,
-            plda,
-            num_clusters=num_speakers,
-            min_clusters=min_speakers,
-            max_clusters=max_speakers,
-            parameters=clustering,
-            linker=linker,
-            on_initial_clusters=on_initial_clusters,
-        )
-    else:
-        clusters = agglomerative_clustering(
-            embeddings,
-            segmentations,
-            num_clusters=num_speakers,
-            min_clusters=min_speakers,
-            max_clusters=max_speakers,
-            parameters=clustering,
-            linker=linker,
-        )
-    found = int(np.max(clusters.hard)) + 1
-    if not min_speakers <= found <= max_speakers:
-        warnings.warn(
-            f"diarize: {found} speakers found, outside the bounds [{min_speakers}, {max_speakers}] "
-            "(too few clean embeddings for more clusters; a lower min_speakers may help)",
-            stacklevel=2,
-        )
+        capped = np.minimum(count.counts, max_speakers).astype(np.int8)
+        hard = np.array(clusters.hard, dtype=np.int64)
+        hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
+        exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
 
-    capped = np.minimum(count.counts, max_speakers).astype(np.int8)
-    hard = np.array(clusters.hard, dtype=np.int64)
-    hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
-    tracks = binarize(
-        reconstruct(segmentations, hard, SpeakerCount(capped, count.frames), chunks, frames),
-        count.frames,
-        min_duration_off=min_duration_off,
-    )
-    exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
-    exclusive_tracks = binarize(
-        reconstruct(segmentations, hard, SpeakerCount(exclusive, count.frames), chunks, frames),
-        count.frames,
-        min_duration_off=min_duration_off,
-    )
+        def turns_of(counts: np.ndarray) -> list[Track]:
+            frame_counts = SpeakerCount(counts, count.frames)
+            reconstructed = reconstruct(segmentations, hard, frame_counts, chunks, frames)
+            return binarize(reconstructed, count.frames, min_duration_off=min_duration_off)
+
+        # the exclusive diarization beside the full one
+        exclusive_turns = beside.submit(turns_of, exclusive)
+        tracks = turns_of(capped)
+        exclusive_tracks = exclusive_turns.result()
 
     columns = sorted({t.column for t in tracks}, key=str)
     names = {column: f"{SPEAKER_PREFIX}{index:02d}" for index, column in enumerate(columns)}
