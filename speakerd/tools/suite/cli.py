@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--speech", default=None, help="diarize: a speech clip to tile (sample.wav)")
     parser.add_argument(
+        "--plda", default=None, help="diarize: a PLDA directory (xvec_transform.npz, plda.npz): VBx too"
+    )
+    parser.add_argument(
         "--require-gpu", action="store_true", help="a suite skipped for want of a GPU fails the run"
     )
     return parser

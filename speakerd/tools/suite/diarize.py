@@ -4,14 +4,23 @@ turns out, beside the same hour with the client's masks and the clustering's own
 The server serves segmentation-3.0 (`--segmentation`, as the pyannote suite finds it) beside
 the embedding model; the hour is a speech clip (`--speech`: pyannote's sample.wav, 30 s of
 two speakers) tiled as speakerd/pyannote/bench.py tiles it, so segmentation finds speakers
-and the clustering has an hour of clean embeddings to link. Three records:
+and the clustering has an hour of clean embeddings to link. The records:
 
 - the hour's segmentation and embeddings through the server (EmbedRecording with
   `segment`), p50, against the same server embedding the hour under masks the client sends
   (`client load --recording`, the service suite's recording step): what segmenting costs;
-- the hour diarized (Diarize: the same, then clustering, reconstruction and turns), p50;
+- the hour diarized (Diarize: the same, then clustering, reconstruction and turns), p50,
+  against the segmentation and embeddings alone (what the clustering and the rest add);
+  with `--plda DIR` (a PLDA directory) the server gets it and VBx's hour is timed too;
+- 8 hour-long Diarize calls at once: hours diarized per second, and the server's cores;
 - the clustering of that hour on this machine's CPU, step by step (bench_diarize's
-  `clustering` line: how many pairs are linked, and what each step takes).
+  `clustering` line: how many pairs are linked, and what each step takes);
+- the centroid linkage alone (bench_clustering): the hour's own clean rows, and 15,000
+  synthetic rows (3 h of a meeting), with the GPU's distances and with the host's, each
+  checked equal to SciPy's linkage where SciPy ran (the hour) or to each other (3 h).
+
+Budget: a fresh H100's server start took 138-185 s (cuDNN's graphs built, not yet cached),
+the steps after it about 150 s.
 """
 
 from __future__ import annotations
@@ -24,6 +33,11 @@ from speakerd.tools.suite.record import anchor, figure
 from speakerd.tools.suite.run import Context, json_lines, shown
 from speakerd.tools.suite.service import RECORDING_LOAD
 from speakerd.tools.suite.steps import HOUR_S, load, serving_math
+
+#: Hour-long Diarize calls sent at once for the throughput record.
+CONCURRENT_HOURS = 8
+#: Clean rows of a 3 h meeting (bench_clustering's synthetic rows).
+THREE_HOURS_ROWS = 15000
 
 #: Where the speech clip is looked for when --speech is not given: a copy of pyannote.audio's
 #: sample/sample.wav beside the checkpoint (a device machine has no pyannote.audio), then
@@ -53,11 +67,17 @@ def diarize(ctx: Context) -> None:
     math = serving_math(ctx)
     saved = ctx.out / "diarize-hour.npz"
     serve = ["--engine", "gpu", "--math", math, "--segmentation-model", str(checkpoint)]
+    plda = ctx.options.plda
+    if plda:
+        serve += ["--plda", str(plda)]
     with ctx.server("diarize", serve) as server:
         masked = load(ctx, "load-recording", server, RECORDING_LOAD.split(), 80)
-        flags = f"--target {server['target']} --audio {speech} --seconds {HOUR_S} --runs 3 --save {saved}"
+        flags = (
+            f"--target {server['target']} --audio {speech} --seconds {HOUR_S} --runs 3 --save {saved} "
+            f"--concurrent {CONCURRENT_HOURS} --metrics {server['metrics_url']}" + (" --vbx" if plda else "")
+        )
         argv = ctx.python("-m", "speakerd.tools.bench_diarize", *flags.split())
-        done = ctx.run("bench-diarize", argv, 120)
+        done = ctx.run("bench-diarize", argv, 180)
     lines = {row["kind"]: row for row in json_lines(done.stdout)}
     command = shown(argv)
     segment = figure(lines["segment"]["p50_s"], "s", "lower")
@@ -70,7 +90,37 @@ def diarize(ctx: Context) -> None:
     ctx.record(f"hour segmentation and embeddings {math} through the server, p50", command, segment,
                anchors, detail, bool(masked.get("ok")), headline=True)  # fmt: skip
     turns = figure(lines["diarize"]["p50_s"], "s", "lower")
+    name = "the same server's segmentation and embeddings of the hour, p50 (all Diarize adds is after it)"
     ctx.record(f"hour diarization {math} through the server, p50", command, turns,
+               [anchor(name, segment["value"], "s", "lower", turns, command)],
                detail={**lines["diarize"], "server": server["command"]}, headline=True)  # fmt: skip
+    if "diarize-vbx" in lines:
+        vbx = figure(lines["diarize-vbx"]["p50_s"], "s", "lower")
+        ctx.record(f"hour diarization {math} through the server, clustering.method vbx, p50", command,
+                   vbx, detail={**lines["diarize-vbx"], "server": server["command"]})  # fmt: skip
+    at_once = lines["diarize-concurrent"]
+    throughput = figure(at_once["hours_per_s"], "hours/s", "higher")
+    ctx.record(f"{CONCURRENT_HOURS} hour-long Diarize calls at once, hours diarized per second", command,
+               throughput, detail=at_once, headline=True)  # fmt: skip
     steps = lines["clustering"]
     ctx.record("hour clustering on the CPU", command, figure(steps["diarize_s"], "s", "lower"), detail=steps)
+    linkage_alone(ctx, saved)
+
+
+def linkage_alone(ctx: Context, saved: Path) -> None:
+    """bench_clustering on the hour's own clean rows (SciPy too) and on 3 h's worth."""
+    for rows, flags in (("hour", f"--rows-file {saved}"), ("3 h", f"--rows {THREE_HOURS_ROWS} --repeat 2")):
+        argv = ctx.python("-m", "speakerd.tools.bench_clustering", *flags.split())
+        done = ctx.run(f"bench-clustering-{rows.replace(' ', '')}", argv, 90)
+        line = json_lines(done.stdout)[-1]
+        seconds = line["seconds"]
+        fastest = "gpu" if "gpu" in seconds else "host"
+        anchors = []
+        if "scipy" in seconds:
+            anchors.append(anchor("SciPy's linkage (pdist and fast_linkage, one core), the reference",
+                                  seconds["scipy"], "s", "lower", figure(seconds[fastest], "s", "lower"),
+                                  shown(argv)))  # fmt: skip
+        equal = all(value is True or value == "reference" for value in line["equal"].values())
+        ctx.record(f"centroid linkage of the {rows}'s {line['rows']} clean rows, {fastest} distances",
+                   shown(argv), figure(seconds[fastest], "s", "lower"), anchors, line, equal,
+                   headline=True)  # fmt: skip

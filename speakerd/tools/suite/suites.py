@@ -72,8 +72,9 @@ SUITES: dict[str, Suite] = {
         Suite(
             "diarize",
             "an hour of speech through a server that segments: segmentation and embeddings, and "
-            "Diarize, against the same hour under the client's masks; the clustering's steps",
-            240,
+            "Diarize (and with --plda VBx's), against the same hour under the client's masks; 8 hours "
+            "at once; the clustering's steps; the linkage alone at the hour's rows and at 3 h's",
+            480,
             diarize,
         ),
         Suite(
