@@ -52,10 +52,11 @@ from speakerd.model.diarization.vbx import VBX_BYTES_PER_PAIR_CLUSTER, VBxParame
 SPEAKER_PREFIX = "SPEAKER_"
 #: The exclusive diarization keeps at most this many speakers per frame.
 EXCLUSIVE_SPEAKERS = 1
-#: Bytes `diarize` holds per window above its inputs, the linkage aside: the speaker count,
-#: the clean-pair filter and the aggregated and reconstructed frames (measured peak RSS with
-#: nothing to link: 17.8 KB a window over 3,600 and 4,000 windows, 16.0 KB over 10,800),
-#: rounded up with a margin for other allocators.
+#: Bytes `diarize` holds per window above its inputs, the linkage aside: the speaker count
+#: (made beside the clustering), the clean-pair filter and the aggregated and reconstructed
+#: frames (measured peak RSS with nothing to link: 21.0 KB a window over 4,000 windows; with
+#: the count made before the clustering, as pyannote orders them, it was 17.8 KB over 3,600
+#: and 4,000 windows, 16.0 KB over 10,800), rounded up with a margin for other allocators.
 DIARIZE_BYTES_PER_WINDOW = 24_000
 
 
@@ -243,10 +244,10 @@ def diarize(
             reconstructed = reconstruct(segmentations, hard, frame_counts, chunks, frames)
             return binarize(reconstructed, count.frames, min_duration_off=min_duration_off)
 
-        # the exclusive diarization beside the full one
-        exclusive_turns = beside.submit(turns_of, exclusive)
+        # one after the other: side by side, their frame arrays would add 12 KB a window to
+        # the peak (DIARIZE_BYTES_PER_WINDOW) for a few hundredths of a second
         tracks = turns_of(capped)
-        exclusive_tracks = exclusive_turns.result()
+        exclusive_tracks = turns_of(exclusive)
 
     columns = sorted({t.column for t in tracks}, key=str)
     names = {column: f"{SPEAKER_PREFIX}{index:02d}" for index, column in enumerate(columns)}
