@@ -130,18 +130,21 @@ class DiarizationService:
             if not header.HasField("recording"):
                 raise InputError("recording", "missing; the recording's sample rate, channels and encoding")
             rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
-            last, held = None, []
+            last, held, pairs = None, [], 0
             try:
                 async for response in self.recordings.windows(
                     _messages(header.recording, rest), context, kept_row_bytes=KEPT_ROW_BYTES, held=held
                 ):
                     rows[0].append(from_tensor(response.segmentation, "segmentation"))
                     rows[1].append(from_tensor(response.embeddings, "embeddings"))
+                    # the clean pairs the clustering will link, counted as the windows come
+                    # (pyannote's filter is per window): nothing of it is left for the end
+                    pairs += len(clean_speakers(rows[1][-1], rows[0][-1])[0])
                     last = response
                 assert last is not None, "a recording has at least one window"
                 segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
                 del rows
-                room = Room(self, segmentations, embeddings, context)
+                room = Room(self, segmentations, embeddings, pairs, context)
                 await room.reserve(0)
             finally:
                 for reservation in held:  # the recording's: what it keeps is in `room` now
@@ -344,11 +347,12 @@ class Room:
         service: DiarizationService,
         segmentations: np.ndarray,
         embeddings: np.ndarray,
+        pairs: int,
         context: grpc.aio.ServicerContext,
     ) -> None:
         self.service = service
         self.windows = segmentations.shape[0]
-        self.pairs = len(clean_speakers(embeddings, segmentations)[0])
+        self.pairs = pairs  # clean (window, speaker) pairs: clustering.clean_speakers
         self.kept = segmentations.nbytes + embeddings.nbytes
         remaining = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
