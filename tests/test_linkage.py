@@ -14,6 +14,8 @@ The GPU's distances are tests/test_gpu_distances.py's.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from scipy.cluster.hierarchy import linkage as scipy_linkage
@@ -141,3 +143,13 @@ def test_the_check_case_proves_the_port_here() -> None:
     assert linkage.proven_equal_to_scipy()
     with pytest.raises(ValueError, match="implementation"):
         linkage.Linker("fastcluster")
+
+
+def test_two_threads_link_at_once() -> None:
+    # the server clusters two recordings at once; numba's parallel regions must allow it
+    # (TBB, OpenMP) or take turns (its workqueue layer)
+    inputs = [synthetic_rows(linkage.PARALLEL_MIN_LIVE + 300, speakers=3, seed=seed) for seed in (21, 22)]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(linkage.centroid_linkage, inputs))
+    for points, ours in zip(inputs, results, strict=True):
+        assert np.array_equal(ours, scipy_linkage(points, method="centroid", metric="euclidean"))

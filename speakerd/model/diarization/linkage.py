@@ -36,6 +36,7 @@ with ties and duplicates both ways once per process, and callers keep SciPy when
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -71,6 +72,9 @@ _PARALLEL_FUNCTIONS = ("_pdist_square", "_update_parallel", "_all_finite")
 prange = range
 _compile_lock = threading.Lock()
 _compiled = False
+#: Held around the compiled calls when numba's threading layer cannot run parallel regions
+#: from several threads at once (`_compile`); else no lock.
+_parallel_turns: contextlib.AbstractContextManager = contextlib.nullcontext()
 
 
 def _compile() -> None:
@@ -92,6 +96,13 @@ def _compile() -> None:
                 cache=True, nogil=True, error_model="numpy", parallel=name in _PARALLEL_FUNCTIONS
             )(names[name])
         prange = numba.prange
+        # numba's threading layer is chosen at the first parallel region: TBB or OpenMP take
+        # regions from several threads at once (the server's two clustering threads); its
+        # own "workqueue" layer does not, and then the compiled calls take turns
+        _all_finite(np.zeros((2, 2)))
+        if numba.threading_layer() == "workqueue":
+            global _parallel_turns
+            _parallel_turns = threading.Lock()
         _compiled = True
 
 
@@ -162,7 +173,8 @@ def pdist_square(points: np.ndarray) -> np.ndarray:
         raise ValueError(f"points: expected [rows, dim], got shape {points.shape}")
     out = np.empty((points.shape[0], points.shape[0]), dtype=np.float64)
     _compile()
-    _pdist_square(points, np.ascontiguousarray(points.T), out)
+    with _parallel_turns:
+        _pdist_square(points, np.ascontiguousarray(points.T), out)
     return out
 
 
@@ -455,10 +467,14 @@ def linkage_from_square(distances: np.ndarray) -> np.ndarray:
     if n < 2:
         raise ValueError(f"points: at least 2 rows are needed for a linkage, got {n}")
     _compile()
-    if not _all_finite(distances):
+    with _parallel_turns:
+        finite = _all_finite(distances)
+    if not finite:
         raise ValueError("The condensed distance matrix must contain only finite values.")
     Z = np.empty((n - 1, 4))
-    if _fast_linkage(distances, Z) != 0:
+    with _parallel_turns:
+        failed = _fast_linkage(distances, Z) != 0
+    if failed:
         raise ValueError(
             "find_min_dist cannot find any neighbors closer than inf away. "
             "Check that distances contain no negative/infinite/NaN entries. "
