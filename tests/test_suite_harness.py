@@ -17,9 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from speakerd.tools.suite import record as schema
+from speakerd.tools.suite.diarize import linkage_alone
 from speakerd.tools.suite.engine import engine_records
 from speakerd.tools.suite.pyannote import pyannote_records
 from speakerd.tools.suite.run import Context, StepFailed
@@ -327,3 +329,21 @@ def test_service_suite_serves_verifies_and_loads_on_the_cpu_engine(tmp_path, ref
     summary = [line for line in done.stdout.splitlines() if line.startswith("service: 2 records in ")]
     assert len(summary) == 1 and f"verify fp32 {cases} cases within parity bounds" in summary[0]
     assert (out / "logs.tgz").is_file() and not (out / "logs").exists()
+
+
+def test_diarize_suite_links_the_hours_rows_and_3_hours_worth_checked_against_scipy(tmp_path):
+    # the diarize suite's last step, on the CPU and on a few rows: one record per size,
+    # `ok` only where every linkage matrix equals the reference, SciPy's the hour's anchor
+    rows = np.random.default_rng(0).standard_normal((300, 256)).astype(np.float32)
+    np.savez(tmp_path / "hour.npz", clean=rows)
+    ctx = Context(
+        "diarize", ENV, argparse.Namespace(), REPO, tmp_path, time.monotonic() + 120, tmp_path / "r.jsonl"
+    )
+    linkage_alone(ctx, tmp_path / "hour.npz", three_hours_rows=400)
+    hour, three_hours = ctx.records
+    assert hour["name"] == "centroid linkage of the hour's 300 clean rows, host distances", hour["name"]
+    assert three_hours["name"] == "centroid linkage of the 3 h's 400 clean rows, host distances"
+    assert hour["ok"] and three_hours["ok"], (hour["detail"]["equal"], three_hours["detail"]["equal"])
+    # SciPy runs up to bench_clustering's SCIPY_MAX_ROWS (6,000): on both here, not on 3 h's 15,000
+    assert all(r["anchors"][0]["name"].startswith("SciPy's linkage") for r in (hour, three_hours))
+    assert not schema.validate(hour) and not schema.validate(three_hours)

@@ -107,9 +107,9 @@ def diarize(ctx: Context) -> None:
     linkage_alone(ctx, saved)
 
 
-def linkage_alone(ctx: Context, saved: Path) -> None:
+def linkage_alone(ctx: Context, saved: Path, three_hours_rows: int = THREE_HOURS_ROWS) -> None:
     """bench_clustering on the hour's own clean rows (SciPy too) and on 3 h's worth."""
-    for rows, flags in (("hour", f"--rows-file {saved}"), ("3 h", f"--rows {THREE_HOURS_ROWS} --repeat 2")):
+    for rows, flags in (("hour", f"--rows-file {saved}"), ("3 h", f"--rows {three_hours_rows} --repeat 2")):
         argv = ctx.python("-m", "speakerd.tools.bench_clustering", *flags.split())
         done = ctx.run(f"bench-clustering-{rows.replace(' ', '')}", argv, 90)
         line = json_lines(done.stdout)[-1]
