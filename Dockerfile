@@ -62,7 +62,9 @@ COPY --from=build /opt/speakerd /opt/speakerd
 COPY --from=build /opt/speakerd-cache /opt/speakerd-cache
 # SPEAKERD_HOST: listen on every interface (the server's own default is loopback only).
 # CUPY_CACHE_DIR: CuPy caches compiled kernels under $HOME by default, which is read-only in
-# the Deployment; /tmp is its writable emptyDir.
+# the Deployment; /tmp is its writable emptyDir. NUMBA_CACHE_DIR: the same for the clustering's
+# compiled linkage (numba caches beside the installed package or under $HOME, both read-only
+# there, and its machine code is for the CPU it runs on, so it is made at the first start).
 # HF_HOME: huggingface_hub's cache for `--model org/name`, and the converted model beside each
 # download, on the /models volume (owned by the server's uid, so a new Docker volume is too).
 ENV VIRTUAL_ENV=/opt/speakerd \
@@ -72,6 +74,7 @@ ENV VIRTUAL_ENV=/opt/speakerd \
     SPEAKERD_METRICS_PORT=9100 \
     SPEAKERD_CACHE=/opt/speakerd-cache \
     CUPY_CACHE_DIR=/tmp/cupy-kernel-cache \
+    NUMBA_CACHE_DIR=/tmp/numba-cache \
     HF_HOME=/models/huggingface \
     HF_HUB_DISABLE_PROGRESS_BARS=1
 # numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd
