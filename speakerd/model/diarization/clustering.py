@@ -22,8 +22,9 @@ with pyannote/speaker-diarization-3.1's hyper-parameters, in the same steps:
    distance), or with `constrained_assignment` by a Hungarian assignment per window so
    that two speakers of a window never share a cluster.
 
-SciPy's `linkage`, `fcluster` and `cdist`, and NumPy's reductions, are called on the same
-dtypes as pyannote calls them, so the clusters (and centroids) are the same bits, ties
+SciPy's `fcluster` and `cdist`, and NumPy's reductions, are called on the same dtypes as
+pyannote calls them, and the centroid linkage is SciPy's `linkage` to the bit (linkage.py's
+compiled port, or SciPy itself), so the clusters (and centroids) are the same bits, ties
 included.
 """
 
@@ -50,11 +51,12 @@ EUCLIDEAN_ONLY_METHODS = ("centroid", "median", "ward")
 #: Below 10 embeddings per wanted cluster, `min_cluster_size` shrinks to 10% of the
 #: embeddings (pyannote's "kind of arbitrary" heuristic for short recordings).
 SMALL_SET_CLUSTER_RATIO = 0.1
-#: Bytes SciPy's `linkage` holds per squared clean pair: the condensed float64 distances
-#: (n(n-1)/2 of them) and the working copy it merges in, so 8 n^2 at its peak (measured peak
-#: RSS over 2,000, 4,000 and 8,000 rows: 2.00x the condensed matrix). The clustering's
-#: largest allocation, quadratic: an hour's clean pairs (up to 3 a window, 10,773) take at
-#: most 0.93 GB, a 3 h recording's (32,373) 8.4 GB.
+#: Bytes the centroid linkage holds per squared clean pair, either way it is computed: the
+#: compiled one's square float64 matrix (linkage.py), or SciPy's condensed float64 distances
+#: (n(n-1)/2 of them) and the working copy it merges in (measured peak RSS over 2,000, 4,000
+#: and 8,000 rows: 2.00x the condensed matrix). The clustering's largest allocation,
+#: quadratic: an hour's clean pairs (up to 3 a window, 10,773) take at most 0.93 GB, a 3 h
+#: recording's (32,373) 8.4 GB.
 LINKAGE_BYTES_PER_PAIR_SQUARED = 8
 
 #: `constrained_argmax`'s and the pipeline's marker for "no cluster" (an inactive speaker).

@@ -18,15 +18,19 @@ does it in two steps, both single-threaded and both quadratic or worse:
 This module does the same operations in the same order, so the linkage matrix is SciPy's to
 the bit (merge order, heights, counts), ties included: the heap, its sift rules (strict
 comparisons), the candidate search's first minimum by index, the re-search loop bounded by
-n - k, the update formula's operation order. What differs is only where values live:
+n - k, the update formula's operation order. What differs is only where values live and
+which threads compute them:
 
-- The distances are the condensed upper triangle, as SciPy's (4 n^2 bytes for n rows, where
-  SciPy holds the condensed matrix twice: `pdist`'s and `fast_linkage`'s working copy).
-- The loops over clusters walk a compact list of the live ones, in index order, instead of
-  all n indices testing each for size 0; the order of every comparison and heap operation is
-  unchanged, so is the result.
-- `pdist` runs on every core given (rows in parallel, each pair's sum still in order), or
-  wherever the caller computes it: `centroid_linkage(distances=...)` takes a condensed
+- The distances are a square float64 matrix (8 n^2 bytes for n rows, as much as SciPy's two
+  condensed copies, `pdist`'s and `fast_linkage`'s), updated in place by rows only: merge k
+  writes the merged cluster's row and marks it with version k, and a pair's current distance
+  is in the row of whichever of the two was merged into last (`_fast_linkage`).
+- The loops over clusters walk a list of the live ones, in index order, instead of all n
+  indices testing each for size 0; SciPy's four loops after a merge are one update, cut into
+  chunks on numba's threads when the live list is long, their effects (heap changes in index
+  order, the first nearest candidate) applied in SciPy's order.
+- `pdist` runs on every core given (tiles of pairs, each pair's sum still in dimension
+  order), or wherever the caller computes it: `centroid_linkage(points, square)` takes a
   matrix made elsewhere (the GPU engine's float64 kernel, engine/gpu/distances.py).
 
 Whether the bits are SciPy's is not assumed: `proven_equal_to_scipy` links a seeded case
@@ -47,12 +51,6 @@ from dataclasses import dataclass
 import numpy as np
 
 log = logging.getLogger(__name__)
-
-#: Bytes the compiled linkage holds per squared row: the condensed float64 distances,
-#: n(n-1)/2 of them, updated in place (the per-cluster arrays are O(n)). SciPy's own
-#: `linkage` holds 8 n^2 (`pdist`'s matrix and `fast_linkage`'s copy).
-CONDENSED_BYTES_PER_ROW_SQUARED = 4
-
 
 def available() -> bool:
     """True when the compiled linkage can run here (numba is installed)."""
