@@ -52,6 +52,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+
 def available() -> bool:
     """True when the compiled linkage can run here (numba is installed)."""
     return importlib.util.find_spec("numba") is not None
