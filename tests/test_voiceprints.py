@@ -14,6 +14,8 @@ import functools
 import re
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -320,6 +322,17 @@ def test_sqlite_voiceprints_survive_a_restart_and_a_sigkill_mid_enrollment(
     first = start_server(weights_path, "--data-dir", str(data))
     with VoiceprintClient(first.target, timeout_s=300) as a:
         kept = a.enroll("kept", voice(21), 16000, step_s=STEP_S).voiceprint
+    # one server per SQLite store: a second on the same directory would never hear of the
+    # first one's enrollments (its index is its own), so it refuses to start, naming the flag
+    second_server = subprocess.run(
+        [sys.executable, "-m", "speakerd", "serve", "--engine", "cpu", "--port", "0", "--metrics-port", "0",
+         "--model", str(weights_path), "--data-dir", str(data)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    refusal = second_server.stderr.strip().splitlines()
+    print(f"\nsecond server on {data}: exit {second_server.returncode}: {refusal[-1] if refusal else ''}")
+    assert second_server.returncode == 2 and len(refusal) == 1, second_server.stderr[-2000:]
+    assert f"--data-dir {data}" in refusal[0] and f"pid {first.process.pid}" in refusal[0], refusal[0]
     assert first.terminate() == 0, first.log()
 
     second = start_server(weights_path, "--data-dir", str(data))  # restarted on the same directory
@@ -344,6 +357,7 @@ def test_sqlite_voiceprints_survive_a_restart_and_a_sigkill_mid_enrollment(
 
     with sqlite3.connect(data / "voiceprints.sqlite3") as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    # the SIGKILLed server's lock went with it: the kernel drops an flock with its holder
     third = start_server(weights_path, "--data-dir", str(data))
     with VoiceprintClient(third.target, timeout_s=300) as a:
         assert [v.speaker_id for v in a.list_voiceprints()] == ["kept"]  # whole, and nothing torn

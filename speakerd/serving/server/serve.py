@@ -82,10 +82,12 @@ from speakerd.serving.observability.metrics import Metrics
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER, ReceiverSpec
 from speakerd.serving.receivers.receivers import ReceiverFailed, ReceiverGroup
 from speakerd.serving.server import config, plda, segmentation
+from speakerd.serving.server import data_dir as data_dir_lock
 from speakerd.serving.server.memory_bound import memory_bound, resident_bytes
 from speakerd.serving.voiceprints.records import StoreUnavailable
 from speakerd.serving.voiceprints.service import VoiceprintService
 from speakerd.serving.voiceprints.service import register as register_voiceprints
+from speakerd.serving.voiceprints.store import SQLITE
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,8 @@ class Prepared:
     segmentation: tuple[ResolvedModel, SegmentationModel] | None = None
     #: --plda, resolved and loaded; None: no PLDA (Diarize's VBx unavailable)
     plda: tuple[ResolvedPlda, Plda] | None = None
+    #: --data-dir, held while this process keeps its SQLite voiceprints there (data_dir.py)
+    data_dir: data_dir_lock.DataDirLock | None = None
 
 
 @dataclass
@@ -194,7 +198,9 @@ def preflight(settings: config.ServeConfig) -> Prepared:
     _check_shared_memory(len(devices or ()), settings.plans[-1], settings.receivers)
     _check_bindable(settings.host, settings.port, "--port")
     _check_bindable(settings.host, settings.metrics_port, "--metrics-port")
-    return Prepared(kind, model, credentials, tokens, devices, resolved, segmentation_model, vbx_plda)
+    # last: nothing after it fails, so a refused start never held the directory
+    held = data_dir_lock.hold(settings.data_dir) if settings.voiceprints == SQLITE else None
+    return Prepared(kind, model, credentials, tokens, devices, resolved, segmentation_model, vbx_plda, held)
 
 
 def _check_shared_memory(devices: int, max_batch: int, receivers: int) -> None:
