@@ -173,8 +173,11 @@ class Context:
         """`speakerd serve FLAGS` on free ports until the block ends; yields its target,
         metrics URL and command. Not SERVING in time (or exited): StepFailed."""
         port, metrics = free_port(), free_port()
+        # a benchmark keeps no voiceprints: no SQLite store, so no --data-dir to hold
+        # (serving/server/data_dir.py) beside a server the machine may run already
+        keep = () if "--voiceprints" in flags else ("--voiceprints", "off")
         argv = self.python(
-            "-m", "speakerd", "serve", "--port", str(port), "--metrics-port", str(metrics), *flags
+            "-m", "speakerd", "serve", "--port", str(port), "--metrics-port", str(metrics), *keep, *flags
         )
         log = self.log_path(f"serve-{name}")
         with log.open("w") as out:
