@@ -57,17 +57,12 @@ class GpuDistances:
         with cupy.cuda.Device(device):
             self._stream = cupy.cuda.Stream(non_blocking=True)
             self._kernel = kernels.module(SOURCE).get_function(KERNEL)
-        self._staging: list[np.ndarray] = []
-        self._staging_buffers()  # made now, so a server counts them in its start-up baseline
+        # two page-locked band buffers, kept (64 MiB of host memory); made here, so a server
+        # counts them in its start-up baseline
+        import cupyx
+
+        self._staging = [cupyx.empty_pinned(BAND_BYTES // 8, dtype=np.float64) for _ in range(2)]
         self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="distances-copy")
-
-    def _staging_buffers(self) -> list[np.ndarray]:
-        """Two page-locked band buffers, made on first use and kept (64 MiB of host memory)."""
-        if not self._staging:
-            import cupyx
-
-            self._staging = [cupyx.empty_pinned(BAND_BYTES // 8, dtype=np.float64) for _ in range(2)]
-        return self._staging
 
     def square(self, points: np.ndarray) -> np.ndarray:
         """points [n, dim] (linked as float64, as SciPy converts them) -> [n, n] float64,
@@ -82,7 +77,7 @@ class GpuDistances:
             return out
         band_rows = max(1, min(n, BAND_BYTES // (8 * n)))
         with self._lock, cupy.cuda.Device(self.device), self._stream:
-            staging = self._staging_buffers()
+            staging = self._staging
             rows = cupy.asarray(points)
             bands = [cupy.empty((band_rows, n), dtype=np.float64) for _ in range(2)]
             copied = [cupy.cuda.Event(), cupy.cuda.Event()]

@@ -352,7 +352,7 @@ class GpuEngine(Engine):
     # ----- reports ----------------------------------------------------------------------
     def pair_distances(self) -> Callable[[np.ndarray], np.ndarray]:
         """The clustering's distances on this engine's device (engine/gpu/distances.py), built
-        on first use: the kernel is compiled then, not at start-up."""
+        on the first call (a server makes it at start-up: serve.py's diarization_linker)."""
         if self._distances is None:
             with self._lock:
                 if self._distances is None:

@@ -237,11 +237,9 @@ def _find_min_dist(S, version, alive, count, position, x):
     as `find_min_dist`; (-1, inf) when none is below inf (where SciPy raises)."""
     current_min = np.inf
     y = -1
-    row = S[x]
-    mine = version[x]
     for p in range(position[x] + 1, count):
         i = alive[p]
-        dist = row[i] if mine >= version[i] else S[i, x]
+        dist = _distance(S, version, x, i)
         if dist < current_min:
             current_min = dist
             y = i
@@ -488,14 +486,9 @@ def centroid_linkage(points: np.ndarray, square: np.ndarray | None = None) -> np
     their square Euclidean distance matrix when the caller computed it elsewhere (the GPU),
     consumed; else `pdist_square` computes it here. Raises ValueError as SciPy does for
     fewer than 2 rows or non-finite values."""
-    points = np.asarray(points)
-    if points.ndim != 2:
-        raise ValueError(f"points: expected [rows, dim], got shape {points.shape}")
-    if points.shape[0] < 2:
-        raise ValueError(f"points: at least 2 rows are needed for a linkage, got {points.shape[0]}")
     if square is None:
-        square = pdist_square(points)
-    return linkage_from_square(square)
+        square = pdist_square(points)  # checks the shape
+    return linkage_from_square(square)  # checks the rows and values
 
 
 #: A seeded case for `proven_equal_to_scipy`: unit rows in 3 tight groups (centroid heights
@@ -586,9 +579,8 @@ class Linker:
             from scipy.cluster.hierarchy import linkage
 
             return linkage(points, method="centroid", metric="euclidean")
-        points = np.asarray(points)
         square = None
-        if self.distances is not None and points.ndim == 2 and points.shape[0] >= 2:
+        if self.distances is not None:
             square = self.distances(points)
         elif self.threads:
             import numba  # compiled by now: `compiled` proved the port

@@ -221,33 +221,33 @@ def diarize(
         except Exception as error:  # raised below unless the recording has no speaker
             clusters, failure = None, error
         count = counting.result()
-        if np.nanmax(count.counts, initial=0) == 0:
-            return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0)
-        if failure is not None:
-            raise failure
-        assert clusters is not None
-        found = int(np.max(clusters.hard)) + 1
-        if not min_speakers <= found <= max_speakers:
-            warnings.warn(
-                f"diarize: {found} speakers found, outside the bounds [{min_speakers}, {max_speakers}] "
-                "(too few clean embeddings for more clusters; a lower min_speakers may help)",
-                stacklevel=2,
-            )
+    if np.nanmax(count.counts, initial=0) == 0:
+        return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0)
+    if failure is not None:
+        raise failure
+    assert clusters is not None
+    found = int(np.max(clusters.hard)) + 1
+    if not min_speakers <= found <= max_speakers:
+        warnings.warn(
+            f"diarize: {found} speakers found, outside the bounds [{min_speakers}, {max_speakers}] "
+            "(too few clean embeddings for more clusters; a lower min_speakers may help)",
+            stacklevel=2,
+        )
 
-        capped = np.minimum(count.counts, max_speakers).astype(np.int8)
-        hard = np.array(clusters.hard, dtype=np.int64)
-        hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
-        exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
+    capped = np.minimum(count.counts, max_speakers).astype(np.int8)
+    hard = np.array(clusters.hard, dtype=np.int64)
+    hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
+    exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
 
-        def turns_of(counts: np.ndarray) -> list[Track]:
-            frame_counts = SpeakerCount(counts, count.frames)
-            reconstructed = reconstruct(segmentations, hard, frame_counts, chunks, frames)
-            return binarize(reconstructed, count.frames, min_duration_off=min_duration_off)
+    def turns_of(counts: np.ndarray) -> list[Track]:
+        frame_counts = SpeakerCount(counts, count.frames)
+        reconstructed = reconstruct(segmentations, hard, frame_counts, chunks, frames)
+        return binarize(reconstructed, count.frames, min_duration_off=min_duration_off)
 
-        # one after the other: side by side, their frame arrays would add 12 KB a window to
-        # the peak (DIARIZE_BYTES_PER_WINDOW) for a few hundredths of a second
-        tracks = turns_of(capped)
-        exclusive_tracks = turns_of(exclusive)
+    # one after the other: side by side, their frame arrays would add 12 KB a window to
+    # the peak (DIARIZE_BYTES_PER_WINDOW) for a few hundredths of a second
+    tracks = turns_of(capped)
+    exclusive_tracks = turns_of(exclusive)
 
     columns = sorted({t.column for t in tracks}, key=str)
     names = {column: f"{SPEAKER_PREFIX}{index:02d}" for index, column in enumerate(columns)}

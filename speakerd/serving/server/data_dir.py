@@ -28,20 +28,10 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "speakerd.lock"
 
 
-class DataDirLock:
-    """The held lock on `directory`; held until `release` or the process ends."""
-
-    def __init__(self, directory: Path, file: IO[str]) -> None:
-        self.directory = directory
-        self._file = file
-
-    def release(self) -> None:
-        self._file.close()  # closing the descriptor releases the flock
-
-
-def hold(directory: Path) -> DataDirLock | None:
-    """Lock `directory` for this server, or UsageError naming --data-dir when another process
-    holds it. None when the lock file cannot be made at all (a read-only directory): the
+def hold(directory: Path) -> IO[str] | None:
+    """Lock `directory` for this server: the open lock file, whose flock lasts while it stays
+    open (keep it for the process's life). UsageError naming --data-dir when another process
+    holds it; None when the lock file cannot be made at all (a read-only directory): the
     store cannot be opened there either, and its calls say so (serve.py's _open_voiceprints)."""
     path = directory / LOCK_FILE
     try:
@@ -66,4 +56,4 @@ def hold(directory: Path) -> DataDirLock | None:
     file.truncate()
     file.write(f"{os.getpid()}\n")
     file.flush()
-    return DataDirLock(directory, file)
+    return file

@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -119,8 +119,9 @@ class Prepared:
     segmentation: tuple[ResolvedModel, SegmentationModel] | None = None
     #: --plda, resolved and loaded; None: no PLDA (Diarize's VBx unavailable)
     plda: tuple[ResolvedPlda, Plda] | None = None
-    #: --data-dir, held while this process keeps its SQLite voiceprints there (data_dir.py)
-    data_dir: data_dir_lock.DataDirLock | None = None
+    #: --data-dir's lock file, held open while this process keeps its SQLite voiceprints
+    #: there (data_dir.py)
+    data_dir: IO[str] | None = None
 
 
 @dataclass
