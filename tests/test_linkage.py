@@ -139,6 +139,12 @@ def test_the_linker_uses_the_distances_it_is_given() -> None:
     assert np.array_equal(ours, scipy_linkage(points, method="centroid", metric="euclidean"))
 
 
+def test_the_servers_linkage_flag_offers_every_implementation() -> None:
+    from speakerd.serving.server.config import LINKAGES
+
+    assert LINKAGES == linkage.IMPLEMENTATIONS
+
+
 def test_the_check_case_proves_the_port_here() -> None:
     assert linkage.proven_equal_to_scipy()
     with pytest.raises(ValueError, match="implementation"):

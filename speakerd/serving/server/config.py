@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speakerd.engine.factory import ENGINE_KINDS
-from speakerd.model.diarization.linkage import IMPLEMENTATIONS
 from speakerd.model.numerics import Math
 from speakerd.model.source import MODEL_ENV, MODEL_HELP, PLDA_HELP, env_model
 from speakerd.serving.memory.recording_budget import (
@@ -56,8 +55,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CONV_KERNELS = ("auto", "cudnn", "blocks")
 #: --linkage: Diarize's centroid linkage compiled (distances on the GPU engine's device, else
 #: the host's cores) or SciPy's own, the reference; both give SciPy's bits
-#: (model/diarization/linkage.py), so scipy is for checking a server against it.
-LINKAGES = IMPLEMENTATIONS
+#: (model/diarization/linkage.py), so scipy is for checking a server against it. Its
+#: IMPLEMENTATIONS, spelled out: importing that package imports SciPy, and the flags load
+#: without it (tests/test_linkage.py checks the two agree).
+LINKAGES = ("compiled", "scipy")
 #: `--devices` value for every device of the engine's kind on this machine.
 ALL_DEVICES = "all"
 #: Most `--receivers`: each is a process with its own shared-memory slots; past a few per
