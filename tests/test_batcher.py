@@ -24,6 +24,7 @@ from speakerd.serving.batching.batcher import (
     DeadlinePassed,
     Draining,
     EngineFailed,
+    QueueFull,
     cheapest_pieces,
     plan_for,
 )
@@ -310,6 +311,41 @@ def test_sixty_requests_expired_in_the_queue_free_it_at_their_deadline() -> None
         await asyncio.gather(*running)
         expired = set().union(*(tags(fbank) for fbank, _ in inputs))
         assert not expired & engine.ran(), "an expired request reached the engine"
+        await batcher.drain(SOON_S)
+
+    run(scenario)
+
+
+def test_a_full_queue_refuses_at_once_unless_the_caller_waits_for_room() -> None:
+    """A full queue is QueueFull at once for a client's EmbedChunks (it retries with
+    backoff); a recording's windows (`wait_for_room`, eight hour-long Diarize calls at once
+    filled a 512-chunk queue) wait until the engine takes queued chunks, then run; one whose
+    deadline passes while the queue stays full fails with DeadlinePassed, leaving the queue
+    as it was."""
+
+    async def scenario() -> None:
+        engine = ArithmeticEngine()
+        batcher, metrics = make(engine, queue_chunks=64)
+        running = await busy(batcher, engine)
+        filling = request(64)
+        queued = asyncio.ensure_future(batcher.submit(*filling))
+        await until(lambda: batcher.queued_chunks == 64, "the queue full")
+        with pytest.raises(QueueFull, match="queue holds 64 of 64 chunks"):
+            await batcher.submit(*request(8))
+        late = request(8)
+        with pytest.raises(DeadlinePassed, match="the queue stayed full"):
+            await batcher.submit(*late, time.monotonic() + 0.2, wait_for_room=True)
+        assert batcher.queued_chunks == 64 and depth(metrics) == 64, (batcher.queued_chunks, depth(metrics))
+        waiting = request(8)
+        waiter = asyncio.ensure_future(batcher.submit(*waiting, wait_for_room=True))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and batcher.queued_chunks == 64, "it should wait while the queue is full"
+        engine.release()
+        np.testing.assert_allclose((await waiter).embeddings, arithmetic_embeddings(*waiting), rtol=1e-6)
+        np.testing.assert_allclose((await queued).embeddings, arithmetic_embeddings(*filling), rtol=1e-6)
+        await asyncio.gather(*running)
+        assert not tags(late[0]) & engine.ran(), "the late request reached the engine"
+        assert batcher.queued_chunks == 0 and depth(metrics) == 0
         await batcher.drain(SOON_S)
 
     run(scenario)

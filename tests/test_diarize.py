@@ -41,6 +41,7 @@ from speakerd.client.cli import main as cli_main
 from speakerd.client.diarize import DiarizationClient
 from speakerd.client.voiceprints import VoiceprintClient
 from speakerd.pyannote import diarize, models, remote_pipeline
+from speakerd.tools.suite.diarize import server_split
 from tests.serving import serve_module
 from tests.test_bad_inputs import field_violations
 from tests.test_pyannote import SAMPLE_SECONDS, SEGMENTATION
@@ -252,6 +253,11 @@ def test_bench_diarize_times_both_calls_and_the_clustering(server, sample, tmp_p
     assert lines["diarize"]["speakers"] >= 1 and lines["diarize"]["turns"] >= 1, lines
     steps = lines["clustering"]
     assert steps["windows"] == windows and 0 < steps["clean_pairs"] <= steps["pairs"] == 3 * windows, steps
+    # each Diarize ends with the server's line of where its time went; the suite's split of it
+    split = server_split(server.log(), windows, "agglomerative", 1)
+    assert split is not None, f"no Diarize line of {windows} windows in the server's log"
+    assert 0 < split["embeddings"] <= split["total"] and split["clustering"] <= split["total"], split
+    assert server_split(server.log(), windows, "agglomerative", 99) is None
     assert steps["speakers"] == lines["diarize"]["speakers"], steps
     with np.load(saved) as arrays:
         assert arrays["segmentation"].shape == (windows, 589, 3) and arrays["embeddings"].shape == (

@@ -185,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             json.dumps(summary("diarize-vbx", args.seconds, vbx_walls, windows=windows, **turns)), flush=True
         )
+    print(json.dumps(clustering_steps(segmented.segmentation, segmented.embeddings)), flush=True)
     if args.concurrent:
         print(json.dumps(concurrent(args, audio, rate)), flush=True)
-    print(json.dumps(clustering_steps(segmented.segmentation, segmented.embeddings)), flush=True)
     if args.save:
         binary = segmented.segmentation.astype(np.float32)
         windows, speakers = clean_speakers(segmented.embeddings, binary)

@@ -24,10 +24,11 @@ PLDA): the same steps in the same order, so the turns are pyannote's to the bit.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,7 +69,10 @@ class Diarization:
     `exclusive_speaker_diarization` (one speaker at a time); labels: the speakers, sorted;
     centroids [len(labels), dim]: each speaker's mean embedding (`speaker_embeddings`), zero
     for a speaker without a cluster; speech_s: each speaker's speech in `turns`, seconds;
-    clusters: how many clusters the clustering made (may fall outside the speaker bounds).
+    clusters: how many clusters the clustering made (may fall outside the speaker bounds);
+    seconds: where diarize()'s time went, wall seconds of each step ("clustering": the clean
+    pairs' filter, linkage and assignment; "count": the speaker count, beside the clustering;
+    "reconstruction": the turns from both; "total"), for logs and benchmarks.
     """
 
     turns: list[Turn]
@@ -77,6 +81,7 @@ class Diarization:
     centroids: np.ndarray
     speech_s: dict[str, float]
     clusters: int
+    seconds: dict[str, float] = field(default_factory=dict, compare=False)
 
     def rttm(self, uri: str | None, exclusive: bool = False) -> str:
         """The RTTM text pyannote's `write_rttm` writes for these turns."""
@@ -204,14 +209,22 @@ def diarize(
         )
     num_speakers, min_speakers, max_speakers = bind_speakers(num_speakers, min_speakers, max_speakers)
     chunks = windows(step_s, window_s, start_s)
+    started = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    def counted() -> SpeakerCount:
+        began = time.perf_counter()
+        try:
+            return speaker_count(segmentations, step_s, window_s=window_s, start_s=start_s, frames=frames)
+        finally:
+            seconds["count"] = time.perf_counter() - began
+
     with ThreadPoolExecutor(1, thread_name_prefix="diarize-beside") as beside:
         # the speaker count and the clustering need nothing of each other: the count runs
         # beside the clustering (whose compiled linkage and GPU waits release the
         # interpreter lock); pyannote counts first and stops there when nobody speaks, so
         # the clustering's outcome, an error too, is dropped then
-        counting = beside.submit(
-            speaker_count, segmentations, step_s, window_s=window_s, start_s=start_s, frames=frames
-        )
+        counting = beside.submit(counted)
         try:
             clusters: Clusters | None = _cluster(
                 embeddings, segmentations, clustering, plda, num_speakers, min_speakers, max_speakers,
@@ -220,9 +233,11 @@ def diarize(
             failure: Exception | None = None
         except Exception as error:  # raised below unless the recording has no speaker
             clusters, failure = None, error
+        seconds["clustering"] = time.perf_counter() - started
         count = counting.result()
     if np.nanmax(count.counts, initial=0) == 0:
-        return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0)
+        seconds["total"] = time.perf_counter() - started
+        return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0, seconds)
     if failure is not None:
         raise failure
     assert clusters is not None
@@ -246,8 +261,10 @@ def diarize(
 
     # one after the other: side by side, their frame arrays would add 12 KB a window to
     # the peak (DIARIZE_BYTES_PER_WINDOW) for a few hundredths of a second
+    reconstructing = time.perf_counter()
     tracks = turns_of(capped)
     exclusive_tracks = turns_of(exclusive)
+    seconds["reconstruction"] = time.perf_counter() - reconstructing
 
     columns = sorted({t.column for t in tracks}, key=str)
     names = {column: f"{SPEAKER_PREFIX}{index:02d}" for index, column in enumerate(columns)}
@@ -266,4 +283,5 @@ def diarize(
         centroids=centroids[[column_of[label] for label in labels]],
         speech_s={label: speech_seconds(turns, label) for label in labels},
         clusters=found,
+        seconds={**seconds, "total": time.perf_counter() - started},
     )

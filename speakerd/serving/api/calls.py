@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from typing import Protocol, TypeVar
 
 import grpc
@@ -24,6 +25,9 @@ from speakerd.serving.api.request_ids import RequestIdError, check_request_id, f
 from speakerd.serving.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
+#: The request id of the call the current task serves ("" outside one): `served` sets it,
+#: so a call's own log lines name it without passing it through every function.
+CALL_REQUEST_ID: ContextVar[str] = ContextVar("speakerd_call_request_id", default="")
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
 
@@ -78,6 +82,7 @@ async def served(
                 grpc.StatusCode.UNAVAILABLE, "draining", "the server is draining; retry elsewhere"
             )
         request_id = request_id_of(context)
+        CALL_REQUEST_ID.set(request_id)
         response = await work(tenant(context))
         if "request_id" in response.DESCRIPTOR.fields_by_name:  # type: ignore[attr-defined]
             response.request_id = request_id  # type: ignore[attr-defined]

@@ -12,7 +12,9 @@ takes every message as fast as it comes (the audio turns into frames at once, so
 is never paced by the engine: on the H200, with the upload paced, an hour of 16 kHz audio
 sent masks first took 943 ms against 838 ms with the masks last), and the submitter hands
 ready windows to the batcher, at most BATCHES_IN_FLIGHT batches waiting at once so that one
-call cannot crowd the queue. Responses leave in window order as batches finish.
+call cannot crowd the queue; a batch that finds the queue full (many recordings at once)
+waits for room up to the call's deadline rather than failing the recording. Responses leave
+in window order as batches finish.
 
 Silent windows (every speaker mask empty, after `exclude_overlap` when asked) cost no engine
 work: the batcher answers them with the model's empty-mask rows (batcher.py). So that the
@@ -758,7 +760,7 @@ class _Call:
         loop = asyncio.get_running_loop()
         fbank, padded, active = await loop.run_in_executor(self.service.pool, self._prepare, first, masks)
         try:
-            result = await batcher.submit(fbank, padded, self.deadline)
+            result = await batcher.submit(fbank, padded, self.deadline, wait_for_room=True)
         except BatcherError as error:
             raise batcher_rejection(error, f"windows {first}..{first + masks.shape[0] - 1}: ") from error
         count = masks.shape[0]

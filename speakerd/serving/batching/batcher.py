@@ -54,6 +54,7 @@ from speakerd.engine.base import BatchRun, Engine, plan_for
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.numerics import active_frames, resize_masks
 from speakerd.serving.batching.queue import (
+    LATE_MESSAGE,
     Batch,
     BatcherError,
     Cancelled,
@@ -220,6 +221,9 @@ class Batcher:
         self._run_s = {size: ms / 1e3 for size, ms in self._times.items()}
         self._requests: dict[int, _Request] = {}
         self._wakeup = asyncio.Event()
+        #: set (and replaced) at every change of the queue: `submit(wait_for_room=True)`
+        #: callers waiting for chunks to leave retry then, in the order they began waiting
+        self._room = asyncio.Event()
         #: batches in flight: PIPELINE_DEPTH on each device behind the engine
         self._depth = PIPELINE_DEPTH * engine.device_count
         self._slots = asyncio.Semaphore(self._depth)
@@ -240,13 +244,24 @@ class Batcher:
         self._threads = EngineThreads(self._depth, loop)
         self._dispatcher = loop.create_task(self._dispatch(), name="batcher")
 
-    async def submit(self, fbank: np.ndarray, masks: np.ndarray, deadline: float | None = None) -> JobResult:
+    async def submit(
+        self,
+        fbank: np.ndarray,
+        masks: np.ndarray,
+        deadline: float | None = None,
+        wait_for_room: bool = False,
+    ) -> JobResult:
         """Embed fbank [n, 998, 80] f32 with masks [n, 3, F] f32 (validated, speakers padded).
 
         `deadline`: time.monotonic() seconds. Raises QueueFull, DeadlinePassed, Draining or
-        EngineFailed. Cancelling the awaiting task takes the request's chunks that have not
-        reached the engine out of the queue at once. Silent windows (`silent_windows`) are
-        not queued: their rows are the engine's `empty_rows`, written here.
+        EngineFailed. A full queue is QueueFull at once (a client's EmbedChunks: its caller
+        retries with backoff), or with `wait_for_room` a wait until the chunks fit or the
+        deadline passes: a recording's windows, whose call was admitted by the recording
+        budget and holds its frames, wait their turn instead of failing an hour's work
+        because other recordings fill the queue for a moment. Cancelling the awaiting task
+        takes the request's chunks that have not reached the engine out of the queue at once.
+        Silent windows (`silent_windows`) are not queued: their rows are the engine's
+        `empty_rows`, written here.
         """
         loop = asyncio.get_running_loop()
         silent = silent_windows(masks)
@@ -266,7 +281,7 @@ class Batcher:
                 f"deadline {deadline - now:.3f} s away on arrival, less than one plan run ({lead:.3f} s): "
                 "it could not be answered in time"
             )
-        job = self._state.admit(request.chunks, int(masks.shape[-1]), now, deadline)
+        job = await self._admit(request.chunks, int(masks.shape[-1]), deadline, wait_for_room)
         self.metrics.windows_skipped.inc(skipped)
         self._requests[job] = request
         request.future.add_done_callback(lambda _: self._forget(job))
@@ -279,6 +294,25 @@ class Batcher:
             self._apply([self._state.cancel(job)])
             request.future.cancel()
             raise
+
+    async def _admit(self, chunks: int, frames: int, deadline: float | None, wait_for_room: bool) -> int:
+        """The queue's `admit`, retried after each change of the queue while it is full and
+        `wait_for_room`; DeadlinePassed once the deadline is nearer than one plan run."""
+        while True:
+            now = time.monotonic()
+            try:
+                return self._state.admit(chunks, frames, now, deadline)
+            except QueueFull:
+                if not wait_for_room:
+                    raise
+            room = self._room
+            left = None if deadline is None else deadline - self._lead_s() - now
+            if left is not None and left <= 0:
+                raise DeadlinePassed(f"{LATE_MESSAGE} (the queue stayed full)")
+            try:
+                await asyncio.wait_for(room.wait(), left)
+            except TimeoutError:
+                raise DeadlinePassed(f"{LATE_MESSAGE} (the queue stayed full)") from None
 
     async def _silent_rows(self) -> np.ndarray:
         """The engine's `empty_rows`: cached by the engine (the server measures them at
@@ -294,6 +328,8 @@ class Batcher:
     def _changed(self) -> None:
         self.metrics.queue_depth.set(self._state.queued_chunks)
         self._wakeup.set()
+        self._room.set()
+        self._room = asyncio.Event()
 
     def _apply(self, removals: list[Removal | None]) -> None:
         """Tell the callers of removed jobs (their futures) and publish the new depth."""

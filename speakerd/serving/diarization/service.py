@@ -15,6 +15,7 @@ INVALID_ARGUMENT naming the field; a recording without speech is no turns, not a
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -42,7 +43,7 @@ from speakerd.model.diarization.linkage import HOST, Linker
 from speakerd.model.inputs import InputError
 from speakerd.model.source import ResolvedPlda
 from speakerd.model.voiceprint import check_threshold, normalize
-from speakerd.serving.api.calls import header_and_parts, served
+from speakerd.serving.api.calls import CALL_REQUEST_ID, header_and_parts, served
 from speakerd.serving.api.errors import Rejection
 from speakerd.serving.api.recording import DEFAULT_STEP_S, Host, RecordingService, reserve
 from speakerd.serving.memory.recording_budget import RecordingBudget, Reservation
@@ -51,6 +52,7 @@ from speakerd.serving.voiceprints.tenants import tenant_of
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor, to_tensor
 
+log = logging.getLogger(__name__)
 #: The service's name on the wire (speakerd.proto).
 SERVICE_NAME = "speakerd.v1.Diarization"
 #: Threads clustering recordings at once: an hour's 3,591 windows x 3 speakers cluster in
@@ -112,6 +114,7 @@ class DiarizationService:
 
     async def Diarize(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         async def work(tenant: str) -> pb.DiarizeResponse:
+            began = time.perf_counter()
             header, rest = await header_and_parts(requests, pb.DiarizeRequest)
             assert isinstance(header, pb.DiarizeHeader)
             options = diarization_options(header)
@@ -142,6 +145,7 @@ class DiarizationService:
                     pairs += len(clean_speakers(rows[1][-1], rows[0][-1])[0])
                     last = response
                 assert last is not None, "a recording has at least one window"
+                embedded = time.perf_counter()
                 segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
                 del rows
                 room = Room(self, segmentations, embeddings, pairs, context)
@@ -184,6 +188,16 @@ class DiarizationService:
                 names = await self._names(tenant, last.model_id, result, speakers, options.threshold)
             turns = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.turns]
             exclusive = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.exclusive_turns]
+            steps = result.seconds
+            log.info(
+                "Diarize %s: %d windows, %d clean pairs, %s, %d speakers, %d turns in %.3f s: audio "
+                "to embeddings %.3f s, waiting for clustering room %.3f s, clustering %.3f s (speaker "
+                "count %.3f s beside it), reconstruction %.3f s",
+                CALL_REQUEST_ID.get(), last.windows, pairs, VBX if options.vbx else AGGLOMERATIVE,
+                len(speakers), len(turns),
+                time.perf_counter() - began, embedded - began, started - embedded,
+                steps.get("clustering", 0.0), steps.get("count", 0.0), steps.get("reconstruction", 0.0),
+            )  # fmt: skip
             return pb.DiarizeResponse(
                 turns=_turns(turns),
                 exclusive_turns=_turns(exclusive),

@@ -10,7 +10,9 @@ and the clustering has an hour of clean embeddings to link. The records:
   `segment`), p50, against the same server embedding the hour under masks the client sends
   (`client load --recording`, the service suite's recording step): what segmenting costs;
 - the hour diarized (Diarize: the same, then clustering, reconstruction and turns), p50,
-  against the segmentation and embeddings alone (what the clustering and the rest add);
+  against the segmentation and embeddings alone (what the clustering and the rest add),
+  with the server's own split of its calls (`server_split_s`: the medians of the steps its
+  log line gives at the end of each call);
   with `--plda DIR` (a PLDA directory) the server gets it and VBx's hour is timed too;
 - 8 hour-long Diarize calls at once: hours diarized per second, and the server's cores;
 - the clustering of that hour on this machine's CPU, step by step (bench_diarize's
@@ -26,6 +28,8 @@ the steps after it about 150 s.
 from __future__ import annotations
 
 import importlib.util
+import re
+import statistics
 from pathlib import Path
 
 from speakerd.tools.suite.pyannote import segmentation_path
@@ -38,6 +42,28 @@ from speakerd.tools.suite.steps import HOUR_S, load, serving_math
 CONCURRENT_HOURS = 8
 #: Clean rows of a 3 h meeting (bench_clustering's synthetic rows).
 THREE_HOURS_ROWS = 15000
+
+#: The server's line at the end of each Diarize (serving/diarization/service.py): where the
+#: call's time went on the server, step by step.
+CALL_LINE = re.compile(
+    r"Diarize \S*: (?P<windows>\d+) windows, (?P<pairs>\d+) clean pairs, (?P<method>\w+), .* in "
+    r"(?P<total>[\d.]+) s: audio to embeddings (?P<embeddings>[\d.]+) s, waiting for clustering room "
+    r"(?P<waiting>[\d.]+) s, clustering (?P<clustering>[\d.]+) s \(speaker count (?P<count>[\d.]+) s "
+    r"beside it\), reconstruction (?P<reconstruction>[\d.]+) s"
+)
+#: The steps of CALL_LINE, in the order they run.
+CALL_STEPS = ("embeddings", "waiting", "clustering", "count", "reconstruction", "total")
+
+
+def server_split(log: str, windows: int, method: str, calls: int) -> dict[str, float] | None:
+    """The median seconds of each step of the first `calls` Diarize calls of `windows` windows
+    clustered by `method` in a server's log (the timed runs come before the concurrent ones);
+    None when it has fewer."""
+    found = [m for m in CALL_LINE.finditer(log) if int(m["windows"]) == windows and m["method"] == method]
+    if len(found) < calls:
+        return None
+    return {step: round(statistics.median(float(m[step]) for m in found[:calls]), 4) for step in CALL_STEPS}
+
 
 #: Where the speech clip is looked for when --speech is not given: a copy of pyannote.audio's
 #: sample/sample.wav beside the checkpoint (a device machine has no pyannote.audio), then
@@ -89,15 +115,21 @@ def diarize(ctx: Context) -> None:
     detail = {**lines["segment"], "masked": masked, "server": server["command"]}
     ctx.record(f"hour segmentation and embeddings {math} through the server, p50", command, segment,
                anchors, detail, bool(masked.get("ok")), headline=True)  # fmt: skip
+    log = Path(server["log"]).read_text()
+    windows, runs = lines["diarize"]["windows"], lines["diarize"]["runs"]
     turns = figure(lines["diarize"]["p50_s"], "s", "lower")
     name = "the same server's segmentation and embeddings of the hour, p50 (all Diarize adds is after it)"
+    split = server_split(log, windows, "agglomerative", runs)
     ctx.record(f"hour diarization {math} through the server, p50", command, turns,
                [anchor(name, segment["value"], "s", "lower", turns, command)],
-               detail={**lines["diarize"], "server": server["command"]}, headline=True)  # fmt: skip
+               detail={**lines["diarize"], "server_split_s": split, "server": server["command"]},
+               headline=True)  # fmt: skip
     if "diarize-vbx" in lines:
         vbx = figure(lines["diarize-vbx"]["p50_s"], "s", "lower")
+        split = server_split(log, windows, "vbx", runs)
+        detail = {**lines["diarize-vbx"], "server_split_s": split, "server": server["command"]}
         ctx.record(f"hour diarization {math} through the server, clustering.method vbx, p50", command,
-                   vbx, detail={**lines["diarize-vbx"], "server": server["command"]})  # fmt: skip
+                   vbx, detail=detail)  # fmt: skip
     at_once = lines["diarize-concurrent"]
     throughput = figure(at_once["hours_per_s"], "hours/s", "higher")
     ctx.record(f"{CONCURRENT_HOURS} hour-long Diarize calls at once, hours diarized per second", command,

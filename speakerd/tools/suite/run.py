@@ -196,6 +196,7 @@ class Context:
                 "target": target,
                 "metrics_url": f"http://127.0.0.1:{metrics}/metrics",
                 "command": shown(argv),
+                "log": str(log),
             }
         finally:
             if process.poll() is None:
