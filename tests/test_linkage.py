@@ -159,3 +159,44 @@ def test_two_threads_link_at_once() -> None:
         results = list(pool.map(linkage.centroid_linkage, inputs))
     for points, ours in zip(inputs, results, strict=True):
         assert np.array_equal(ours, scipy_linkage(points, method="centroid", metric="euclidean"))
+
+
+class HostDevice:
+    """A DeviceLinkage that links on this host (the compiled port), counting its calls; with
+    `out_of_memory` every call raises MemoryError, as a GPU without the matrix's room does."""
+
+    def __init__(self, max_rows: int, out_of_memory: bool = False) -> None:
+        self.max_rows = max_rows
+        self.out_of_memory = out_of_memory
+        self.calls: list[int] = []
+
+    def can_implement(self, rows: int) -> bool:
+        return 2 <= rows <= self.max_rows
+
+    def __call__(self, points: np.ndarray) -> np.ndarray:
+        self.calls.append(len(points))
+        if self.out_of_memory:
+            raise MemoryError("the device has no room")
+        return linkage.centroid_linkage(points)
+
+
+def test_the_linker_links_on_its_device_for_the_rows_it_takes(caplog) -> None:
+    points = synthetic_rows(300, speakers=3, seed=4)
+    reference = scipy_linkage(points, method="centroid", metric="euclidean")
+    device = HostDevice(max_rows=300)
+    assert np.array_equal(linkage.Linker(device=device)(points), reference) and device.calls == [300]
+    small = HostDevice(max_rows=299)  # fewer rows than the points: the host links them
+    assert np.array_equal(linkage.Linker(device=small)(points), reference) and small.calls == []
+    scipy = HostDevice(max_rows=300)  # --linkage scipy never uses the device
+    assert (
+        np.array_equal(linkage.Linker(linkage.SCIPY, device=scipy)(points), reference) and scipy.calls == []
+    )
+    full = HostDevice(max_rows=300, out_of_memory=True)
+    with caplog.at_level("WARNING"):
+        assert np.array_equal(linkage.Linker(device=full)(points), reference) and full.calls == [300]
+    assert "the device has no room; linking 300 rows on the host" in caplog.text
+
+
+def test_a_device_is_proven_on_the_check_case() -> None:
+    assert linkage.device_proven(HostDevice(max_rows=linkage.PROOF_ROWS))
+    assert not linkage.device_proven(HostDevice(max_rows=linkage.PROOF_ROWS - 1))

@@ -22,7 +22,7 @@ from speakerd.model.numerics import Math, active_frames, pad_speakers
 from speakerd.model.recording import FbankSource, SharedFrames
 
 if TYPE_CHECKING:  # the clustering's types; importing them would import numba and SciPy
-    from speakerd.model.diarization.linkage import SquareDistances
+    from speakerd.model.diarization.linkage import DeviceLinkage, SquareDistances
 
 
 @runtime_checkable
@@ -212,6 +212,12 @@ class Engine(abc.ABC):
     def pair_distances(self) -> SquareDistances | None:
         """What computes the clustering's square distance matrices on this engine's device
         (SciPy's pdist bits, model/diarization/linkage.py), or None: the host computes them."""
+        return None
+
+    def centroid_linkage(self) -> DeviceLinkage | None:
+        """What computes the clustering's whole centroid linkage on this engine's device
+        (SciPy's bits, model/diarization/linkage.py's DeviceLinkage), or None: the host
+        merges."""
         return None
 
     def waveform_fbank(self, waveform: np.ndarray) -> np.ndarray | DeviceFbank:

@@ -1,6 +1,7 @@
 """`python -m speakerd.tools.bench_clustering`: the clustering's centroid linkage alone, timed
 for an hour's and a 3 h recording's clean pairs, SciPy against the compiled port on the
-host's cores and, where a GPU is, with the distances computed there.
+host's cores and, where a GPU is, with the distances computed there (`gpu`) and wholly on
+the device (`device`: engine/gpu/linkage.py).
 
 The rows are what `Diarize` links: unit vectors of 256 dimensions, one per clean (window,
 speaker) pair, `--rows` of them (an hour of two-speaker speech tiled from pyannote's
@@ -62,18 +63,14 @@ def timed(function: Callable[[], np.ndarray], repeat: int) -> tuple[float, np.nd
     return best, result
 
 
-def gpu_distances() -> linkage.SquareDistances | None:
-    """The GPU engine's distances on device 0, or None without CuPy or a device."""
+def has_gpu() -> bool:
+    """True where CuPy sees a device (no CuPy, no driver: a CPU machine)."""
     try:
         import cupy
 
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None
-    except Exception:  # no CuPy, no driver: a CPU machine
-        return None
-    from speakerd.engine.gpu.distances import GpuDistances
-
-    return GpuDistances(0).square
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
 
 
 def bench(points: np.ndarray, repeat: int, scipy_max_rows: int) -> dict:
@@ -98,19 +95,26 @@ def bench(points: np.ndarray, repeat: int, scipy_max_rows: int) -> dict:
         return linkage.linkage_from_square(distances)
 
     variants["host"] = host
-    device = gpu_distances()
-    if device is not None:
+    if has_gpu():
+        from speakerd.engine.gpu.distances import GpuDistances
+        from speakerd.engine.gpu.linkage import GpuLinkage
+
+        device_distances = GpuDistances(0).square
 
         def gpu() -> np.ndarray:
             started = time.perf_counter()
-            distances = device(points)
+            distances = device_distances(points)
             square["gpu"] = time.perf_counter() - started
             return linkage.linkage_from_square(distances)
 
         variants["gpu"] = gpu
+        on_device = GpuLinkage(0)
+        if on_device.can_implement(n):
+            variants["device"] = lambda: on_device(points)
     for name, function in variants.items():
         record["seconds"][name], result = timed(function, repeat)
-        record["seconds"][f"{name}_distances"] = square[name]
+        if name in square:
+            record["seconds"][f"{name}_distances"] = square[name]
         if reference is None:
             reference = result
             record["equal"][name] = "reference"

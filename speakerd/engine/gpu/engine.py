@@ -91,6 +91,7 @@ class GpuEngine(Engine):
         self._lock = threading.RLock()
         self._fallbacks_logged = False
         self._distances = None  # GpuDistances, made by pair_distances
+        self._linkage = None  # GpuLinkage, made by centroid_linkage
         self._last_active: dict[int, np.ndarray] = {}  # plan batch -> the last run's active frames
         #: the event where the last batch enqueued ends (BatchRun.gap_s): one per batch, never
         #: recorded again, so reading it later cannot race with a newer batch (a slot's own
@@ -360,6 +361,17 @@ class GpuEngine(Engine):
 
                     self._distances = GpuDistances(self.device)
         return self._distances.square
+
+    def centroid_linkage(self):  # -> GpuLinkage
+        """The clustering's whole centroid linkage on this engine's device
+        (engine/gpu/linkage.py), built on the first call (a server makes it at start-up)."""
+        if self._linkage is None:
+            with self._lock:
+                if self._linkage is None:
+                    from speakerd.engine.gpu.linkage import GpuLinkage
+
+                    self._linkage = GpuLinkage(self.device)
+        return self._linkage
 
     def waveform_fbank(self, waveform: np.ndarray) -> WaveformRows:
         """Waveform rows whose fbank the GPU computes when their batch is staged (waveform.py)."""

@@ -32,6 +32,8 @@ which threads compute them:
 - `pdist` runs on every core given (tiles of pairs, each pair's sum still in dimension
   order), or wherever the caller computes it: `centroid_linkage(points, square)` takes a
   matrix made elsewhere (the GPU engine's float64 kernel, engine/gpu/distances.py).
+- On a GPU server the whole linkage runs on the device (`Linker.device`: the GPU engine's
+  engine/gpu/linkage.py, this loop ported to one CUDA block), where the rows fit it.
 
 Whether the bits are SciPy's is not assumed: `proven_equal_to_scipy` links a seeded case
 with ties and duplicates both ways once per process, and callers keep SciPy when it differs
@@ -47,6 +49,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -544,6 +547,39 @@ def proven_equal_to_scipy() -> bool:
 #: points [n, dim] -> their square float64 Euclidean distance matrix [n, n], SciPy's bits
 #: (pdist_square here, or the GPU engine's engine/gpu/distances.py).
 SquareDistances = Callable[[np.ndarray], np.ndarray]
+
+
+class DeviceLinkage(Protocol):
+    """The whole linkage on a device (the GPU engine's engine/gpu/linkage.py): points [n, dim]
+    -> SciPy's linkage matrix, for the row counts `can_implement` accepts; MemoryError when
+    the device has not the memory for a call (the caller links on the host instead)."""
+
+    #: the most rows one call takes
+    max_rows: int
+
+    def can_implement(self, rows: int) -> bool: ...
+
+    def __call__(self, points: np.ndarray) -> np.ndarray: ...
+
+
+def device_proven(device: DeviceLinkage) -> bool:
+    """True when `device` gives SciPy's linkage matrix to the bit on the seeded check case
+    (`proof_points`, as the compiled port is checked); a server uses it only then."""
+    from scipy.cluster.hierarchy import linkage
+
+    points = proof_points()
+    if not device.can_implement(points.shape[0]):
+        return False
+    ours = device(points)
+    scipy = linkage(points, method="centroid", metric="euclidean")
+    if np.array_equal(ours, scipy):
+        return True
+    differ = int(np.sum(np.any(ours != scipy, axis=1)))
+    log.warning("clustering: the device's centroid linkage differs from SciPy's on the check case "
+                "(%d of %d merges); linking on the host instead", differ, len(scipy))  # fmt: skip
+    return False
+
+
 #: `Linker.implementation` values: this module's port, or SciPy's own `linkage` (the reference,
 #: `serve --linkage scipy` to check a server against it).
 COMPILED = "compiled"
@@ -562,6 +598,9 @@ class Linker:
     #: host threads of `pdist_square` (the CPU engine's --cpu-threads); None: numba's default,
     #: every core. Unused when `distances` is given.
     threads: int | None = None
+    #: the whole linkage on a device, proven equal to SciPy (`device_proven`): used for the
+    #: row counts it can implement, the host's port for the others
+    device: DeviceLinkage | None = None
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
@@ -575,6 +614,12 @@ class Linker:
         return self.implementation == COMPILED and proven_equal_to_scipy()
 
     def __call__(self, points: np.ndarray) -> np.ndarray:
+        device = self.device if self.implementation == COMPILED else None
+        if device is not None and device.can_implement(len(points)):
+            try:
+                return device(points)
+            except MemoryError as error:
+                log.warning("clustering: %s; linking %d rows on the host", error, len(points))
         if not self.compiled:
             from scipy.cluster.hierarchy import linkage
 

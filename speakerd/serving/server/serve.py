@@ -362,13 +362,20 @@ def plan_times_text(times: dict[int, float], engine_kind: str) -> str:
 
 
 def diarization_linker(implementation: str, engine: Engine) -> linkage.Linker:
-    """Diarize's centroid linkage (--linkage): compiled, its distances on the engine's device
-    when it has one (Engine.pair_distances) or on the CPU engine's threads; or SciPy's. Waits
-    for the compiled port's check against SciPy and says in one line what it will use."""
+    """Diarize's centroid linkage (--linkage): compiled, on the engine's device when it has
+    one (Engine.centroid_linkage, up to the rows it takes; beyond them the host merges, its
+    distances from Engine.pair_distances) or on the CPU engine's threads; or SciPy's. Waits
+    for the checks against SciPy and says in one line what it will use."""
     if implementation == linkage.SCIPY:
         log.info("clustering: centroid linkage by SciPy (--linkage scipy)")
         return linkage.Linker(linkage.SCIPY)
-    chosen = linkage.Linker(implementation, engine.pair_distances(), engine.threads)
+    device = engine.centroid_linkage()
+    if device is not None and linkage.device_proven(device):
+        log.info("clustering: centroid linkage on %s up to %d rows, checked equal to SciPy's",
+                 engine.name, device.max_rows)  # fmt: skip
+    else:
+        device = None
+    chosen = linkage.Linker(implementation, engine.pair_distances(), engine.threads, device)
     if chosen.compiled:
         where = f"distances on {engine.name}" if chosen.distances is not None else "distances on the host"
         log.info("clustering: centroid linkage compiled, checked equal to SciPy's (%s)", where)
