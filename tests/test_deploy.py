@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import json
 import re
@@ -27,13 +28,14 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.utils import floatToGoString
 
 from speakerd.model.source import REPO_ID
 from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE
 from speakerd.serving.devices.shared_slots import SlotLayout
 from speakerd.serving.observability.metrics import METRIC_NAMES, Metrics
 from speakerd.serving.server import config
-from speakerd.serving.server.serve import STOP_GRACE_S
+from speakerd.serving.server.serve import STOP_GRACE_S, Prepared, SpeakerServer
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -55,17 +57,41 @@ EXTRA_ENV = {"SPEAKERD_CACHE", "CUPY_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE"}
 PROMETHEUS_TARGET_LABELS = {"job", "instance"}
 #: The alert fires at this fraction of SPEAKERD_QUEUE_CHUNKS (see its comment in alerts.yml).
 QUEUE_ALERT_FRACTION = 0.8
-#: Metrics the dashboard must chart (issue 5: latency percentiles, chunks/s, batch fill,
-#: queue depth, GPU memory).
+#: Metrics the dashboard must chart: latency percentiles, chunks/s, batch fill, queue depth,
+#: GPU memory; Diarize's segmentation and clustering times, and the clustering budget (bytes
+#: held against the limit, calls waiting for room).
 DASHBOARD_MUST_CHART = (
     "speakerd_request_duration_seconds_bucket",
     "speakerd_chunks_embedded_total",
     "speakerd_batch_fill_ratio_sum",
     "speakerd_queue_depth_chunks",
     "speakerd_gpu_memory_bytes",
+    "speakerd_segmentation_compute_seconds_bucket",
+    "speakerd_clustering_seconds_bucket",
+    "speakerd_clustering_bytes_held",
+    "speakerd_clustering_bytes_limit",
+    "speakerd_clusterings_waiting",
 )
+#: Alert -> the series its rule must read: an alert renamed or rewritten to read something
+#: else fails here rather than silently dropping its watch.
+ALERTS_MUST_WATCH = {
+    "SpeakerdP99LatencyHigh": ("speakerd_request_duration_seconds_bucket",),
+    "SpeakerdDiarizeP95LatencyHigh": (
+        "speakerd_request_duration_seconds_bucket",
+        "speakerd_request_duration_seconds_count",
+    ),
+    "SpeakerdSegmentationSlow": ("speakerd_segmentation_compute_seconds_bucket",),
+    "SpeakerdClusteringSlow": ("speakerd_clustering_seconds_bucket",),
+    "SpeakerdClusteringsWaiting": ("speakerd_clusterings_waiting",),
+    "SpeakerdClusteringBudgetNearlyFull": (
+        "speakerd_clustering_bytes_held",
+        "speakerd_clustering_bytes_limit",
+    ),
+}
 SERIES_SELECTOR = re.compile(r"\b(speakerd_[a-z0-9_]+)\s*(\{[^}]*\})?")
 LABEL_MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*[\"']")
+BUCKET_BOUND = re.compile(r"\ble\s*=\s*\"([^\"]*)\"")
+QUANTILE_THRESHOLD = re.compile(r"\)\s*>\s*([0-9.eE+-]+)\s*$")
 GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 
 
@@ -517,6 +543,92 @@ def test_dashboard_charts_what_operators_need() -> None:
             f"histogram_quantile({quantile}, sum by (le) (rate(speakerd_request_duration_seconds_bucket"
             in queries
         )
+    diarize = [
+        query
+        for query in dashboard_queries()
+        if "speakerd_request_duration_seconds_bucket" in query and 'method="Diarize"' in query
+    ]
+    assert any(query.startswith("histogram_quantile(0.95,") for query in diarize), (
+        f"the dashboard charts no Diarize p95 latency: {diarize}"
+    )
+
+
+def test_alerts_watch_what_operators_need() -> None:
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    for alert, names in ALERTS_MUST_WATCH.items():
+        assert alert in rules, f"no alert {alert}; alerts.yml has {sorted(rules)}"
+        read = {name for name, _ in SERIES_SELECTOR.findall(rules[alert]["expr"])}
+        assert set(names) <= read, f"{alert} reads {sorted(read)}, expected {names} among them"
+        for key in ("summary", "description"):
+            assert rules[alert]["annotations"].get(key), f"{alert} has no {key}"
+    diarize = rules["SpeakerdDiarizeP95LatencyHigh"]["expr"]
+    assert 'method="Diarize"' in diarize, diarize
+
+
+def histogram_bounds() -> dict[str, list[str]]:
+    """Each histogram's _bucket series -> its `le` values as the server writes them ("10.0")."""
+    return {
+        name + "_bucket": [floatToGoString(bound) for bound in metric._upper_bounds]
+        for name, metric in _metric_objects().items()
+        if metric._type == "histogram"
+    }
+
+
+def test_every_queried_bucket_bound_is_exported() -> None:
+    """A bucket selected by its bound (le="10.0") must be one the server writes, spelt as it
+    writes it: any other value selects no series, and the rule reading it never fires."""
+    bounds = histogram_bounds()
+    problems = [
+        (where, name, bound)
+        for where, query in all_queries()
+        if where != "alerts_test.yml input series"  # the promtool cases make up their own
+        for name, selector in SERIES_SELECTOR.findall(query)
+        for bound in BUCKET_BOUND.findall(selector)
+        if name in bounds and bound not in bounds[name]
+    ]
+    assert not problems, f"bucket bounds the server does not export: {problems}; it exports {bounds}"
+
+
+def test_quantile_alert_thresholds_are_bucket_bounds() -> None:
+    """A histogram_quantile alert's threshold is a bucket bound, so it fires exactly when more
+    than (1 - q) of the observations lie past it, whatever the interpolation inside a bucket;
+    and not the last finite bound, which histogram_quantile never exceeds (a quantile past it
+    reads as that bound)."""
+    bounds = {
+        name: metric._upper_bounds
+        for name, metric in _metric_objects().items()
+        if metric._type == "histogram"
+    }
+    checked = 0
+    for rule in alert_rules():
+        expr = rule["expr"].strip()
+        if "histogram_quantile" not in expr:
+            continue
+        buckets = {name for name, _ in SERIES_SELECTOR.findall(expr) if name.endswith("_bucket")}
+        assert len(buckets) == 1, (rule["alert"], buckets)
+        finite = [bound for bound in bounds[buckets.pop().removesuffix("_bucket")] if bound != float("inf")]
+        match = QUANTILE_THRESHOLD.search(expr)
+        assert match, f"{rule['alert']}: no `> threshold` after its histogram_quantile"
+        threshold = float(match.group(1))
+        assert threshold in finite[:-1], (
+            f"{rule['alert']}: threshold {threshold} is not one of the bucket bounds {finite[:-1]}"
+        )
+        checked += 1
+    assert checked >= 3, f"{checked} histogram_quantile alerts checked"
+
+
+def test_the_server_exports_its_clustering_budget_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SpeakerdClusteringBudgetNearlyFull divides by speakerd_clustering_bytes_limit: a server
+    with the Deployment's settings sets it to its --clustering-memory-mb from the start (left at
+    zero, the ratio would be infinite once a call clusters, and the alert would fire)."""
+    for env in serve_flags():
+        monkeypatch.delenv(env, raising=False)
+    for name, value in container_env().items():
+        monkeypatch.setenv(name, value)
+    settings = dataclasses.replace(config.from_args(serve_parser().parse_args([])), voiceprints="off")
+    server = SpeakerServer(settings, Prepared("cpu", None, None, None))
+    limit = server.metrics.registry.get_sample_value("speakerd_clustering_bytes_limit")
+    assert limit == settings.clustering_memory_mb << 20 > 0, (limit, settings.clustering_memory_mb)
 
 
 def test_the_scrape_relabeling_keeps_speakerd_pods_on_the_metrics_port() -> None:

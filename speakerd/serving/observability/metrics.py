@@ -47,6 +47,7 @@ METRIC_NAMES = (
     "speakerd_recording_bytes_held",
     "speakerd_clusterings_waiting",
     "speakerd_clustering_bytes_held",
+    "speakerd_clustering_bytes_limit",
     "speakerd_clustering_seconds",
     "speakerd_inflight_requests",
     "speakerd_chunks_embedded_total",
@@ -73,9 +74,12 @@ METRIC_NAMES = (
 #: The voiceprint methods' own: not_found (no such voiceprint in the caller's namespace),
 #: already_exists (a speaker enrolled again without replace), other_model (a voiceprint made
 #: by other weights), store_unavailable (the voiceprint database did not answer).
+#: unserved: an option this server was not started to serve (Diarize's names without
+#: voiceprints, vbx without a PLDA: FAILED_PRECONDITION).
 REJECT_REASONS = (
     "invalid_argument", "queue_full", "decode_budget", "deadline_exceeded", "draining", "not_ready",
     "cancelled", "internal", "no_device", "not_found", "already_exists", "other_model", "store_unavailable",
+    "unserved",
 )  # fmt: skip
 
 
@@ -165,6 +169,11 @@ class Metrics:
         self.clustering_bytes_held = Gauge(
             "speakerd_clustering_bytes_held",
             "Bytes of the clustering memory budget held by the Diarize calls clustering",
+            registry=r,
+        )
+        self.clustering_bytes_limit = Gauge(
+            "speakerd_clustering_bytes_limit",
+            "Bytes the clustering memory budget holds at most (--clustering-memory-mb)",
             registry=r,
         )
         self.clustering_seconds = Histogram(
