@@ -35,10 +35,10 @@ venv: $(BIN)/.installed
 
 serve: venv
 	@echo "speakerd: gRPC on 127.0.0.1:$(PORT), Prometheus metrics on http://127.0.0.1:$(METRICS_PORT)/metrics"
-	@echo "  Start-up: health is NOT_SERVING until the log says 'SERVING ... after N s of start-up'."
-	@echo "  On 2 idle CPU cores that is about 10 s (engine build and parity self-check); the first"
-	@echo "  start also makes the default model in $(SPEAKERD_CACHE) (about 15 s more). A GPU start"
-	@echo "  times kernels and captures graphs: about 30 s on an H200 (FP16: 31.5 s measured)."
+	@echo "  Start-up: health is NOT_SERVING until the log says 'SERVING ... after N s of start-up'"
+	@echo "  (N is this machine's figure): the engine is built and passes its parity self-check; a GPU"
+	@echo "  start also times kernels and captures graphs (docs/gpu.md); the first start also makes"
+	@echo "  the default models in $(SPEAKERD_CACHE), counted in N."
 	@echo "  The console scripts are in $(BIN) only (not on PATH): $(BIN)/speakerd and"
 	@echo "  $(BIN)/speakerd-client (the same as $(BIN)/python -m speakerd / -m speakerd.client)."
 	@echo "  From another shell in this directory:"

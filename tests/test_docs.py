@@ -1,17 +1,23 @@
 """Every markdown file of the repository renders as written: its code fences are closed, and
-each relative link reaches a file that exists (and a heading of it, for a `#anchor`).
+each relative link reaches a file that exists (and a heading of it, for a `#anchor`); every
+path of the repository it names (`speakerd/model/audio.py`, tests/test_readme.py, `Makefile`)
+is a file or folder a clone has, and a glob (`measurements/h100-*.jsonl`) matches one. The
+README's Documentation table lists every page of docs/.
 
 An unclosed fence turns the rest of the file into code, so every section after it is lost
 to a reader (docs/client.md's Verify section once swallowed Load and everything below); a
-link to a moved or renamed file or heading is found here instead of by a reader. Links to
-other sites are not followed (nothing outside this machine is reachable from the tests).
+link to a moved or renamed file or heading, or a path to one, is found here instead of by a
+reader. Links to other sites are not followed (nothing outside this machine is reachable
+from the tests).
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 import subprocess
 import unicodedata
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,20 @@ INLINE_CODE = re.compile(r"(`+).+?\1")
 HEADING = re.compile(r"^ {0,3}#{1,6}\s+(?P<text>.+?)\s*#*\s*$")
 #: Targets that are not files of this repository.
 EXTERNAL = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//)", re.IGNORECASE)
+#: A doc names a path of this repository by starting it with one of these folders
+#: (`speakerd/model/audio.py`, `deploy/k8s/`), or names one of these files alone (`Makefile`);
+#: every other top-level entry git tracks counts too (repository_entries). Nothing else is
+#: checked, as nothing else is a path of the repository: a path on the user's machine or in
+#: the image (`/path/to/model.bin`, `~/.cache/speakerd`, `/opt/speakerd`) starts with `/` or `~`; a
+#: file the reader or a command makes (`meeting.wav`, `served.npz`, `.venv/bin/python`,
+#: `.cache/pyannote/segmentation-3.0`, `.whl/`) lies outside these; a module
+#: (`speakerd.pyannote`) has no `/`; a file named inside a folder the sentence names
+#: (`sincnet.py` of `speakerd/model/segmentation/`) is left to the reader.
+REPO_FOLDERS = ("speakerd", "docs", "tests", "scripts", "deploy", "measurements", ".ci")
+REPO_FILES = ("Makefile", "Dockerfile", "pyproject.toml", "README.md", ".dockerignore", ".gitignore")
+#: A name the reader fills in, not a file: `tests/test_x.py`, `measurements/<gpu>-...`,
+#: `deploy/NAME`, `speakerd/...`.
+PLACEHOLDER = re.compile(r"<[^>]*>|(?:^|[/_.-])(?:x|X|N|NAME|FILE|DIR)(?=[/_.-]|$)|\.\.\.")
 
 
 def markdown_files() -> list[Path]:
@@ -99,6 +119,83 @@ def link_problems(path: Path) -> list[str]:
     return problems
 
 
+@cache
+def repository_entries() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """(every file and folder of a clone, relative to the root; the top-level folders; the
+    top-level files). A clone's files are git's, tracked or about to be (not ignored ones:
+    a build's, an environment's), that are here."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    present = [name for name in listed if (ROOT / name).exists()]
+    entries = {"/".join(name.split("/")[:end]) for name in present for end in range(1, name.count("/") + 2)}
+    folders = {name.split("/")[0] for name in present if "/" in name} | set(REPO_FOLDERS)
+    files = {name for name in present if "/" not in name} | set(REPO_FILES)
+    return frozenset(entries), frozenset(folders), frozenset(files)
+
+
+def named_paths(line: str, folder: str) -> list[tuple[str, list[str]]]:
+    """The repository paths a prose line of a markdown file in `folder` (relative to the root)
+    names, in order, each as (written, [its path from the root, from `folder`]): each word of
+    its inline code, and each word of its text outside code (not one inside a URL or a longer
+    path), that starts with a repository folder and `/` (`../` before it too), or a word of
+    its inline code that is a top-level file. A `:line` or `::test` after a path is left out,
+    and so is a placeholder."""
+    _, folders, files = repository_entries()
+    words = [
+        (code.start() + word.start(), word[0])
+        for code in INLINE_CODE.finditer(line)
+        for word in re.finditer(r"[^\s=`]+", code[0])
+    ]
+    text = INLINE_CODE.sub(lambda code: " " * len(code[0]), line)
+    names = "|".join(re.escape(name) for name in sorted(folders))
+    bare = rf"(?<![\w/.~`-])(?:\.\.?/)*(?:{names})/[\w./*?-]*"
+    words += [(word.start(), word[0]) for word in re.finditer(bare, text)]
+    found = []
+    for _, word in sorted(words):
+        written = re.sub(r"(?:::|:\d).*$", "", word.strip("'\"()[]{},;")).rstrip(".:,;")
+        inside = re.sub(r"^(?:\.\.?/)+", "", written)
+        named = (inside.split("/")[0] in folders and "/" in inside) or inside in files
+        if named and not PLACEHOLDER.search(written):
+            found.append(
+                (written, [posixpath.normpath(posixpath.join(base, written)) for base in ("", folder)])
+            )
+    return found
+
+
+def path_exists(path: str) -> bool:
+    """Whether a clone has `path` (relative to the root), or a file or folder `path`'s glob
+    matches (`*` and `?` within one folder)."""
+    entries = repository_entries()[0]
+    if not re.search(r"[*?]", path):
+        return path in entries
+    pattern = "".join({"*": "[^/]*", "?": "[^/]"}.get(char, re.escape(char)) for char in path)
+    return any(re.fullmatch(pattern, entry) for entry in entries)
+
+
+def path_problems(text: str, folder: str) -> list[str]:
+    """Where the markdown `text`, of a file in `folder` (relative to the root), names a path of
+    the repository that a clone lacks, from the root or from `folder`."""
+    problems = []
+    for number, line in prose_lines(text)[0]:
+        for written, resolved in named_paths(line, folder):
+            if not any(path_exists(path) for path in resolved):
+                what = "matches no file" if re.search(r"[*?]", written) else "no such file or folder"
+                problems.append(f"line {number}: {written} -> {what} in the repository")
+    return problems
+
+
+def readme_docs(readme: str) -> set[str]:
+    """The files the README's Documentation table links, relative to the root."""
+    start = readme.index("\n## Documentation\n")
+    end = readme.find("\n## ", start + 1)
+    table = readme[start : end if end >= 0 else None]
+    return {
+        posixpath.normpath(match["target"].strip("<>").partition("#")[0]) for match in LINK.finditer(table)
+    }
+
+
 @pytest.mark.parametrize("path", markdown_files(), ids=lambda path: str(path.relative_to(ROOT)))
 def test_code_fences_are_closed(path: Path) -> None:
     problems = prose_lines(path.read_text())[1]
@@ -109,6 +206,20 @@ def test_code_fences_are_closed(path: Path) -> None:
 def test_relative_links_reach_a_file_and_heading(path: Path) -> None:
     problems = link_problems(path)
     assert not problems, f"{path.relative_to(ROOT)}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda path: str(path.relative_to(ROOT)))
+def test_named_repository_paths_exist(path: Path) -> None:
+    problems = path_problems(path.read_text(), str(path.parent.relative_to(ROOT)))
+    assert not problems, f"{path.relative_to(ROOT)}:\n" + "\n".join(problems)
+
+
+def test_the_readme_lists_every_doc() -> None:
+    """A page of docs/ that the README's Documentation table leaves out is found only by
+    whoever lists the folder."""
+    pages = {str(path.relative_to(ROOT)) for path in markdown_files() if path.parent == ROOT / "docs"}
+    missing = sorted(pages - readme_docs((ROOT / "README.md").read_text()))
+    assert not missing, "README.md's Documentation table leaves out:\n" + "\n".join(missing)
 
 
 def test_the_checks_see_what_they_are_for(tmp_path: Path) -> None:
@@ -128,3 +239,25 @@ def test_the_checks_see_what_they_are_for(tmp_path: Path) -> None:
         "line 8: missing.md",
         "line 8: other.md#nowhere",
     ], link_problems(page)
+
+
+def test_the_path_check_sees_what_it_is_for() -> None:
+    """Repository paths are checked wherever a doc names them; what is not the repository's
+    is not."""
+    page = (
+        "# Page\n\n```bash\nls speakerd/gone.py\n```\n\n"
+        "`speakerd/model/audio.py`, `measurements/h100-*.jsonl`, `Makefile`, `bash .ci/run`,\n"
+        "tests/conftest.py. `/path/to/model.bin`, `meeting.wav`, `.venv/bin/python`,\n"
+        "`speakerd.pyannote`, `pip install speakerd`, `tests/test_x.py`, `speakerd/...`,\n"
+        "`measurements/<gpu>-<commit>.jsonl`, https://example.com/tests/gone, `deploy/k8s/`\n"
+        "`speakerd/model/gone.py:12`, (tests/gone.py), `measurements/h900-*.jsonl`, `Makefile.old`\n"
+        "`../tests/serving.py` [link](../tests/test_docs.py) `../tests/gone.py` `cd ../other-checkout`\n"
+    )
+    assert path_problems(page, "docs") == [
+        "line 11: speakerd/model/gone.py -> no such file or folder in the repository",
+        "line 11: tests/gone.py -> no such file or folder in the repository",
+        "line 11: measurements/h900-*.jsonl -> matches no file in the repository",
+        "line 12: ../tests/gone.py -> no such file or folder in the repository",
+    ], path_problems(page, "docs")
+    readme = "# R\n\n## Documentation\n\n| a | [a](docs/a.md#x), [b](<docs/b.md>) |\n\n## Next\n[c](c.md)\n"
+    assert readme_docs(readme) == {"docs/a.md", "docs/b.md"}, readme_docs(readme)

@@ -173,9 +173,10 @@ def test_by_name_from_the_hub_then_offline(checkpoint: bytes, hub: Hub, tmp_path
     line = one_line(fetch(REPO, environment(tmp_path / "no-token", HF_ENDPOINT=hub.endpoint)))
     assert f"--segmentation-model {REPO}: {REPO} is gated" in line and "set HF_TOKEN" in line, line
     line = one_line(fetch(REPO, environment(tmp_path / "offline", HF_HUB_OFFLINE="1")))
-    # fetch-model's own advice names what to do instead of fetch-model (a machine that can reach
-    # the hub, the cache to copy), as for --model.
+    # fetch-model's own advice names what to do instead of fetch-model (a local checkpoint, a
+    # machine that can reach the hub, the cache to copy), as for --model.
     assert f"--segmentation-model {REPO}: not in the Hugging Face cache" in line, line
+    assert "give --segmentation-model a local copy instead (a pytorch_model.bin or its" in line, line
     assert "HF_HUB_OFFLINE" in line and "machine that can reach the hub" in line, line
 
 

@@ -484,9 +484,12 @@ def _hub_error(
     if isinstance(error, errors.LocalEntryNotFoundError):
         cache = constants.HF_HUB_CACHE
         if constants.HF_HUB_OFFLINE:
+            folder, _, name = filename.rpartition("/")
+            local = f"its {folder}/ folder" if folder else f"a {name} or its directory"
             return (
                 f"{said}: not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: unset it if the "
-                f"hub is reachable from here, or {_fill_elsewhere(said, cache, fetching)}"
+                f"hub is reachable from here, give {said.split()[0]} a local copy instead ({local}), or "
+                f"{_fill_elsewhere(said, cache, fetching)}"
             )
         cause = error.__cause__ or error.__context__
         reason = f" ({type(cause).__name__})" if cause is not None else ""
