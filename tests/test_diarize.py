@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from typing import Any
 
@@ -38,11 +39,12 @@ import soundfile
 from pyannote.metrics.diarization import DiarizationErrorRate
 
 from speakerd.client.cli import main as cli_main
+from speakerd.client.client import NO_RETRY
 from speakerd.client.diarize import DiarizationClient
 from speakerd.client.voiceprints import VoiceprintClient
 from speakerd.pyannote import diarize, models, remote_pipeline
 from speakerd.tools.suite.diarize import server_split
-from tests.serving import serve_module
+from tests.serving import scrape, serve_module, wait_until
 from tests.test_bad_inputs import field_violations
 from tests.test_pyannote import SAMPLE_SECONDS, SEGMENTATION
 
@@ -205,21 +207,130 @@ def test_vbx_without_a_plda_is_failed_precondition(server, sample) -> None:
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value
     assert [name for name, _ in field_violations(caught.value)] == ["clustering.method"], details
     assert details.startswith("clustering.method: ") and "--plda" in details, details
+    assert scrape(server)["speakerd_requests_rejected_total{reason=unserved}"] >= 1
 
 
 def test_a_recording_whose_clustering_exceeds_the_budget_is_invalid_argument(server) -> None:
-    """Diarize reserves its clustering's memory (docs/service.md, C) once its recording is
-    embedded; more than the server's whole --clustering-memory-mb is refused naming
-    `recording`, with the numbers, and the server goes on serving."""
+    """Diarize reserves its clustering's memory (docs/service.md, C); a recording whose
+    `header.frames` already make more windows than the server's whole --clustering-memory-mb
+    can cluster is refused at the header, naming the field, with the numbers, before any
+    window is segmented; the server goes on serving."""
     with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
         with pytest.raises(grpc.RpcError) as caught:
             client.diarize(np.zeros(OVER_BUDGET_S * 16_000, np.int16), 16_000)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
-        assert [name for name, _ in field_violations(caught.value)] == ["recording"], caught.value.details()
         details = caught.value.details()
-        assert "51 windows with 0 clean speaker pairs need 1 MiB to cluster" in details, details
+        assert [name for name, _ in field_violations(caught.value)] == ["header.recording.frames"], details
+        assert "960000 frames make 51 windows, whose clustering needs at least 1 MiB" in details, details
         assert "clustering budget (1 MiB, serve --clustering-memory-mb)" in details, details
         assert client.diarize(np.zeros(12 * 16_000, np.int16), 16_000).windows == 3
+
+
+def _raw_diarize(server, header: Any, parts: list[Any], metadata=()) -> Any:
+    """One Diarize call of these messages on a plain stub: what another client may send."""
+    from speakerd.v1 import speakerd_pb2 as pb
+    from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        messages = [pb.DiarizeRequest(header=header), *parts]
+        return pb_grpc.DiarizationStub(channel).Diarize(iter(messages), timeout=TIMEOUT_S, metadata=metadata)
+
+
+def _header(samples: np.ndarray, **recording: Any) -> Any:
+    from speakerd.v1 import speakerd_pb2 as pb
+
+    header = pb.DiarizeHeader()
+    header.recording.sample_rate = 16_000
+    header.recording.channels = 1
+    header.recording.encoding = pb.AUDIO_ENCODING_PCM_S16LE
+    header.recording.frames = samples.shape[0]
+    for name, value in recording.items():
+        setattr(header.recording, name, value)
+    return header
+
+
+def test_unusual_inputs_are_refused_naming_the_field_or_answered_right(server, sample) -> None:
+    """A uri RTTM cannot carry is INVALID_ARGUMENT naming `uri` (a space, or a tab and a
+    newline that would forge turns), at the header; a speaker id with a space is written into
+    the RTTM as one field; the recording header's request_id is the call's id; the recording's
+    own header errors name `header.recording.*`; a message of another method's part says
+    what Diarize takes; and after it all no recording or clustering budget is held."""
+    from speakerd.v1 import speakerd_pb2 as pb
+
+    samples = sample["waveform"].numpy().T
+    pcm = (samples[:, 0] * 32767).astype(np.int16)
+    with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
+        for uri in ("team meeting", "a\tb\nSPEAKER forged 1 0 1 <NA> <NA> x <NA> <NA>"):
+            with pytest.raises(grpc.RpcError) as caught:
+                client.diarize(samples, 16_000, uri=uri)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+            assert [name for name, _ in field_violations(caught.value)] == ["uri"], caught.value.details()
+    with VoiceprintClient(server.target, timeout_s=TIMEOUT_S) as voiceprints:
+        voiceprints.enroll("Alice Smith", samples, 16_000, segment=True, replace=True)
+    try:
+        with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
+            named = client.diarize(samples, 16_000, names=True, threshold=-1.0, uri="team_meeting")
+        assert "Alice Smith" in {s.label for s in named.speakers}, named.speakers
+        assert all(len(line.split()) == 10 for line in named.rttm.splitlines()), named.rttm
+        assert " Alice_Smith " in named.rttm and named.rttm.startswith("SPEAKER team_meeting 1 "), named.rttm
+    finally:
+        with VoiceprintClient(server.target, timeout_s=TIMEOUT_S) as voiceprints:
+            for record in voiceprints.list_voiceprints():
+                if record.speaker_id == "Alice Smith":
+                    voiceprints.delete_voiceprint(record.voiceprint_id)
+    audio = pb.DiarizeRequest(audio=pcm[: 12 * 16_000].tobytes())
+    answer = _raw_diarize(server, _header(pcm[: 12 * 16_000], request_id="my-request-7"), [audio])
+    assert answer.request_id == "my-request-7" and answer.windows == 3, answer.request_id
+    answer = _raw_diarize(server, _header(pcm[: 12 * 16_000], request_id="header-id"), [audio],
+                          metadata=(("x-request-id", "metadata-id"),))  # fmt: skip
+    assert answer.request_id == "metadata-id"  # x-request-id first, as EmbedRecording
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw_diarize(server, _header(pcm, encoding=pb.AUDIO_ENCODING_UNSPECIFIED), [audio])
+    assert [name for name, _ in field_violations(caught.value)] == ["header.recording.encoding"], caught.value
+    assert caught.value.details().startswith("header.recording.encoding: "), caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw_diarize(server, _header(pcm), [pb.DiarizeRequest()])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "part: an empty message (or another method's part); set audio"
+    held = scrape(server)
+    assert held["speakerd_recording_bytes_held{}"] == 0 and held["speakerd_clustering_bytes_held{}"] == 0, {
+        k: v for k, v in held.items() if "bytes_held" in k
+    }
+
+
+def test_a_diarize_cancelled_or_past_its_deadline_is_logged_and_leaves_nothing_pending(
+    server, sample
+) -> None:
+    """A call whose deadline passes, and one whose client goes away mid-work, each end in one
+    log line naming the call and its code; no task is left pending, no budget held."""
+    from speakerd.client.diarize import diarize_requests
+    from speakerd.v1 import speakerd_pb2 as pb
+    from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
+
+    samples = sample["waveform"].numpy().T  # a few seconds of work on the CPU engine
+    with (
+        DiarizationClient(server.target, timeout_s=TIMEOUT_S, retry=NO_RETRY) as client,
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        client.diarize(samples, 16_000, timeout_s=0.5)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    header = pb.DiarizeHeader()
+    with grpc.insecure_channel(server.target) as channel:
+        messages = diarize_requests(samples, 16_000, header, 1.0, False)
+        call = pb_grpc.DiarizationStub(channel).Diarize.future(
+            messages, timeout=TIMEOUT_S, metadata=(("x-request-id", "going-away"),)
+        )
+        wait_until(lambda: "segmentation" in server.log() and server.log().count("Diarize") >= 1,
+                   "the call under way", server, timeout_s=30)  # fmt: skip
+        time.sleep(1.0)
+        call.cancel()
+    wait_until(lambda: "Diarize going-away: CANCELLED after" in server.log(),
+               "the cancelled Diarize's log line", server, timeout_s=30)  # fmt: skip
+    log = server.log()
+    assert any("Diarize " in line and "DEADLINE_EXCEEDED" in line for line in log.splitlines()), log[-2000:]
+    assert "Task was destroyed but it is pending" not in log
+    wait_until(lambda: scrape(server)["speakerd_recording_bytes_held{}"] == 0, "the recording budget free",
+               server, timeout_s=30)  # fmt: skip
 
 
 def test_cli_writes_pyannotes_rttm(server, sample, pyannote_outputs, tmp_path, capsys) -> None:

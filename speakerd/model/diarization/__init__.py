@@ -25,7 +25,7 @@ from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames
 from speakerd.model.diarization.pipeline import Diarization, bind_speakers, diarize, working_bytes
 from speakerd.model.diarization.plda import Plda, PldaError, load_plda
 from speakerd.model.diarization.reconstruct import reconstruct
-from speakerd.model.diarization.rttm import to_rttm
+from speakerd.model.diarization.rttm import rttm_field, to_rttm
 from speakerd.model.diarization.turns import Turn, binarize
 from speakerd.model.diarization.vbx import COMMUNITY_1, VBxParameters, vbx_clustering
 
@@ -49,6 +49,7 @@ __all__ = [
     "diarize",
     "load_plda",
     "reconstruct",
+    "rttm_field",
     "speaker_count",
     "to_rttm",
     "vbx_clustering",

@@ -4,7 +4,8 @@ RTTM is the exchange format of diarization scorers (NIST md-eval, pyannote.metri
 dscore): one line per turn, `SPEAKER <uri> 1 <start> <duration> <NA> <NA> <speaker> <NA>
 <NA>`, times in seconds with three decimals (Python's `.3f`, round-half-even on the
 binary value), channel 1. Fields are separated by spaces, so a uri or speaker name holding
-one is refused, as pyannote refuses it; a missing uri is written `<NA>`.
+one is refused, as pyannote refuses it (a name that is no pyannote label goes through
+`rttm_field` first); a missing uri is written `<NA>`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def rttm_lines(turns: Iterable[Turn], uri: str | None) -> list[str]:
             f"{NOT_AVAILABLE} {NOT_AVAILABLE} {turn.speaker} {NOT_AVAILABLE} {NOT_AVAILABLE}\n"
         )
     return lines
+
+
+def rttm_field(text: str) -> str:
+    """`text` as one RTTM field: each run of whitespace an underscore ("Alice Smith" ->
+    "Alice_Smith"), for names that are not pyannote's labels (voiceprints' speaker ids)."""
+    return "_".join(text.split())
 
 
 def to_rttm(turns: Iterable[Turn], uri: str | None) -> str:

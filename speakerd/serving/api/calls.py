@@ -58,7 +58,7 @@ def default_rejection(error: Exception) -> Rejection | None:
     """Rejection and InputError as they are; None for anything else (a server bug)."""
     if isinstance(error, Rejection):
         return error
-    if isinstance(error, InputError):
+    if isinstance(error, (InputError, RequestIdError)):
         return Rejection.invalid(error.field, error.message)
     return None
 
@@ -73,23 +73,26 @@ async def served(
 ) -> T:
     """Run `work(tenant(context))` with the call's metrics and log line; a failure that
     `rejection_of` knows is answered with its code, anything else is INTERNAL."""
-    started, code, request_id = time.perf_counter(), grpc.StatusCode.OK, ""
+    started, code = time.perf_counter(), grpc.StatusCode.OK
     metrics = host.metrics
+    CALL_REQUEST_ID.set("")
     host._enter()
     try:
         if host.draining:
             raise Rejection(
                 grpc.StatusCode.UNAVAILABLE, "draining", "the server is draining; retry elsewhere"
             )
-        request_id = request_id_of(context)
-        CALL_REQUEST_ID.set(request_id)
+        CALL_REQUEST_ID.set(request_id_of(context))
         response = await work(tenant(context))
         if "request_id" in response.DESCRIPTOR.fields_by_name:  # type: ignore[attr-defined]
-            response.request_id = request_id  # type: ignore[attr-defined]
+            # the work may have taken its request's own id (CALL_REQUEST_ID)
+            response.request_id = CALL_REQUEST_ID.get()  # type: ignore[attr-defined]
         return response
     except asyncio.CancelledError:
         code, reason = cancellation(context)
         metrics.rejected.labels(reason=reason).inc()
+        log.info("%s %s: %s after %.1f s, the call's work stopped", method, CALL_REQUEST_ID.get(), code.name,
+                 time.perf_counter() - started)  # fmt: skip
         raise
     except grpc.aio.AbortError:
         raise
@@ -98,6 +101,7 @@ async def served(
         if rejection is None:  # a server bug: INTERNAL, not UNKNOWN
             code = grpc.StatusCode.INTERNAL
             metrics.rejected.labels(reason="internal").inc()
+            request_id = CALL_REQUEST_ID.get()
             log.exception("%s %s: INTERNAL unexpected %s", method, request_id, type(error).__name__)
             rejection = Rejection(
                 code, "internal", f"internal error ({type(error).__name__}); see the server log"
@@ -105,6 +109,7 @@ async def served(
         else:
             code = rejection.code
             metrics.rejected.labels(reason=rejection.reason).inc()
+            request_id = CALL_REQUEST_ID.get()
             log.log(rejection.level, "%s %s: %s %s", method, request_id, code.name, rejection.message)
         await abort(context, rejection)
         raise AssertionError("unreachable: abort raises") from error
@@ -128,11 +133,14 @@ async def header_and_parts(
             "header", f"the first message must be the header, got {first.WhichOneof('part') or 'nothing'}"
         )  # type: ignore[attr-defined]
 
+    oneof = kind.DESCRIPTOR.oneofs_by_name["part"]  # type: ignore[attr-defined]
+    expected = " or ".join(f.name for f in oneof.fields if f.name != "header")
+
     async def rest() -> AsyncIterator[tuple[str, object]]:
         async for message in decoded:
             part = message.WhichOneof("part")  # type: ignore[attr-defined]
             if part is None:
-                raise InputError("part", "an empty message; set audio or masks")
+                raise InputError("part", f"an empty message (or another method's part); set {expected}")
             yield part, getattr(message, part)
 
     return first.header, rest()  # type: ignore[attr-defined]

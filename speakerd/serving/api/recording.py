@@ -448,7 +448,7 @@ class _Call:
             )
         if self.host.engine is None or self.host.batcher is None:
             raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
-        given = _metadata_id(self.context) or check_request_id(header.request_id, "header.request_id")
+        given = metadata_request_id(self.context) or check_request_id(header.request_id, "header.request_id")
         self.request_id = given or self.request_id
         if header.encoding not in ENCODINGS:
             known = header.encoding in pb.AudioEncoding.values()
@@ -814,7 +814,7 @@ class MaskRows:
         return taken[0] if len(taken) == 1 else np.concatenate(taken)
 
 
-def _metadata_id(context: grpc.aio.ServicerContext) -> str:
+def metadata_request_id(context: grpc.aio.ServicerContext) -> str:
     """The x-request-id metadata ("" when absent); RequestIdError when unusable."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY and value:

@@ -15,6 +15,7 @@ INVALID_ARGUMENT naming the field; a recording without speech is no turns, not a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -36,16 +37,25 @@ from speakerd.model.diarization import (
     VBxParameters,
     clean_speakers,
     diarize,
+    rttm_field,
     to_rttm,
     working_bytes,
 )
 from speakerd.model.diarization.linkage import HOST, Linker
 from speakerd.model.inputs import InputError
+from speakerd.model.recording import SAMPLE_RATE, step_samples, window_count
 from speakerd.model.source import ResolvedPlda
 from speakerd.model.voiceprint import check_threshold, normalize
 from speakerd.serving.api.calls import CALL_REQUEST_ID, header_and_parts, served
 from speakerd.serving.api.errors import Rejection
-from speakerd.serving.api.recording import DEFAULT_STEP_S, Host, RecordingService, reserve
+from speakerd.serving.api.recording import (
+    DEFAULT_STEP_S,
+    Host,
+    RecordingService,
+    metadata_request_id,
+    reserve,
+)
+from speakerd.serving.api.request_ids import check_request_id
 from speakerd.serving.memory.recording_budget import RecordingBudget, Reservation
 from speakerd.serving.voiceprints.service import DEFAULT_THRESHOLD, VoiceprintService
 from speakerd.serving.voiceprints.tenants import tenant_of
@@ -62,6 +72,8 @@ CLUSTER_THREADS = 2
 #: windows x 3 local speakers cannot be formed.
 MAX_SPEAKERS_ASKED = 1000
 DEFAULT_URI = "recording"
+#: Longest `uri` taken: a file name's length on common file systems.
+MAX_URI_CHARS = 255
 #: What a call keeps of each window until its clustering ends: the segmentation row (uint8
 #: [589, 3]) and the embeddings (float32 [3, 256]); 4,839 bytes, 52 MB for 3 h.
 KEPT_ROW_BYTES = MASK_FRAMES * MAX_SPEAKERS + MAX_SPEAKERS * EMBEDDING_DIM * 4
@@ -132,32 +144,47 @@ class DiarizationService:
             used = self.plda if options.vbx else None  # (where from, the PLDA) VBx clusters in
             if not header.HasField("recording"):
                 raise InputError("recording", "missing; the recording's sample rate, channels and encoding")
+            check_uri(header.uri)
+            if header.recording.request_id and not metadata_request_id(context):
+                CALL_REQUEST_ID.set(
+                    check_request_id(header.recording.request_id, "header.recording.request_id")
+                )
+            self._refuse_early(header.recording)
             rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
             last, held, pairs = None, [], 0
             try:
-                async for response in self.recordings.windows(
+                windows = self.recordings.windows(
                     _messages(header.recording, rest), context, kept_row_bytes=KEPT_ROW_BYTES, held=held
-                ):
-                    rows[0].append(from_tensor(response.segmentation, "segmentation"))
-                    rows[1].append(from_tensor(response.embeddings, "embeddings"))
-                    # the clean pairs the clustering will link, counted as the windows come
-                    # (pyannote's filter is per window): nothing of it is left for the end
-                    pairs += len(clean_speakers(rows[1][-1], rows[0][-1])[0])
-                    last = response
+                )
+                # closed however the call ends (a cancel too), not left to the loop's finalizer
+                async with contextlib.aclosing(windows):
+                    async for response in windows:
+                        rows[0].append(from_tensor(response.segmentation, "segmentation"))
+                        rows[1].append(from_tensor(response.embeddings, "embeddings"))
+                        # the clean pairs the clustering will link, counted as the windows come
+                        # (pyannote's filter is per window): nothing of it is left for the end
+                        pairs += len(clean_speakers(rows[1][-1], rows[0][-1])[0])
+                        last = response
                 assert last is not None, "a recording has at least one window"
                 embedded = time.perf_counter()
                 segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
                 del rows
                 room = Room(self, segmentations, embeddings, pairs, context)
                 await room.reserve(0)
+            except Rejection as error:
+                raise within_recording(error) from error
             finally:
                 for reservation in held:  # the recording's: what it keeps is in `room` now
                     reservation.release()
+                metrics = self.host.metrics
+                self.recordings.budget.report(metrics.recordings_waiting, metrics.recording_bytes_held)
             step_s = header.recording.step_s or DEFAULT_STEP_S
 
             loop = asyncio.get_running_loop()
 
             def initial_clusters(pairs: int, clusters: int) -> None:  # on the clustering thread
+                if room.abandoned:  # the call was cancelled: stop before VBx's updates
+                    raise asyncio.CancelledError
                 asyncio.run_coroutine_threadsafe(room.reserve(clusters), loop).result()
 
             def cluster() -> Diarization:
@@ -169,10 +196,16 @@ class DiarizationService:
                 )  # fmt: skip
 
             started = time.perf_counter()
+            clustering = loop.run_in_executor(self._pool, cluster)
             try:
-                result = await loop.run_in_executor(self._pool, cluster)
-            finally:
-                room.release()
+                # shielded: a cancelled call's clustering thread runs on to its end, and its
+                # room stays reserved until then (the memory is held until the thread lets go)
+                result = await asyncio.shield(clustering)
+            except asyncio.CancelledError:
+                room.abandoned = True
+                clustering.add_done_callback(lambda _: room.release())
+                raise
+            room.release()
             self.host.metrics.clustering_seconds.observe(time.perf_counter() - started)
             speakers = [
                 pb.DiarizedSpeaker(
@@ -188,6 +221,7 @@ class DiarizationService:
                 names = await self._names(tenant, last.model_id, result, speakers, options.threshold)
             turns = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.turns]
             exclusive = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.exclusive_turns]
+            uri = header.uri or DEFAULT_URI
             steps = result.seconds
             log.info(
                 "Diarize %s: %d windows, %d clean pairs, %s, %d speakers, %d turns in %.3f s: audio "
@@ -202,7 +236,7 @@ class DiarizationService:
                 turns=_turns(turns),
                 exclusive_turns=_turns(exclusive),
                 speakers=speakers,
-                rttm=to_rttm(turns, header.uri or DEFAULT_URI),
+                rttm=to_rttm([replace(t, speaker=rttm_field(t.speaker)) for t in turns], uri),
                 windows=last.windows,
                 model_id=last.model_id,
                 segmentation_model_id=last.segmentation_model_id,
@@ -216,6 +250,27 @@ class DiarizationService:
             work,
             lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
         )
+
+    def _refuse_early(self, recording: pb.RecordingHeader) -> None:
+        """INVALID_ARGUMENT at the header for a recording whose `frames` make more windows than
+        the clustering budget can ever hold, even with no clean pair (its per-window arrays
+        and what the call keeps of each window): refused before any work, not after it."""
+        if recording.frames <= 0 or recording.sample_rate <= 0:
+            return
+        samples = recording.frames * SAMPLE_RATE // recording.sample_rate  # at least what arrives
+        try:
+            windows = window_count(samples, step_samples(recording.step_s or DEFAULT_STEP_S))
+        except InputError:
+            return  # the recording path names the bad step
+        least = working_bytes(windows, 0) + KEPT_ROW_BYTES * windows
+        limit = self.clustering_budget.limit_bytes
+        if least > limit:
+            raise InputError(
+                "header.recording.frames",
+                f"{recording.frames} frames make {windows} windows, whose clustering needs at least "
+                f"{least / 2**20:.0f} MiB, more than the server's whole clustering budget "
+                f"({limit / 2**20:.0f} MiB, serve --clustering-memory-mb): send a shorter recording",
+            )
 
     def _report_clustering(self, waiting: int) -> None:
         metrics = self.host.metrics
@@ -269,9 +324,7 @@ class Options:
 
 def _unserved(field: str, expected: str, why: str) -> Rejection:
     """FAILED_PRECONDITION for an option this server was not started to serve, naming it."""
-    return Rejection(
-        grpc.StatusCode.FAILED_PRECONDITION, "invalid_argument", f"{field}: {why}", field, expected
-    )
+    return Rejection(grpc.StatusCode.FAILED_PRECONDITION, "unserved", f"{field}: {why}", field, expected)
 
 
 def _turns(turns: list[Turn]) -> list[pb.SpeakerTurn]:
@@ -371,6 +424,8 @@ class Room:
         remaining = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
         self.reservation: Reservation | None = None
+        #: the call was cancelled while its clustering ran: VBx stops before resizing
+        self.abandoned = False
 
     async def reserve(self, initial_clusters: int) -> None:
         """Hold what the clustering needs with `initial_clusters` (0: before VBx's AHC cut)."""
@@ -403,6 +458,28 @@ class Room:
         if self.reservation is not None:
             self.reservation.release()
         self.service._report_clustering(0)
+
+
+def check_uri(uri: str) -> None:
+    """`uri` names the recording in the RTTM, whose fields are space-separated: no whitespace
+    or control character (a tab or newline would forge lines), and not too long to log."""
+    if len(uri) > MAX_URI_CHARS or any(c.isspace() or not c.isprintable() for c in uri):
+        raise InputError(
+            "uri", f"{uri[:40]!r}: expected at most {MAX_URI_CHARS} printable characters without "
+            "whitespace (RTTM fields are space-separated), e.g. team_meeting",
+        )  # fmt: skip
+
+
+def within_recording(error: Rejection) -> Rejection:
+    """The recording path's rejection with its `header.` field named where Diarize has it,
+    `header.recording.` (DiarizeHeader.recording is EmbedRecording's header)."""
+    if not error.field.startswith("header."):
+        return error
+    field = "header.recording." + error.field.removeprefix("header.")
+    moved = Rejection(error.code, error.reason, f"{field}{error.message.removeprefix(error.field)}", field,
+                      error.expected)  # fmt: skip
+    moved.malformed = error.malformed
+    return moved
 
 
 async def _messages(

@@ -85,6 +85,7 @@ from speakerd.serving.server import config, plda, segmentation
 from speakerd.serving.server import data_dir as data_dir_lock
 from speakerd.serving.server.memory_bound import memory_bound, resident_bytes
 from speakerd.serving.voiceprints.records import StoreUnavailable
+from speakerd.serving.voiceprints.service import SERVICE_NAME as VOICEPRINTS_SERVICE
 from speakerd.serving.voiceprints.service import VoiceprintService
 from speakerd.serving.voiceprints.service import register as register_voiceprints
 from speakerd.serving.voiceprints.store import SQLITE
@@ -434,6 +435,7 @@ class SpeakerServer:
             self.voiceprints = VoiceprintService(self.service, self.service.recordings, settings.voiceprints,
                                                  settings.data_dir, prepared.tokens is not None)  # fmt: skip
         clustering = RecordingBudget(settings.clustering_memory_mb << 20, settings.recording_queue)
+        self.metrics.clustering_bytes_limit.set(clustering.limit_bytes)
         self.diarization = DiarizationService(
             self.service, self.service.recordings, self.voiceprints, prepared.tokens is not None,
             clustering, prepared.plda,
@@ -478,13 +480,11 @@ class SpeakerServer:
             register_voiceprints(self.voiceprints, self._server)
             await self._open_voiceprints(self.voiceprints)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        served = (SERVICE_NAME, DIARIZATION_SERVICE)
+        if self.voiceprints is not None:
+            served += (VOICEPRINTS_SERVICE,)
         reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                DIARIZATION_SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+            (*served, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server,
         )
         for name in ("", SERVICE_NAME):
