@@ -117,3 +117,18 @@ def test_removing_a_voiceprint_wipes_its_row() -> None:
     assert gone.vector.tobytes() not in matrix.vectors.tobytes()
     index.remove(kept.voiceprint_id)
     assert len(index) == 0 and index.search("a", "m", np.ones((1, 256), np.float32), 1).ids == [[]]
+
+
+def test_scores_are_cosines_within_minus_one_and_one() -> None:
+    # unit float32 vectors whose own dot product rounds above 1 (1.000000238 was seen for a
+    # voiceprint's own audio): the index answers 1.0, never more
+    rng = np.random.default_rng(0)
+    records = [record("a", f"s{i}", v) for i, v in enumerate(rng.standard_normal((200, 256)))]
+    over = [r for r in records if np.float32(r.vector @ r.vector) > 1]
+    assert over, "no vector whose float32 self-product passes 1: pick another seed"
+    index = VoiceprintIndex()
+    index.add(over[0])
+    found = index.search("a", "m", over[0].vector[None], k=1)
+    assert found.scores.tolist() == [[1.0]], found.scores
+    index.add(record("a", "opposite", -over[0].vector))
+    assert float(index.search("a", "m", -over[0].vector[None], k=2).scores.min()) >= -1.0

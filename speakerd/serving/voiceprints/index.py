@@ -126,6 +126,9 @@ class VoiceprintIndex:
                 empty = [[] for _ in range(len(queries))]
                 return Matches(empty, [[] for _ in range(len(queries))], np.zeros((len(queries), 0)), other)
             scores = queries.astype(np.float32, copy=False) @ matrix.vectors[: matrix.size].T
+            # a cosine: float32 rounding of unit vectors' dot product can pass 1 by an ulp
+            # (1.000000238 for a voiceprint's own audio); the contract says [-1, 1]
+            np.clip(scores, -1.0, 1.0, out=scores)
             top = top_k(scores, k)
             return Matches(
                 [[matrix.ids[j] for j in row] for row in top],

@@ -198,7 +198,7 @@ class VoiceprintService(pb_grpc.VoiceprintsServicer):
             if query is None or not _enough(speech, 0):
                 raise InputError("speech", f"{speech.speech_s[0]:.2f} s of speech under the masks, expected "
                                            f"at least {MIN_QUERY_SPEECH_S:g} s")  # fmt: skip
-            score = float(query @ record.vector)
+            score = float(np.clip(query @ record.vector, -1.0, 1.0))  # a cosine (index.py's search)
             return pb.VerifyResponse(score=score, accepted=score >= threshold, threshold=threshold,
                                      speaker_id=record.speaker_id, speech_s=speech.speech_s[0])  # fmt: skip
 
