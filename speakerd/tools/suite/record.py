@@ -12,8 +12,8 @@ Fields (all present in every record):
 - `suite`: the suite that wrote it (`engine`, `service`, ...; `kernel-stages` for the
   timings of scripts/time_wgmma_variants.py kept in measurements/).
 - `name`: what was measured, e.g. "b32 fp16 graph" or "load 16x32 fp16 receivers=4".
-- `commit`: the git commit measured (12 hex digits, "-dirty" when the tree differed from it),
-  or "unknown" where the run had no git checkout and no SPEAKERD_COMMIT.
+- `commit`: the git commit measured: $SPEAKERD_COMMIT when set, else the checkout's (12 hex
+  digits, "-dirty" when the tree differed from it), else "unknown".
 - `gpu`, `driver`, `cuda`: the GPU's name, the NVIDIA driver version and the CUDA runtime
   version; null on a machine without a GPU, or where the run did not record them.
 - `command`: the command line that produced the figure.
@@ -205,14 +205,18 @@ def _output(argv: list[str], cwd: Path | None = None) -> str | None:
 
 
 def commit_of(repo: Path) -> str:
-    """HEAD's commit (12 digits, -dirty when tracked files differ), else $SPEAKERD_COMMIT."""
+    """$SPEAKERD_COMMIT when it is set (a copy of the tree on another machine may carry a
+    stale .git: the caller knows what it copied), else HEAD's commit (12 digits, -dirty when
+    tracked files differ)."""
+    given = os.environ.get(COMMIT_ENV, "").strip().lower()
+    if given and _COMMIT.match(given):
+        return given
     if shutil.which("git") and (repo / ".git").exists():
         head = _output(["git", "rev-parse", "--short=12", "HEAD"], repo)
         if head:
             changed = _output(["git", "status", "--porcelain", "--untracked-files=no"], repo)
             return f"{head}-dirty" if changed else head
-    given = os.environ.get(COMMIT_ENV, "").strip().lower()
-    return given if given and _COMMIT.match(given) else "unknown"
+    return "unknown"
 
 
 def _cuda_runtime() -> str | None:
