@@ -145,6 +145,7 @@ class ModelSource:
     revision: str = ""  # the commit the file came from (40 hex digits); "" unless from a repo
     filename: str = ""  # the file read: "pytorch_model.bin", a local file's name
     sha256: str = ""  # of that file's bytes (before any conversion)
+    synthetic: bool = False  # the built-in synthetic default (random weights, for trying the service)
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def resolve_model(
     text = "" if spec is None else str(spec).strip()
     if not text:
         path = kind.default()
-        return ResolvedModel(path, ModelSource(filename=path.name, sha256=file_sha256(path)))
+        return ResolvedModel(path, ModelSource(filename=path.name, sha256=file_sha256(path), synthetic=True))
     local = Path(text).expanduser()
     if local.exists():
         return _resolve_local(local, f"{flag} {text}", kind, fetching)

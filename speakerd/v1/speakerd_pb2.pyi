@@ -210,16 +210,18 @@ class PldaInfo(_message.Message):
     def __init__(self, plda_id: _Optional[str] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., embedding_dim: _Optional[int] = ..., dimension: _Optional[int] = ...) -> None: ...
 
 class ModelSource(_message.Message):
-    __slots__ = ("repo_id", "revision", "filename", "sha256")
+    __slots__ = ("repo_id", "revision", "filename", "sha256", "synthetic")
     REPO_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     FILENAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SYNTHETIC_FIELD_NUMBER: _ClassVar[int]
     repo_id: str
     revision: str
     filename: str
     sha256: str
-    def __init__(self, repo_id: _Optional[str] = ..., revision: _Optional[str] = ..., filename: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+    synthetic: bool
+    def __init__(self, repo_id: _Optional[str] = ..., revision: _Optional[str] = ..., filename: _Optional[str] = ..., sha256: _Optional[str] = ..., synthetic: _Optional[bool] = ...) -> None: ...
 
 class SpeechSegment(_message.Message):
     __slots__ = ("start_s", "end_s")
@@ -494,3 +496,23 @@ class DiarizeResponse(_message.Message):
     request_id: str
     plda_id: str
     def __init__(self, turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., exclusive_turns: _Optional[_Iterable[_Union[SpeakerTurn, _Mapping]]] = ..., speakers: _Optional[_Iterable[_Union[DiarizedSpeaker, _Mapping]]] = ..., rttm: _Optional[str] = ..., windows: _Optional[int] = ..., model_id: _Optional[str] = ..., segmentation_model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., plda_id: _Optional[str] = ...) -> None: ...
+
+class DiarizeProgress(_message.Message):
+    __slots__ = ("stage", "windows_done", "windows", "elapsed_s")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_DONE_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    windows_done: int
+    windows: int
+    elapsed_s: float
+    def __init__(self, stage: _Optional[str] = ..., windows_done: _Optional[int] = ..., windows: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class DiarizeEvent(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: DiarizeProgress
+    result: DiarizeResponse
+    def __init__(self, progress: _Optional[_Union[DiarizeProgress, _Mapping]] = ..., result: _Optional[_Union[DiarizeResponse, _Mapping]] = ...) -> None: ...

@@ -496,6 +496,11 @@ class DiarizationStub:
                 request_serializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.SerializeToString,
                 response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeResponse.FromString,
                 _registered_method=True)
+        self.DiarizeWithProgress = channel.stream_stream(
+                '/speakerd.v1.Diarization/DiarizeWithProgress',
+                request_serializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.SerializeToString,
+                response_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeEvent.FromString,
+                _registered_method=True)
 
 
 class DiarizationServicer:
@@ -508,6 +513,14 @@ class DiarizationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DiarizeWithProgress(self, request_iterator, context):
+        """The same call, with progress while it works (a few messages a second at most) before
+        the result; the same errors. Clients fall back to Diarize on UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DiarizationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -515,6 +528,11 @@ def add_DiarizationServicer_to_server(servicer, server):
                     servicer.Diarize,
                     request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.FromString,
                     response_serializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeResponse.SerializeToString,
+            ),
+            'DiarizeWithProgress': grpc.stream_stream_rpc_method_handler(
+                    servicer.DiarizeWithProgress,
+                    request_deserializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.FromString,
+                    response_serializer=speakerd_dot_v1_dot_speakerd__pb2.DiarizeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -544,6 +562,33 @@ class Diarization:
             '/speakerd.v1.Diarization/Diarize',
             speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.SerializeToString,
             speakerd_dot_v1_dot_speakerd__pb2.DiarizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DiarizeWithProgress(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/speakerd.v1.Diarization/DiarizeWithProgress',
+            speakerd_dot_v1_dot_speakerd__pb2.DiarizeRequest.SerializeToString,
+            speakerd_dot_v1_dot_speakerd__pb2.DiarizeEvent.FromString,
             options,
             channel_credentials,
             insecure,

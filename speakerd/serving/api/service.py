@@ -181,8 +181,9 @@ def decode(raw: bytes, max_chunks: int, waveform_fbank: WaveformFbank) -> Decode
 
 def _source(source: ModelSource) -> pb.ModelSource:
     return pb.ModelSource(
-        repo_id=source.repo_id, revision=source.revision, filename=source.filename, sha256=source.sha256
-    )
+        repo_id=source.repo_id, revision=source.revision, filename=source.filename, sha256=source.sha256,
+        synthetic=source.synthetic,
+    )  # fmt: skip
 
 
 class SpeakerEmbeddingService:

@@ -10,6 +10,11 @@ and with `names` each speaker's centroid looked up among the caller's voiceprint
 agglomerative one, or with `clustering.method` vbx community-1's VBx in the PLDA the server
 was started with (`--plda`; without one, vbx is FAILED_PRECONDITION). Bad options are
 INVALID_ARGUMENT naming the field; a recording without speech is no turns, not an error.
+
+`DiarizeWithProgress` is the same call answering a stream: DiarizeProgress messages while
+it works (the windows segmented and embedded so far, then the clustering's start), then the
+result. `Diarize` stays as it was, so older clients keep working; the client library falls
+back to it where a server has no DiarizeWithProgress (UNIMPLEMENTED).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -63,6 +68,10 @@ from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1.tensors import from_tensor, to_tensor
 
 log = logging.getLogger(__name__)
+#: DiarizeProgress's stages, and the least time between two of its "embedding" messages: a
+#: few a second keep a progress line moving and cost nothing beside a window batch's work.
+EMBEDDING_STAGE, CLUSTERING_STAGE = "embedding", "clustering"
+PROGRESS_INTERVAL_S = 0.25
 #: The service's name on the wire (speakerd.proto).
 SERVICE_NAME = "speakerd.v1.Diarization"
 #: Threads clustering recordings at once: an hour's 3,591 windows x 3 speakers cluster in
@@ -125,130 +134,167 @@ class DiarizationService:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def Diarize(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
-        async def work(tenant: str) -> pb.DiarizeResponse:
-            began = time.perf_counter()
-            header, rest = await header_and_parts(requests, pb.DiarizeRequest)
-            assert isinstance(header, pb.DiarizeHeader)
-            options = diarization_options(header)
-            if header.names and self.voiceprints is None:
-                raise _unserved(
-                    "names", "false on a server without voiceprints",
-                    "this server keeps no voiceprints (serve --voiceprints off); diarize without names",
-                )  # fmt: skip
-            if options.vbx and self.plda is None:
-                raise _unserved(
-                    "clustering.method", "agglomerative on a server without --plda",
-                    "vbx needs a PLDA and this server has none: start it with --plda (e.g. "
-                    "pyannote/speaker-diarization-community-1), or cluster with agglomerative",
-                )  # fmt: skip
-            used = self.plda if options.vbx else None  # (where from, the PLDA) VBx clusters in
-            if not header.HasField("recording"):
-                raise InputError("recording", "missing; the recording's sample rate, channels and encoding")
-            check_uri(header.uri)
-            if header.recording.request_id and not metadata_request_id(context):
-                CALL_REQUEST_ID.set(
-                    check_request_id(header.recording.request_id, "header.recording.request_id")
-                )
-            self._refuse_early(header.recording)
-            rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
-            last, held, pairs = None, [], 0
-            try:
-                windows = self.recordings.windows(
-                    _messages(header.recording, rest), context, kept_row_bytes=KEPT_ROW_BYTES, held=held
-                )
-                # closed however the call ends (a cancel too), not left to the loop's finalizer
-                async with contextlib.aclosing(windows):
-                    async for response in windows:
-                        rows[0].append(from_tensor(response.segmentation, "segmentation"))
-                        rows[1].append(from_tensor(response.embeddings, "embeddings"))
-                        # the clean pairs the clustering will link, counted as the windows come
-                        # (pyannote's filter is per window): nothing of it is left for the end
-                        pairs += len(clean_speakers(rows[1][-1], rows[0][-1])[0])
-                        last = response
-                assert last is not None, "a recording has at least one window"
-                embedded = time.perf_counter()
-                segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
-                del rows
-                room = Room(self, segmentations, embeddings, pairs, context)
-                await room.reserve(0)
-            except Rejection as error:
-                raise within_recording(error) from error
-            finally:
-                for reservation in held:  # the recording's: what it keeps is in `room` now
-                    reservation.release()
-                metrics = self.host.metrics
-                self.recordings.budget.report(metrics.recordings_waiting, metrics.recording_bytes_held)
-            step_s = header.recording.step_s or DEFAULT_STEP_S
-
-            loop = asyncio.get_running_loop()
-
-            def initial_clusters(pairs: int, clusters: int) -> None:  # on the clustering thread
-                if room.abandoned:  # the call was cancelled: stop before VBx's updates
-                    raise asyncio.CancelledError
-                asyncio.run_coroutine_threadsafe(room.reserve(clusters), loop).result()
-
-            def cluster() -> Diarization:
-                return diarize(
-                    segmentations, embeddings, step_s, options.num_speakers, options.min_speakers,
-                    options.max_speakers, clustering=options.clustering,
-                    plda=used[1] if used is not None else None, linker=self.linker,
-                    on_initial_clusters=initial_clusters,
-                )  # fmt: skip
-
-            started = time.perf_counter()
-            clustering = loop.run_in_executor(self._pool, cluster)
-            try:
-                # shielded: a cancelled call's clustering thread runs on to its end, and its
-                # room stays reserved until then (the memory is held until the thread lets go)
-                result = await asyncio.shield(clustering)
-            except asyncio.CancelledError:
-                room.abandoned = True
-                clustering.add_done_callback(lambda _: room.release())
-                raise
-            room.release()
-            self.host.metrics.clustering_seconds.observe(time.perf_counter() - started)
-            speakers = [
-                pb.DiarizedSpeaker(
-                    label=label,
-                    cluster=label,
-                    speech_s=result.speech_s[label],
-                    centroid=to_tensor(np.asarray(centroid, np.float32)),
-                )
-                for label, centroid in zip(result.labels, result.centroids, strict=True)
-            ]
-            names: dict[str, str] = {}
-            if header.names and speakers and self.voiceprints is not None:
-                names = await self._names(tenant, last.model_id, result, speakers, options.threshold)
-            turns = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.turns]
-            exclusive = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.exclusive_turns]
-            uri = header.uri or DEFAULT_URI
-            steps = result.seconds
-            log.info(
-                "Diarize %s: %d windows, %d clean pairs, %s, %d speakers, %d turns in %.3f s: audio "
-                "to embeddings %.3f s, waiting for clustering room %.3f s, clustering %.3f s (speaker "
-                "count %.3f s beside it), reconstruction %.3f s",
-                CALL_REQUEST_ID.get(), last.windows, pairs, VBX if options.vbx else AGGLOMERATIVE,
-                len(speakers), len(turns),
-                time.perf_counter() - began, embedded - began, started - embedded,
-                steps.get("clustering", 0.0), steps.get("count", 0.0), steps.get("reconstruction", 0.0),
-            )  # fmt: skip
-            return pb.DiarizeResponse(
-                turns=_turns(turns),
-                exclusive_turns=_turns(exclusive),
-                speakers=speakers,
-                rttm=to_rttm([replace(t, speaker=rttm_field(t.speaker)) for t in turns], uri),
-                windows=last.windows,
-                model_id=last.model_id,
-                segmentation_model_id=last.segmentation_model_id,
-                plda_id=used[0].plda_id if used is not None else "",
-            )
-
         return await served(
-            self.host,
-            "Diarize",
-            context,
-            work,
+            self.host, "Diarize", context, lambda tenant: self._diarize(tenant, requests, context),
             lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
+        )  # fmt: skip
+
+    async def DiarizeWithProgress(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DiarizeEvent]:
+        """Diarize, with DiarizeProgress messages while it works (PROGRESS_INTERVAL_S apart at
+        most, and one as the clustering starts) before the result."""
+        events: asyncio.Queue[pb.DiarizeProgress] = asyncio.Queue()
+        call = asyncio.ensure_future(
+            served(
+                self.host, "DiarizeWithProgress", context,
+                lambda tenant: self._diarize(tenant, requests, context, events.put_nowait),
+                lambda c: tenant_of(c.invocation_metadata(), self.authenticated),
+            )
+        )  # fmt: skip
+        try:
+            while not call.done():
+                waiting = asyncio.ensure_future(events.get())
+                await asyncio.wait({waiting, call}, return_when=asyncio.FIRST_COMPLETED)
+                if waiting.done():
+                    yield pb.DiarizeEvent(progress=waiting.result())
+                else:
+                    waiting.cancel()
+            yield pb.DiarizeEvent(result=call.result())  # a rejection: the call's abort, raised here
+        finally:
+            call.cancel()  # the client went away: the work stops as a cancelled Diarize does
+
+    async def _diarize(
+        self,
+        tenant: str,
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+        progress: Callable[[pb.DiarizeProgress], None] | None = None,
+    ) -> pb.DiarizeResponse:
+        began = time.perf_counter()
+        header, rest = await header_and_parts(requests, pb.DiarizeRequest)
+        assert isinstance(header, pb.DiarizeHeader)
+        options = diarization_options(header)
+        if header.names and self.voiceprints is None:
+            raise _unserved(
+                "names", "false on a server without voiceprints",
+                "this server keeps no voiceprints (serve --voiceprints off); diarize without names",
+            )  # fmt: skip
+        if options.vbx and self.plda is None:
+            raise _unserved(
+                "clustering.method", "agglomerative on a server without --plda",
+                "vbx needs a PLDA and this server has none: start it with --plda (e.g. "
+                "pyannote/speaker-diarization-community-1), or cluster with agglomerative",
+            )  # fmt: skip
+        used = self.plda if options.vbx else None  # (where from, the PLDA) VBx clusters in
+        if not header.HasField("recording"):
+            raise InputError("recording", "missing; the recording's sample rate, channels and encoding")
+        check_uri(header.uri)
+        if header.recording.request_id and not metadata_request_id(context):
+            CALL_REQUEST_ID.set(check_request_id(header.recording.request_id, "header.recording.request_id"))
+        self._refuse_early(header.recording)
+        rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+        last, held, pairs, done, reported = None, [], 0, 0, began
+
+        def report(stage: str, windows: int) -> None:
+            if progress is not None:
+                progress(pb.DiarizeProgress(stage=stage, windows_done=done, windows=windows,
+                                            elapsed_s=round(time.perf_counter() - began, 3)))  # fmt: skip
+
+        try:
+            windows = self.recordings.windows(
+                _messages(header.recording, rest), context, kept_row_bytes=KEPT_ROW_BYTES, held=held
+            )
+            # closed however the call ends (a cancel too), not left to the loop's finalizer
+            async with contextlib.aclosing(windows):
+                async for response in windows:
+                    rows[0].append(from_tensor(response.segmentation, "segmentation"))
+                    rows[1].append(from_tensor(response.embeddings, "embeddings"))
+                    # the clean pairs the clustering will link, counted as the windows come
+                    # (pyannote's filter is per window): nothing of it is left for the end
+                    pairs += len(clean_speakers(rows[1][-1], rows[0][-1])[0])
+                    last = response
+                    done += len(response.starts)
+                    if time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
+                        reported = time.perf_counter()
+                        report(EMBEDDING_STAGE, response.windows)
+            assert last is not None, "a recording has at least one window"
+            embedded = time.perf_counter()
+            segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
+            del rows
+            room = Room(self, segmentations, embeddings, pairs, context)
+            await room.reserve(0)
+        except Rejection as error:
+            raise within_recording(error) from error
+        finally:
+            for reservation in held:  # the recording's: what it keeps is in `room` now
+                reservation.release()
+            metrics = self.host.metrics
+            self.recordings.budget.report(metrics.recordings_waiting, metrics.recording_bytes_held)
+        step_s = header.recording.step_s or DEFAULT_STEP_S
+        report(CLUSTERING_STAGE, last.windows)
+
+        loop = asyncio.get_running_loop()
+
+        def initial_clusters(pairs: int, clusters: int) -> None:  # on the clustering thread
+            if room.abandoned:  # the call was cancelled: stop before VBx's updates
+                raise asyncio.CancelledError
+            asyncio.run_coroutine_threadsafe(room.reserve(clusters), loop).result()
+
+        def cluster() -> Diarization:
+            return diarize(
+                segmentations, embeddings, step_s, options.num_speakers, options.min_speakers,
+                options.max_speakers, clustering=options.clustering,
+                plda=used[1] if used is not None else None, linker=self.linker,
+                on_initial_clusters=initial_clusters,
+            )  # fmt: skip
+
+        started = time.perf_counter()
+        clustering = loop.run_in_executor(self._pool, cluster)
+        try:
+            # shielded: a cancelled call's clustering thread runs on to its end, and its
+            # room stays reserved until then (the memory is held until the thread lets go)
+            result = await asyncio.shield(clustering)
+        except asyncio.CancelledError:
+            room.abandoned = True
+            clustering.add_done_callback(lambda _: room.release())
+            raise
+        room.release()
+        self.host.metrics.clustering_seconds.observe(time.perf_counter() - started)
+        speakers = [
+            pb.DiarizedSpeaker(
+                label=label,
+                cluster=label,
+                speech_s=result.speech_s[label],
+                centroid=to_tensor(np.asarray(centroid, np.float32)),
+            )
+            for label, centroid in zip(result.labels, result.centroids, strict=True)
+        ]
+        names: dict[str, str] = {}
+        if header.names and speakers and self.voiceprints is not None:
+            names = await self._names(tenant, last.model_id, result, speakers, options.threshold)
+        turns = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.turns]
+        exclusive = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.exclusive_turns]
+        uri = header.uri or DEFAULT_URI
+        steps = result.seconds
+        log.info(
+            "Diarize %s: %d windows, %d clean pairs, %s, %d speakers, %d turns in %.3f s: audio "
+            "to embeddings %.3f s, waiting for clustering room %.3f s, clustering %.3f s (speaker "
+            "count %.3f s beside it), reconstruction %.3f s",
+            CALL_REQUEST_ID.get(), last.windows, pairs, VBX if options.vbx else AGGLOMERATIVE,
+            len(speakers), len(turns),
+            time.perf_counter() - began, embedded - began, started - embedded,
+            steps.get("clustering", 0.0), steps.get("count", 0.0), steps.get("reconstruction", 0.0),
+        )  # fmt: skip
+        return pb.DiarizeResponse(
+            turns=_turns(turns),
+            exclusive_turns=_turns(exclusive),
+            speakers=speakers,
+            rttm=to_rttm([replace(t, speaker=rttm_field(t.speaker)) for t in turns], uri),
+            windows=last.windows,
+            model_id=last.model_id,
+            segmentation_model_id=last.segmentation_model_id,
+            plda_id=used[0].plda_id if used is not None else "",
         )
 
     def _refuse_early(self, recording: pb.RecordingHeader) -> None:
@@ -503,6 +549,9 @@ def register(service: DiarizationService, server: grpc.aio.Server) -> None:
     handlers = {
         "Diarize": grpc.stream_unary_rpc_method_handler(
             service.Diarize, response_serializer=pb.DiarizeResponse.SerializeToString
+        ),
+        "DiarizeWithProgress": grpc.stream_stream_rpc_method_handler(
+            service.DiarizeWithProgress, response_serializer=pb.DiarizeEvent.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -153,8 +153,7 @@ extern "C" __global__ void initial_neighbors(const double* __restrict__ S, int n
 // initial_neighbors. Dynamic shared memory (12 (n - 1) + 12 LOWERED_SHARED bytes): the heap's
 // values, the gathered fallen bounds' distances and keys, the heap's keys by position and
 // positions by key.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    centroid_merges(double* __restrict__ S, int n, double* __restrict__ Z, int* __restrict__ neighbor,
+extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __restrict__ S, int n, double* __restrict__ Z, int* __restrict__ neighbor,
                     double* __restrict__ min_dist, int* __restrict__ version, long long* __restrict__ size,
                     long long* __restrict__ cluster_id, int* __restrict__ alive, int* __restrict__ position,
                     int* __restrict__ moved, int* __restrict__ lowered_z, double* __restrict__ lowered_d,
