@@ -336,7 +336,9 @@ def test_a_diarize_cancelled_or_past_its_deadline_is_logged_and_leaves_nothing_p
 def test_cli_writes_pyannotes_rttm(server, sample, pyannote_outputs, tmp_path, capsys) -> None:
     rttm, audio = tmp_path / "sample.rttm", tmp_path / "sample.wav"
     soundfile.write(audio, sample["waveform"].numpy().T, 16_000, subtype="PCM_16")  # sample.wav's own samples
-    code = cli_main(["diarize", "--target", server.target, "--audio", str(audio), "--rttm", str(rttm)])
+    code = cli_main(
+        ["diarize", "--target", server.target, "--audio", str(audio), "--rttm", str(rttm), "--json"]
+    )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     expected = tmp_path / "expected.rttm"
@@ -345,7 +347,69 @@ def test_cli_writes_pyannotes_rttm(server, sample, pyannote_outputs, tmp_path, c
     with expected.open("w") as handle:
         local.write_rttm(handle)
     assert rttm.read_text() == expected.read_text()
-    assert [s["label"] for s in summary["speakers"]] == local.labels() and summary["turns"] == len(local)
+    assert [s["label"] for s in summary["speakers"]] == local.labels() and len(summary["turns"]) == len(local)
+    assert [(t["start"], t["end"], t["speaker"]) for t in summary["turns"]] == [
+        (round(segment.start, 3), round(segment.end, 3), label)
+        for segment, _, label in local.itertracks(True)
+    ]
+
+
+def test_cli_shows_who_spoke_when_and_says_why_when_nobody_did(server, sample, tmp_path, capsys) -> None:
+    """By default a table of turns (start, end, speaker), then a summary line; with --names the
+    speaker's score beside each turn; for a second of silence one line saying what was found
+    and why; on stderr, that the server's embedding model is the synthetic one."""
+    audio = tmp_path / "team meeting.wav"  # the uri defaults to its stem, spaces made _
+    soundfile.write(audio, sample["waveform"].numpy().T, 16_000, subtype="PCM_16")
+    assert cli_main(["diarize", "--target", server.target, "--audio", str(audio), "--no-progress"]) == 0
+    shown = capsys.readouterr()
+    lines = shown.out.strip().splitlines()
+    with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
+        result = client.diarize(sample["waveform"].numpy().T, 16_000)
+    assert lines[0].split() == ["start", "end", "speaker"], lines[0]
+    assert [line.split() for line in lines[1:-1]] == [
+        [f"{t.start_s:.3f}", f"{t.end_s:.3f}", t.label] for t in result.turns
+    ]
+    assert lines[-1].startswith(f"{len(result.speakers)} speakers (SPEAKER_00 "), lines[-1]
+    seconds = sample["waveform"].shape[-1] / 16_000
+    assert lines[-1].endswith(
+        f", {len(result.turns)} turns, {result.windows} windows, {seconds:.1f} s of audio"
+    )
+    assert "the server's embedding model is synthetic" in shown.err, shown.err
+    silence = tmp_path / "silence.wav"
+    soundfile.write(silence, np.zeros(16_000, np.int16), 16_000)
+    assert cli_main(["diarize", "--target", server.target, "--audio", str(silence)]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "no speaker found in 1.0 s of audio (1 windows): the segmentation found no speech above its "
+        "threshold (the recording is shorter than one 10 s window)"
+    )
+    samples = sample["waveform"].numpy().T
+    with VoiceprintClient(server.target, timeout_s=TIMEOUT_S) as voiceprints:
+        voiceprints.enroll("alice", samples, 16_000, segment=True, replace=True)
+    argv = ["diarize", "--target", server.target, "--audio", str(audio), "--names", "--threshold", "-1"]
+    assert cli_main(argv) == 0
+    named = capsys.readouterr().out.strip().splitlines()
+    assert named[0].split() == ["start", "end", "speaker", "score"], named[0]
+    assert all(len(line.split()) == 4 and -1 <= float(line.split()[3]) <= 1 for line in named[1:-1]), named
+    enroll = ["enroll", "--target", server.target, "--speaker-id", "alice", "--audio", str(audio),
+              "--segment"]  # fmt: skip
+    assert cli_main(enroll) == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("speakerd-client enroll: speaker_id: already enrolled") and "add --replace" in err
+    ), err
+
+
+def test_progress_reaches_the_client_while_the_server_works(server, sample) -> None:
+    seen = []
+    with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
+        result = client.diarize(sample["waveform"].numpy().T, 16_000, progress=seen.append)
+    assert seen, "no progress at all"
+    assert seen[-1].stage == "clustering" and seen[-1].windows_done == seen[-1].windows == result.windows, (
+        seen
+    )
+    embedding = [p for p in seen if p.stage == "embedding"]
+    assert all(0 < p.windows_done <= p.windows == result.windows for p in embedding), embedding
+    assert [p.elapsed_s for p in seen] == sorted(p.elapsed_s for p in seen)
 
 
 def test_bench_diarize_times_both_calls_and_the_clustering(server, sample, tmp_path, capsys) -> None:

@@ -1,4 +1,4 @@
-"""`python -m speakerd.client embed|info|health|load|verify`: the client's command line.
+"""`speakerd-client` (`python -m speakerd.client`): the client's command line.
 
 Every command takes --target (default: $SPEAKERD_TARGET, else the server's default address
 127.0.0.1:50051) and the TLS and token flags of speakerd/client/options.py. A server that
@@ -73,8 +73,11 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m speakerd.client", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="speakerd-client",
+        description="speakerd's client: embeddings, diarizations and voiceprints from a speakerd server",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     embed = sub.add_parser("embed", help="embed an .npz holding fbank or waveform, and masks")
     embed.add_argument("--input", help=".npz holding fbank or waveform, and masks")
     recording.configure(embed)
@@ -108,4 +111,4 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Its outcome is its exit code: 0 done, 1 a call failed (or the server
     was not there), 2 a flag or file that cannot be used; each failure is one stderr line."""
     args = build_parser().parse_args(argv)
-    return run_command(f"speakerd.client {args.command}", args.func, args)
+    return run_command(f"speakerd-client {args.command}", args.func, args)

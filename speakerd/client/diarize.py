@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 
 from speakerd.client import recording
@@ -69,6 +71,18 @@ class Diarization:
     plda_id: str = ""
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where a Diarize call is (DiarizeProgress): `stage` "embedding" (windows segmented and
+    embedded as the audio arrives: `windows_done` of `windows`, 0 while the total is unknown)
+    or "clustering" (after the last window); seconds since the server had the header."""
+
+    stage: str
+    windows_done: int
+    windows: int
+    elapsed_s: float
+
+
 def parse(response: pb.DiarizeResponse) -> Diarization:
     def turns(items: Any) -> list[Turn]:
         return [Turn(t.start_s, t.end_s, t.label) for t in items]
@@ -113,6 +127,8 @@ class DiarizationClient(SpeakerClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._diarization = pb_grpc.DiarizationStub(self._channel)
+        #: False once the server answered DiarizeWithProgress UNIMPLEMENTED (an older speakerd)
+        self._progress_served = True
 
     def diarize(
         self,
@@ -133,6 +149,7 @@ class DiarizationClient(SpeakerClient):
         step_s: float = recording.DEFAULT_STEP_S,
         uri: str = "",
         timeout_s: float | None = None,
+        progress: Callable[[Progress], None] | None = None,
     ) -> Diarization:
         """Who speaks when in a recording [N] or [N, C] (int16 or float32) at `sample_rate`:
         pyannote's SpeakerDiarization on the server; with `names`, speakers matching the
@@ -142,7 +159,11 @@ class DiarizationClient(SpeakerClient):
         a cosine distance, and `min_cluster_size`) or "vbx" (speaker-diarization-community-1's,
         on a server started with --plda, with `clustering_threshold`, its AHC cut, and VBx's
         `fa` and `fb`); a parameter left None is the pipeline's own. The server checks them
-        (INVALID_ARGUMENT naming the field; vbx without a PLDA is FAILED_PRECONDITION)."""
+        (INVALID_ARGUMENT naming the field; vbx without a PLDA is FAILED_PRECONDITION).
+
+        progress: called with each Progress the server sends while it works
+        (DiarizeWithProgress); a server without that method (UNIMPLEMENTED) is asked with
+        Diarize instead, and `progress` is not called."""
         header = pb.DiarizeHeader(
             num_speakers=num_speakers or 0, min_speakers=min_speakers or 0, max_speakers=max_speakers or 0,
             names=names, uri=uri,
@@ -162,18 +183,47 @@ class DiarizationClient(SpeakerClient):
 
         def attempt(_: None, timeout: float, metadata: recording.Metadata) -> Diarization:
             messages = diarize_requests(samples, sample_rate, header, step_s, exclude_overlap)
+            if progress is not None and self._progress_served:
+                try:
+                    return self._with_progress(messages, timeout, metadata, progress)
+                except grpc.RpcError as error:
+                    if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    self._progress_served = False  # an older server: Diarize alone, from now on
+                messages = diarize_requests(samples, sample_rate, header, step_s, exclude_overlap)
             return parse(self._diarization.Diarize(messages, timeout=timeout, metadata=metadata))
 
         return self._call(attempt, None, timeout_s, request_id)
+
+    def _with_progress(
+        self,
+        messages: Iterator[pb.DiarizeRequest],
+        timeout: float,
+        metadata: recording.Metadata,
+        progress: Callable[[Progress], None],
+    ) -> Diarization:
+        events = self._diarization.DiarizeWithProgress(messages, timeout=timeout, metadata=metadata)
+        for event in events:
+            if event.HasField("result"):
+                return parse(event.result)
+            step = event.progress
+            progress(Progress(step.stage, int(step.windows_done), int(step.windows), step.elapsed_s))
+        raise RuntimeError("DiarizeWithProgress ended without a result")
 
 
 # --- the command line -----------------------------------------------------------------------
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """`speakerd-client diarize --audio FILE [--rttm OUT] [--names] [--num-speakers N] ...`."""
-    recording.add_audio_flags(parser)
+    """`speakerd-client diarize --audio FILE [--rttm OUT] [--json] [--names] [--num-speakers N] ...`."""
+    recording.add_audio_flags(parser, required=True)
     parser.add_argument("--rttm", help="also write the turns here as RTTM")
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON (every turn, the speakers) instead of the table"
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress on stderr (shown after a few seconds)"
+    )
     parser.add_argument("--names", action="store_true", help="label speakers with your enrolled voiceprints")
     parser.add_argument("--threshold", type=float, help="cosine for a name (default: the server's)")
     parser.add_argument("--num-speakers", type=int, help="the number of speakers, when known")
@@ -194,17 +244,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         vbx_help = f"with --clustering vbx: VBx's {flag.capitalize()} (community-1's {default})"
         parser.add_argument(f"--{flag}", type=float, help=vbx_help)
     parser.add_argument(
-        "--uri", default="", help="the recording's name in the RTTM (default: the file's stem)"
-    )
+        "--uri", default="",
+        help="the recording's name in the RTTM (default: the file's stem, each run of whitespace an _)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, client: DiarizationClient) -> int:
-    """Diarize `args.audio`; print a JSON summary (speakers, turns), write `--rttm`."""
+    """Diarize `args.audio`: the turns as a table (or `--json`), progress on stderr while it
+    works, `--rttm` written; a note on stderr when the server's models are synthetic."""
     from pathlib import Path
 
+    from speakerd.client.progress import ProgressLine
+
     rttm = writable("--rttm", args.rttm) if args.rttm else None
-    if not args.audio:
-        raise UsageError("diarize needs --audio FILE (a recording)")
     samples, rate = recording.read_recording(args)
     for flag in ("num_speakers", "min_speakers", "max_speakers"):
         value = getattr(args, flag)
@@ -213,29 +265,101 @@ def run(args: argparse.Namespace, client: DiarizationClient) -> int:
     for flag in ("fa", "fb"):
         if getattr(args, flag) is not None and args.clustering != VBX:
             raise UsageError(f"--{flag} is VBx's: give it with --clustering {VBX}")
-    result = client.diarize(
-        samples, rate, num_speakers=args.num_speakers, min_speakers=args.min_speakers,
-        max_speakers=args.max_speakers, names=args.names, threshold=args.threshold,
-        exclude_overlap=args.exclude_overlap, clustering=args.clustering,
-        clustering_threshold=args.clustering_threshold, fa=args.fa, fb=args.fb, step_s=args.step,
-        uri=args.uri or Path(args.audio).stem,
-    )  # fmt: skip
+    shown = ProgressLine("diarize", enabled=not args.no_progress)
+    try:
+        result = client.diarize(
+            samples, rate, num_speakers=args.num_speakers, min_speakers=args.min_speakers,
+            max_speakers=args.max_speakers, names=args.names, threshold=args.threshold,
+            exclude_overlap=args.exclude_overlap, clustering=args.clustering,
+            clustering_threshold=args.clustering_threshold, fa=args.fa, fb=args.fb, step_s=args.step,
+            uri=args.uri or "_".join(Path(args.audio).stem.split()), progress=shown.update,
+        )  # fmt: skip
+    finally:
+        shown.close()
     if rttm is not None:
         Path(rttm).write_text(result.rttm)
-    summary = {
-        "speakers": [
-            {
-                "label": s.label,
-                "speech_s": round(s.speech_s, 2),
-                **({"speaker_id": s.speaker_id} if s.speaker_id else {}),
-            }
-            for s in result.speakers
+    audio_s = samples.shape[0] / rate
+    if args.json:
+        print(json.dumps(as_json(result, args, audio_s)))
+    else:
+        print(table(result, args.names, audio_s, args.rttm))
+    synthetic = synthetic_models(client)
+    if synthetic:
+        print(f"diarize: note: the server's {synthetic} synthetic (random weights for trying the service): "
+              "these turns and speakers mean nothing; serve real weights (README, Real weights)",
+              file=sys.stderr)  # fmt: skip
+    return 0
+
+
+#: Seconds of audio in one segmentation window: a recording shorter than this is one window,
+#: padded with silence, as pyannote pads it.
+WINDOW_S = 10.0
+
+
+def why_none(audio_s: float) -> str:
+    """Why a recording may have no speaker: what the user can check."""
+    why = "the segmentation found no speech above its threshold"
+    if audio_s < WINDOW_S:
+        why += f" (the recording is shorter than one {WINDOW_S:g} s window)"
+    return why
+
+
+def table(result: Diarization, names: bool, audio_s: float, rttm: str | None) -> str:
+    """Who spoke when, one turn a line (start, end, speaker; with `names` the speaker's best
+    voiceprint score), then a summary line."""
+    scores = {s.label: s.score for s in result.speakers}
+    width = max([len("speaker"), *(len(t.label) for t in result.turns)])
+    lines = []
+    if result.turns:
+        lines.append(f"{'start':>9} {'end':>9}  {'speaker':<{width}}" + ("  score" if names else ""))
+        for turn in result.turns:
+            line = f"{turn.start_s:9.3f} {turn.end_s:9.3f}  {turn.label:<{width}}"
+            if names and turn.label in scores:
+                line += f"  {scores[turn.label]:.3f}"
+            lines.append(line.rstrip())
+    if result.speakers:
+        spoken = ", ".join(f"{s.label} {s.speech_s:.1f} s" for s in result.speakers)
+        summary = (f"{len(result.speakers)} speakers ({spoken}), {len(result.turns)} turns, "
+                   f"{result.windows} windows, {audio_s:.1f} s of audio")  # fmt: skip
+    else:
+        found = f"no speaker found in {audio_s:.1f} s of audio ({result.windows} windows)"
+        summary = f"{found}: {why_none(audio_s)}"
+    if rttm:
+        summary += f"; RTTM in {rttm}"
+    return "\n".join([*lines, summary])
+
+
+def as_json(result: Diarization, args: argparse.Namespace, audio_s: float) -> dict[str, Any]:
+    """Every turn and speaker, the recording's windows and seconds, how it was clustered."""
+    speakers = []
+    for s in result.speakers:
+        speaker: dict[str, Any] = {"label": s.label, "cluster": s.cluster, "speech_s": round(s.speech_s, 3)}
+        if args.names:
+            speaker.update(score=round(s.score, 6), speaker_id=s.speaker_id)
+        speakers.append(speaker)
+    found = {
+        "turns": [
+            {"start": round(t.start_s, 3), "end": round(t.end_s, 3), "speaker": t.label} for t in result.turns
         ],
-        "turns": len(result.turns),
+        "speakers": speakers,
         "windows": result.windows,
+        "audio_s": round(audio_s, 3),
         "clustering": args.clustering,
         **({"plda_id": result.plda_id} if result.plda_id else {}),
         **({"rttm": args.rttm} if args.rttm else {}),
     }
-    print(json.dumps(summary))
-    return 0
+    if not result.speakers:
+        found["why"] = why_none(audio_s)
+    return found
+
+
+def synthetic_models(client: SpeakerClient) -> str:
+    """Which of the server's models are the built-in synthetic ones ("" when none, or when
+    GetModelInfo does not answer: the note is a courtesy, never a failure)."""
+    try:
+        info = client.model_info()
+    except grpc.RpcError:
+        return ""
+    which = [name for name, source in (("embedding model", info.source),
+             ("segmentation model", info.segmentation.source)) if source.synthetic]  # fmt: skip
+    return " and ".join(which) + (" are" if len(which) > 1 else " is") if which else ""

@@ -98,7 +98,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_connection_flags(
         parser, timeout_s=None,
         timeout_help="deadline in seconds per call (default: 30; for a recording at least twice its "
-        "estimated time)",
+        "estimated time)", retries=False,
     )  # fmt: skip
 
 

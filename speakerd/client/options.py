@@ -14,7 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
-from speakerd.client.client import DEFAULT_TARGET, Security
+from speakerd.client.client import DEFAULT_TARGET, RetryPolicy, Security
 from speakerd.client.files import UsageError
 
 TOKEN_ENV = "SPEAKERD_TOKEN"
@@ -22,9 +22,13 @@ TARGET_ENV = "SPEAKERD_TARGET"
 
 
 def add_connection_flags(
-    parser: argparse.ArgumentParser, timeout_s: float | None, timeout_help: str = "deadline in seconds a call"
+    parser: argparse.ArgumentParser,
+    timeout_s: float | None,
+    timeout_help: str = "deadline in seconds a call",
+    retries: bool = True,
 ) -> None:
-    """The flags; `timeout_s` None leaves --timeout to the command (`load` sizes it)."""
+    """The flags; `timeout_s` None leaves --timeout to the command (`load` sizes it);
+    `retries`: the command takes --retries (`load` counts every failure instead)."""
     target = os.environ.get(TARGET_ENV) or DEFAULT_TARGET
     parser.add_argument(
         "--target", default=target, help=f"HOST:PORT (default ${TARGET_ENV}, else {DEFAULT_TARGET})"
@@ -33,6 +37,12 @@ def add_connection_flags(
     parser.add_argument("--tls-ca", type=Path, default=None, help="PEM roots to trust: connect with TLS")
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mutual TLS)")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
+    if retries:
+        parser.add_argument(
+            "--retries", type=int, default=0,
+            help="send a call again up to N times, with backoff, when the server was unreachable, shut "
+            "down during it or was full (UNAVAILABLE, RESOURCE_EXHAUSTED); default 0: one attempt",
+        )  # fmt: skip
     parser.add_argument(
         "--token-file",
         type=Path,
@@ -58,11 +68,22 @@ def read_token(path: Path | None) -> str | None:
 
 def security(args: argparse.Namespace) -> Security:
     """The Security of the parsed flags; ValueError naming the file when one is unusable."""
-    return Security.from_files(**client_kwargs(args))  # type: ignore[arg-type]
+    kwargs = client_kwargs(args)
+    del kwargs["retry"]
+    return Security.from_files(**kwargs)  # type: ignore[arg-type]
+
+
+def retry_policy(args: argparse.Namespace) -> RetryPolicy:
+    """One attempt, or 1 + --retries with the client's backoff; UsageError below 0."""
+    retries = getattr(args, "retries", 0)
+    if retries < 0:
+        raise UsageError(f"--retries {retries}: expected 0 or more")
+    return RetryPolicy(attempts=1 + retries)
 
 
 def client_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags; a TLS
+    """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags (the
+    retry policy too: a command line makes one attempt unless --retries asks for more); a TLS
     file that is not there is a UsageError naming its flag."""
     for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path is not None and not Path(path).is_file():
@@ -72,4 +93,5 @@ def client_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "token": read_token(args.token_file),
+        "retry": retry_policy(args),
     }

@@ -179,12 +179,14 @@ async def _aiter(items: Iterable[pb.EmbedRecordingRequest]) -> AsyncIterable[pb.
         yield item
 
 
-def add_audio_flags(parser: argparse.ArgumentParser) -> None:
+def add_audio_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:
     """`--audio`, `--sample-rate` and `--step`: how every command that takes a recording
-    (embed, enroll, identify, voiceprints verify) reads it, so that a file one accepts, and
-    the advice its errors give, hold for all of them."""
+    (embed, enroll, identify, voiceprints verify, diarize) reads it, so that a file one
+    accepts, and the advice its errors give, hold for all of them. `required`: the command
+    takes nothing else (diarize), so its usage shows --audio as required."""
     parser.add_argument(
         "--audio",
+        required=required,
         help="a whole recording: WAV, FLAC or any file libsndfile reads, or .npy with --sample-rate",
     )
     parser.add_argument("--sample-rate", type=int, help="with --audio FILE.npy: its sample rate in Hz")

@@ -77,10 +77,8 @@ async def _caller(
 
 async def _run(args: argparse.Namespace, pcm: np.ndarray, masks: np.ndarray) -> dict:
     out: dict = {"latencies": [], "errors": collections.Counter()}
-    kwargs = client_kwargs(args)
-    async with AsyncSpeakerClient(
-        args.target, timeout_s=args.timeout, retry=RetryPolicy(1), **kwargs
-    ) as client:
+    kwargs = {**client_kwargs(args), "retry": RetryPolicy(1)}  # a load counts every failure
+    async with AsyncSpeakerClient(args.target, timeout_s=args.timeout, **kwargs) as client:
         window = Window.after(time.monotonic(), args.warmup, args.seconds)
         callers = (
             _caller(client, pcm, args.sample_rate, masks, window, out, args) for _ in range(args.streams)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m speakerd.client.verify", description=__doc__.splitlines()[0]
     )
     configure(parser)
-    return run_command("speakerd.client verify", run, parser.parse_args(argv))
+    return run_command("speakerd-client verify", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

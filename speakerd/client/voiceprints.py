@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
@@ -24,6 +26,7 @@ from speakerd.client import recording
 from speakerd.client.client import SpeakerClient
 from speakerd.client.files import read_masks
 from speakerd.client.options import add_connection_flags, client_kwargs
+from speakerd.client.outcome import CALL_FAILED_EXIT
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import to_tensor
@@ -275,7 +278,14 @@ def _print(message: Any) -> None:
 def _enroll(args: argparse.Namespace) -> int:
     speech = _speech(args, one_speaker=True)
     with VoiceprintClient(args.target, timeout_s=args.timeout, **client_kwargs(args)) as client:
-        _print(client.enroll(args.speaker_id, replace=args.replace, **speech))
+        try:
+            _print(client.enroll(args.speaker_id, replace=args.replace, **speech))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            message = " ".join(str(error.details()).split()).replace("set replace", "add --replace")
+            print(f"speakerd-client enroll: {message}", file=sys.stderr)
+            return CALL_FAILED_EXIT
     return 0
 
 

@@ -67,6 +67,9 @@ REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w
 CONVERTED_DIR = "speakerd-converted-v1"
 SEGMENTATION_CONVERTED_DIR = "speakerd-converted-segmentation-v1"
 SAFETENSORS_SUFFIX = ".safetensors"
+#: How the synthetic generators name their files (store.py, segmentation/store.py): a local
+#: file so named is the synthetic model too (a test's or a copied cache's), and says so.
+SYNTHETIC_NAME = re.compile(r"-synthetic-v\d+-seed\d+\.safetensors$")
 #: A blob in the hub cache named by 64 hex digits is an LFS file named by its sha256.
 SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
 #: The HTTP clients under huggingface_hub (it has used each): they log every request at INFO.
@@ -199,7 +202,7 @@ def _resolve_local(path: Path, said: str, kind: ModelKind, fetching: bool) -> Re
         digest = file_sha256(path)
     except OSError as error:
         raise ModelError(f"{said}: cannot read it ({error.strerror})") from error
-    source = ModelSource(filename=path.name, sha256=digest)
+    source = ModelSource(filename=path.name, sha256=digest, synthetic=bool(SYNTHETIC_NAME.search(path.name)))
     if path.suffix == SAFETENSORS_SUFFIX:
         return ResolvedModel(path, source)
     if path.suffix not in checkpoint.CHECKPOINT_SUFFIXES:
