@@ -134,6 +134,24 @@ def test_turns_equal_pyannotes(server, sample, pyannote_outputs) -> None:
             )
 
 
+@pytest.mark.parametrize("seconds", [1.0, 3.0])
+def test_a_recording_shorter_than_a_window_gets_pyannotes_turns(server, sample, seconds) -> None:
+    """A recording shorter than one 10 s window is one zero-padded window, as in pyannote's
+    pipeline; the turns are pyannote's, the last ending where its frames put it (3.102 s for
+    3 s of speech: pyannote does not cut turns at the audio's end either)."""
+    samples = sample["waveform"].numpy().T
+    clip = samples[int(6.7 * 16_000) : int((6.7 + seconds) * 16_000)]  # both speakers' first turns
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = remote_pipeline(server.target, timeout_s=TIMEOUT_S)(models.in_memory(clip, 16_000, "clip"))
+    with DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client:
+        ours = client.diarize(clip, 16_000)
+    expected = [(round(s.start, 3), round(s.end, 3), label)
+                for s, _, label in theirs.speaker_diarization.itertracks(yield_label=True)]  # fmt: skip
+    assert [(round(t.start_s, 3), round(t.end_s, 3), t.label) for t in ours.turns] == expected
+    assert ours.windows == 1 and expected, expected
+
+
 def test_names_label_the_speakers_their_voiceprints_match(server, sample) -> None:
     samples = sample["waveform"].numpy().T
     with VoiceprintClient(server.target, timeout_s=TIMEOUT_S) as voiceprints:

@@ -8,9 +8,11 @@ conv1d of stride `orig` and keeps the first ceil(new * N / orig) outputs.
 
 Output frame j (outputs j new .. j new + new - 1) reads padded samples [j orig, j orig + K)
 only, so the same sums can be taken as the samples arrive: `StreamingResampler` keeps the
-few samples the next frame still needs and emits every frame whose input is complete. Each
-frame is the same dot product over the same samples whatever the piece sizes, so pieces
-change the result by float32 summation order at most.
+samples the next frames still need and emits frames whose input is complete, DRAIN_FRAMES
+at a time (the last group zero-filled at the end). Each group is one float32 matrix product
+of the same shape, its frames at the same rows, whatever the piece sizes: BLAS's summation
+order depends on the product's shape, so a recording gives the same bits however it was cut
+into pieces.
 
 Like torchaudio called on a float32 waveform, the filters and the sums are float32 (the
 filters are evaluated in float64 and rounded once, torchaudio evaluates them in float32:
@@ -29,6 +31,9 @@ from speakerd.model.inputs import InputError
 #: torchaudio.functional.resample defaults, which pyannote's Audio uses.
 LOWPASS_FILTER_WIDTH = 6
 ROLLOFF = 0.99
+#: Output frames one matrix product computes (module doc): about 0.6 s of audio held back
+#: at most, whatever the rates (a frame is `orig` input samples).
+DRAIN_FRAMES = 64
 #: Filter coefficients one resampler may hold (new x (2 width + orig) float32): 4 Mi is
 #: 16 MiB. Every common rate (8 to 192 kHz, the 44.1 kHz family included) needs < 0.4 Mi;
 #: a rate like 7,919 Hz (prime) would need 127 Mi and is refused instead of allocated.
@@ -128,19 +133,28 @@ class StreamingResampler:
         if self.identity:
             return np.zeros(0, dtype=np.float32)
         self._buffer = np.concatenate([self._buffer, np.zeros(self._width + self._orig, dtype=np.float32)])
-        out = self._drain()
+        out = self._drain(last=True)
         keep = output_length(self._samples_in, self.orig_freq, self.new_freq) - (
             self._samples_out - out.shape[0]
         )
         self._samples_out -= out.shape[0] - keep
         return out[:keep]
 
-    def _drain(self) -> np.ndarray:
-        frames = (self._buffer.shape[0] - self._taps) // self._orig + 1
+    def _drain(self, last: bool = False) -> np.ndarray:
+        """The complete frames in whole groups of DRAIN_FRAMES; with `last`, all of them (the
+        last group's missing frames computed on zeros and dropped)."""
+        ready = (self._buffer.shape[0] - self._taps) // self._orig + 1
+        frames = ready if last else ready // DRAIN_FRAMES * DRAIN_FRAMES
         if frames <= 0:
             return np.zeros(0, dtype=np.float32)
-        view = np.lib.stride_tricks.sliding_window_view(self._buffer, self._taps)[:: self._orig][:frames]
-        out = (view @ self._kernel.T).reshape(-1)
+        groups = -(-frames // DRAIN_FRAMES)
+        need = (groups * DRAIN_FRAMES - 1) * self._orig + self._taps
+        buffer = self._buffer
+        if buffer.shape[0] < need:
+            buffer = np.concatenate([buffer, np.zeros(need - buffer.shape[0], dtype=np.float32)])
+        view = np.lib.stride_tricks.sliding_window_view(buffer, self._taps)[:: self._orig]
+        products = [view[g * DRAIN_FRAMES : (g + 1) * DRAIN_FRAMES] @ self._kernel.T for g in range(groups)]
+        out = np.concatenate(products).reshape(-1)[: frames * self._new]
         self._buffer = self._buffer[frames * self._orig :].copy()
         self._samples_out += out.shape[0]
         return out
