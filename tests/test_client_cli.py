@@ -17,11 +17,11 @@ import pytest
 
 from speakerd.client import progress as progress_module
 from speakerd.client.cli import build_parser, main
-from speakerd.client.diarize import DiarizationClient, Progress
+from speakerd.client.diarize import DiarizationClient
 from speakerd.client.files import UsageError
 from speakerd.client.options import retry_policy
 from speakerd.client.outcome import explain
-from speakerd.client.progress import ProgressLine, describe
+from speakerd.client.progress import Progress, ProgressLine, describe
 from speakerd.v1 import speakerd_pb2 as pb
 
 TARGET = "127.0.0.1:9"
@@ -56,10 +56,14 @@ class Failed(grpc.RpcError):
         (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded",
          "the deadline passed after 12.5 s and the call was not completed (Deadline Exceeded); give a "
          "longer --timeout"),
+        (grpc.StatusCode.UNAVAILABLE, "the engine is still warming up",
+         f"the server at {TARGET} is starting (the engine is still warming up); retry in a few seconds"),
+        (grpc.StatusCode.UNAVAILABLE, "something else",
+         f"{TARGET} answered UNAVAILABLE (something else); the call was not completed: retry it"),
         (grpc.StatusCode.INVALID_ARGUMENT, "uri: expected no whitespace",
          f"{TARGET} answered INVALID_ARGUMENT (uri: expected no whitespace)"),
     ],
-    ids=["refused", "dns", "draining", "lost", "deadline", "answered"],
+    ids=["refused", "dns", "draining", "lost", "deadline", "warming-up", "unavailable", "answered"],
 )  # fmt: skip
 def test_a_failed_call_says_what_happened_and_what_to_do(code, details, says) -> None:
     line = explain(Failed(code, details), TARGET, 12.5)

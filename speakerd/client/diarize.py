@@ -23,6 +23,7 @@ import numpy as np
 from speakerd.client import recording
 from speakerd.client.client import SpeakerClient
 from speakerd.client.files import UsageError, writable
+from speakerd.client.progress import Progress, ProgressLine
 from speakerd.v1 import speakerd_pb2 as pb
 from speakerd.v1 import speakerd_pb2_grpc as pb_grpc
 from speakerd.v1.tensors import from_tensor
@@ -69,18 +70,6 @@ class Diarization:
     labels: list[str] = field(default_factory=list)
     #: the PLDA VBx clustered in (GetModelInfo's plda.plda_id); "" for the agglomerative clustering
     plda_id: str = ""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where a Diarize call is (DiarizeProgress): `stage` "embedding" (windows segmented and
-    embedded as the audio arrives: `windows_done` of `windows`, 0 while the total is unknown)
-    or "clustering" (after the last window); seconds since the server had the header."""
-
-    stage: str
-    windows_done: int
-    windows: int
-    elapsed_s: float
 
 
 def parse(response: pb.DiarizeResponse) -> Diarization:
@@ -253,8 +242,6 @@ def run(args: argparse.Namespace, client: DiarizationClient) -> int:
     """Diarize `args.audio`: the turns as a table (or `--json`), progress on stderr while it
     works, `--rttm` written; a note on stderr when the server's models are synthetic."""
     from pathlib import Path
-
-    from speakerd.client.progress import ProgressLine
 
     rttm = writable("--rttm", args.rttm) if args.rttm else None
     samples, rate = recording.read_recording(args)

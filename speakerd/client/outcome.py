@@ -32,8 +32,12 @@ NOT_CONNECTED = (
     "failed to connect", "connection refused", "dns resolution failed", "name resolution",
     "no route to host", "connection timed out", "deadline exceeded while connecting",
 )  # fmt: skip
-#: The server's own words when it refuses a call because it is shutting down (api/calls.py).
+#: The server's own words when it refuses a call because it is shutting down (api/calls.py)
+#: or not ready yet (api/recording.py, serve.py).
 DRAINING = "the server is draining"
+WARMING_UP = "still warming up"
+#: gRPC's words for a connection that broke while a call was on it.
+LOST = ("socket closed", "connection reset", "broken pipe", "goaway", "stream removed", "end of stream")
 
 
 def explain(error: grpc.RpcError, target: str, elapsed_s: float) -> str:
@@ -49,10 +53,15 @@ def explain(error: grpc.RpcError, target: str, elapsed_s: float) -> str:
     if code == grpc.StatusCode.UNAVAILABLE and DRAINING in lowered:
         return (f"the server at {target} is shutting down and did not take the call; retry "
                 "(--retries N) or use another server")  # fmt: skip
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAVAILABLE and WARMING_UP in lowered:
+        return (f"the server at {target} is starting ({details}); retry in a few seconds (--retries N), "
+                "or wait for it: speakerd-client health --wait 600")  # fmt: skip
+    if code == grpc.StatusCode.UNAVAILABLE and any(words in lowered for words in LOST):
         return (f"the connection to {target} was lost during the call after {elapsed_s:.1f} s ({details}): "
                 "the server shut down or restarted and the call was not completed; run it again "
                 "(--retries N retries it)")  # fmt: skip
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"{target} answered {describe(error)}; the call was not completed: retry it (--retries N)"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return (f"the deadline passed after {elapsed_s:.1f} s and the call was not completed ({details}); "
                 "give a longer --timeout")  # fmt: skip

@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import TextIO
 
-from speakerd.client.diarize import Progress
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a Diarize call is (DiarizeProgress): `stage` "embedding" (windows segmented and
+    embedded as the audio arrives: `windows_done` of `windows`, 0 while the total is unknown)
+    or "clustering" (after the last window); seconds since the server had the header."""
+
+    stage: str
+    windows_done: int
+    windows: int
+    elapsed_s: float
+
 
 #: A call shorter than this shows no progress at all.
 SHOW_AFTER_S = 3.0

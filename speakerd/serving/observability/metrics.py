@@ -178,8 +178,7 @@ class Metrics:
         )
         self.clustering_seconds = Histogram(
             "speakerd_clustering_seconds",
-            "Seconds a Diarize call's clustering, reconstruction and turns took on the CPU, after its "
-            "embeddings",
+            "Seconds a Diarize call's clustering, reconstruction and turns took after its embeddings",
             buckets=CLUSTERING_BUCKETS,
             registry=r,
         )

@@ -314,8 +314,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add(
         "linkage",
         "compiled",
-        "Diarize's centroid linkage: compiled (SciPy's bits, GPU distances where the "
-        "engine is on one) or scipy (SciPy itself, the reference, for checking)",
+        "Diarize's centroid linkage: compiled (SciPy's bits: on the GPU engine's device, else "
+        "on the host's cores) or scipy (SciPy itself, the reference, for checking)",
         choices=LINKAGES,
     )
     # optional transport security; the metrics port stays plain HTTP (scraped inside the cluster)
