@@ -705,3 +705,19 @@ def test_rttm_equals_write_rttm() -> None:
         to_rttm(turns, "a meeting")
     with pytest.raises(ValueError, match="space"):
         to_rttm([Turn(0.0, 1.0, "Ada Lovelace")], "m")
+
+
+def test_clean_pairs_of_bytes_are_those_of_floats() -> None:
+    """A server's segmentation arrives as 0/1 bytes: clean_speakers counts it in byte
+    arithmetic, and must pick exactly the pairs pyannote's float formula picks (every pair
+    at the 20% boundary included), NaN embeddings left out either way."""
+    rng = np.random.default_rng(12)
+    binary = (rng.random((400, 589, 3)) < rng.random((400, 1, 3))).astype(np.uint8)
+    binary[:50, :118, 0], binary[:50, 118:, 0] = 1, 0  # 118 clean frames: exactly 20% of 589 is 117.8
+    binary[:50, :, 1:] = 0
+    embeddings = rng.standard_normal((400, 3, 8)).astype(np.float32)
+    embeddings[7, 2] = np.nan
+    as_bytes = clean_speakers(embeddings, binary)
+    as_floats = clean_speakers(embeddings, binary.astype(np.float32))
+    assert all(np.array_equal(a, b) for a, b in zip(as_bytes, as_floats, strict=True))
+    assert 0 < len(as_bytes[0]) < 1200 and (7, 2) not in set(zip(*as_bytes, strict=True))

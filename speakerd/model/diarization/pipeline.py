@@ -44,7 +44,7 @@ from speakerd.model.diarization.count import SpeakerCount, speaker_count
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, WINDOW_S, SlidingFrames, windows
 from speakerd.model.diarization.linkage import HOST, Linker
 from speakerd.model.diarization.plda import Plda
-from speakerd.model.diarization.reconstruct import reconstruct
+from speakerd.model.diarization.reconstruct import cluster_activations, most_active
 from speakerd.model.diarization.rttm import to_rttm
 from speakerd.model.diarization.turns import Track, Turn, binarize, speech_seconds
 from speakerd.model.diarization.vbx import VBX_BYTES_PER_PAIR_CLUSTER, VBxParameters, vbx_clustering
@@ -254,14 +254,15 @@ def diarize(
     hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
     exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
 
+    reconstructing = time.perf_counter()
+    # pyannote reconstructs twice (the count, then the count capped at 1); the clusters'
+    # summed activity is the same both times, so it is computed once
+    activations = cluster_activations(segmentations, hard, chunks, frames)
+
     def turns_of(counts: np.ndarray) -> list[Track]:
-        frame_counts = SpeakerCount(counts, count.frames)
-        reconstructed = reconstruct(segmentations, hard, frame_counts, chunks, frames)
+        reconstructed = most_active(activations, SpeakerCount(counts, count.frames))
         return binarize(reconstructed, count.frames, min_duration_off=min_duration_off)
 
-    # one after the other: side by side, their frame arrays would add 12 KB a window to
-    # the peak (DIARIZE_BYTES_PER_WINDOW) for a few hundredths of a second
-    reconstructing = time.perf_counter()
     tracks = turns_of(capped)
     exclusive_tracks = turns_of(exclusive)
     seconds["reconstruction"] = time.perf_counter() - reconstructing

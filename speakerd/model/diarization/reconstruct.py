@@ -48,6 +48,21 @@ def clustered_segmentations(segmentations: np.ndarray, hard_clusters: np.ndarray
     return clustered
 
 
+def cluster_activations(
+    segmentations: np.ndarray,
+    hard_clusters: np.ndarray,
+    chunks: SlidingFrames,
+    frames: SlidingFrames = SEGMENTATION_FRAMES,
+) -> np.ndarray:
+    """Steps 1 and 2: each cluster's summed activity on the recording's frames,
+    [num_frames, clusters]. It does not depend on the count, so the diarization and its
+    exclusive form (the same with the count capped at 1) share it."""
+    activations, _ = overlap_add(
+        clustered_segmentations(segmentations, hard_clusters), chunks, frames, average=False, missing=0.0
+    )
+    return activations
+
+
 def discrete_diarization(
     clustered: np.ndarray,
     count: SpeakerCount,
@@ -58,6 +73,12 @@ def discrete_diarization(
     of 0/1 on `count.frames` (`to_diarization`); columns >= clusters when a count exceeds
     the number of clusters."""
     activations, _ = overlap_add(clustered, chunks, frames, average=False, missing=0.0)
+    return most_active(activations, count)
+
+
+def most_active(activations: np.ndarray, count: SpeakerCount) -> np.ndarray:
+    """Step 3: in each frame the `count` columns of largest activation are 1, the others 0
+    (`to_diarization`'s ranking), [num_frames, columns]."""
     counts = np.asarray(count.counts)
     if activations.shape[0] != counts.shape[0]:
         # pyannote crops both to their common extent; from the same windows they are equal
