@@ -13,6 +13,10 @@ import sys
 #: command -> (module with `configure(parser)` and `run(args) -> int`, help line)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("speakerd.serving.server.command", "run the gRPC server (GPU when present, else CPU)"),
+    "warm": (
+        "speakerd.serving.server.warm",
+        "build and check what serve builds with the same flags (filling the caches), then exit",
+    ),
     "embed": ("speakerd.tools.embed", "embed an .npz of fbank or waveform chunks offline"),
     "make-model": ("speakerd.model.synthetic", "write the deterministic synthetic default model"),
     "make-segmentation-model": (

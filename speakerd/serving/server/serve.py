@@ -84,6 +84,7 @@ from speakerd.serving.receivers.receivers import ReceiverFailed, ReceiverGroup
 from speakerd.serving.server import config, plda, segmentation
 from speakerd.serving.server import data_dir as data_dir_lock
 from speakerd.serving.server.memory_bound import memory_bound, resident_bytes
+from speakerd.serving.server.phases import Phases
 from speakerd.serving.voiceprints.records import StoreUnavailable
 from speakerd.serving.voiceprints.service import SERVICE_NAME as VOICEPRINTS_SERVICE
 from speakerd.serving.voiceprints.service import VoiceprintService
@@ -292,33 +293,86 @@ async def serve(settings: config.ServeConfig, prepared: Prepared) -> Outcome:
     return Outcome(code, server.abandoned_work)
 
 
-def _build_engine(settings: config.ServeConfig, prepared: Prepared, resolved: ResolvedModel) -> Engine:
+def _build_engine(
+    settings: config.ServeConfig, prepared: Prepared, resolved: ResolvedModel, phases: Phases
+) -> Engine:
     """Load the weights, build and warm the engine, check it against the reference (blocking)."""
     from speakerd.engine.factory import create_engine
     from speakerd.model.weights import load_model
 
     started = time.perf_counter()
-    model = prepared.model if prepared.model is not None else load_model(resolved.path)
-    source = resolved.path
-    engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans, settings.conv_kernels,
-                           cpu_threads=settings.cpu_threads or None)  # fmt: skip
+    with phases.timed("engine"):
+        model = prepared.model if prepared.model is not None else load_model(resolved.path)
+        source = resolved.path
+        engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans,
+                               settings.conv_kernels, cpu_threads=settings.cpu_threads or None)  # fmt: skip
     threads = f", {engine.threads} thread{'s' * (engine.threads != 1)}" if engine.threads else ""
     log.info("engine %s %s plans %s%s built in %.1f s from %s (model %s)", engine.name, engine.math,
              engine.plan_sizes, threads, time.perf_counter() - started, source,
              model.model_id[:12])  # fmt: skip
     try:
-        check_engine(engine, model)
+        with phases.timed("self-check"):
+            check_engine(engine, model)
         log.info("self-check passed for every plan; timing plans for the batcher's cost model")
         # measured here, off the event loop (the batcher reads them when it is made): on a
         # CPU engine this runs every plan once, seconds in which health must still answer;
         # so are the rows the batcher answers silent windows with (Engine.empty_rows)
-        times = engine.plan_times_ms()
-        engine.empty_rows()
+        with phases.timed("plan timing"):
+            times = engine.plan_times_ms()
+            engine.empty_rows()
     except BaseException:
         engine.close()
         raise
     log.info("plan times %s", plan_times_text(times, prepared.engine_kind))
     return engine
+
+
+@dataclass
+class Built:
+    """What a start-up builds before serving (build_all)."""
+
+    engine: Engine
+    segmenter: Segmenter
+    model_source: ModelSource
+    segmentation_source: ModelSource
+    linker: linkage.Linker
+
+
+def build_all(
+    settings: config.ServeConfig,
+    prepared: Prepared,
+    phases: Phases,
+    metrics: Metrics,
+    on_lost: Callable[[int, int], None],
+) -> Built:
+    """The models (the default ones made here on first use), the segmenter, the engine (or
+    the device pool) with its self-check, and Diarize's linkage: what `serve` waits for
+    before SERVING and `speakerd warm` builds to fill the caches (blocking)."""
+    from speakerd.model.source import SEGMENTATION, resolve_model
+
+    with phases.timed("models"):
+        resolved = prepared.resolved or resolve_model(None)
+        if prepared.segmentation is not None:
+            found, weights = prepared.segmentation
+        else:
+            found = resolve_model(None, kind=SEGMENTATION)
+            weights = segmentation.load(found, None)
+    # with --devices the GPUs belong to the worker processes: this one segments on its CPU
+    kind = prepared.engine_kind if prepared.devices is None else "cpu"
+    with phases.timed("segmentation"):
+        segmenter = segmentation.build(weights, found.path, kind)
+    try:
+        if prepared.devices is None:
+            engine = _build_engine(settings, prepared, resolved, phases)
+        else:
+            with phases.timed("devices"):
+                engine = _start_pool(settings, prepared, resolved, metrics, on_lost)
+        with phases.timed("clustering check"):
+            linker = diarization_linker(settings.linkage, engine)
+    except BaseException:
+        segmenter.close()
+        raise
+    return Built(engine, segmenter, resolved.source, found.source, linker)
 
 
 def _start_pool(
@@ -455,6 +509,8 @@ class SpeakerServer:
         self.receivers: ReceiverGroup | None = None
         self._internal_dir: str | None = None
         self._started = time.monotonic()
+        #: where the start-up's seconds went, said on the SERVING line
+        self.phases = Phases()
         self._stop = asyncio.Event()
         self._exit_code = 0
         self._warm_up: asyncio.Task[None] | None = None
@@ -596,26 +652,12 @@ class SpeakerServer:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._device_lost(device, left)))
 
         def build() -> Engine:
-            from speakerd.model.source import SEGMENTATION, resolve_model
-
             # the default models are made here, on first use, while health answers NOT_SERVING
-            resolved = self.prepared.resolved or resolve_model(None)
-            self.model_source = resolved.source
-            if self.prepared.segmentation is not None:
-                found, weights = self.prepared.segmentation
-            else:
-                found = resolve_model(None, kind=SEGMENTATION)
-                weights = segmentation.load(found, None)
-            self.segmentation_source = found.source
-            # with --devices the GPUs belong to the worker processes: this one segments on its CPU
-            kind = self.prepared.engine_kind if self.prepared.devices is None else "cpu"
-            self.segmenter = segmentation.build(weights, found.path, kind)
-            if self.prepared.devices is None:
-                engine = _build_engine(s, self.prepared, resolved)
-            else:
-                engine = _start_pool(s, self.prepared, resolved, self.metrics, on_lost)
-            self.diarization.linker = diarization_linker(s.linkage, engine)
-            return engine
+            built = build_all(s, self.prepared, self.phases, self.metrics, on_lost)
+            self.model_source, self.segmentation_source = built.model_source, built.segmentation_source
+            self.segmenter = built.segmenter
+            self.diarization.linker = built.linker
+            return built.engine
 
         # the compiled linkage's compile (numba's cache: a fraction of a second; a few seconds
         # the first time on a machine) and its check against SciPy, beside the engine's build;
@@ -655,7 +697,8 @@ class SpeakerServer:
         if self._stopping is None:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-            log.info("SERVING %s after %.1f s of start-up", SERVICE_NAME, time.monotonic() - self._started)
+            took = time.monotonic() - self._started
+            log.info("SERVING %s after %.1f s of start-up (%s)", SERVICE_NAME, took, self.phases.text())
 
     async def _device_lost(self, device: int, left: int) -> None:
         """A device of --devices was taken out (the pool logged why); with none left the
