@@ -721,3 +721,24 @@ def test_clean_pairs_of_bytes_are_those_of_floats() -> None:
     as_floats = clean_speakers(embeddings, binary.astype(np.float32))
     assert all(np.array_equal(a, b) for a, b in zip(as_bytes, as_floats, strict=True))
     assert 0 < len(as_bytes[0]) < 1200 and (7, 2) not in set(zip(*as_bytes, strict=True))
+
+
+def test_clean_pairs_found_window_by_window_are_those_of_the_whole() -> None:
+    """A server finds the clean pairs as windows arrive and hands them to diarize (`clean`):
+    window by window, offset by each group's first window, they are the whole recording's,
+    and the diarization made with them is the same."""
+    rng = np.random.default_rng(21)
+    binary = (rng.random((60, 589, 3)) < rng.random((60, 1, 3))).astype(np.uint8)
+    embeddings = rng.standard_normal((60, 3, 256)).astype(np.float32)
+    embeddings[embeddings[:, :, 0] > 2.0] = np.nan
+    found = [clean_speakers(embeddings[a : a + 7], binary[a : a + 7]) for a in range(0, 60, 7)]
+    windows = np.concatenate([w + a for (w, _), a in zip(found, range(0, 60, 7), strict=True)])
+    speakers = np.concatenate([s for _, s in found])
+    whole = clean_speakers(embeddings, binary)
+    assert np.array_equal(windows, whole[0]) and np.array_equal(speakers, whole[1])
+    given, found_here = (
+        diarize(binary, embeddings, 1.0, clean=(windows, speakers)),
+        diarize(binary, embeddings, 1.0),
+    )
+    assert given.turns == found_here.turns and given.exclusive_turns == found_here.exclusive_turns
+    assert np.array_equal(given.centroids, found_here.centroids) and given.turns, given.turns

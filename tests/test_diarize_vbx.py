@@ -218,7 +218,7 @@ def test_vbx_turns_equal_pyannotes(
     code = cli_main([
         "diarize", "--target", server.target, "--audio", str(audio), "--sample-rate", str(SAMPLE_RATE),
         "--clustering", "vbx", "--clustering-threshold", str(CHANGED["threshold"]),
-        "--fa", str(CHANGED["Fa"]), "--fb", str(CHANGED["Fb"]), "--rttm", str(rttm),
+        "--fa", str(CHANGED["Fa"]), "--fb", str(CHANGED["Fb"]), "--rttm", str(rttm), "--json",
     ])  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["clustering"] == "vbx" and summary["plda_id"] == plda_id(plda_dir), summary

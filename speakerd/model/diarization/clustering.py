@@ -305,16 +305,19 @@ def agglomerative_clustering(
     max_clusters: float | None = None,
     parameters: AgglomerativeParameters = SPEAKER_DIARIZATION_3_1,
     linker: Linker = HOST,
+    clean: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Clusters:
     """embeddings [windows, speakers, dim], binarized segmentations [windows, frames,
     speakers] -> Clusters, as `AgglomerativeClustering.__call__` (module docstring);
-    `linker` computes the centroid linkage (linkage.py)."""
+    `linker` computes the centroid linkage (linkage.py); `clean`: what `clean_speakers`
+    gives for these arrays, where the caller has it already (a server finds it window by
+    window as they arrive), else found here."""
     if embeddings.ndim != 3 or segmentations.ndim != 3:
         raise ValueError(
             f"embeddings {embeddings.shape} and segmentations {segmentations.shape}: expected "
             "[windows, speakers, dim] and [windows, frames, speakers]"
         )
-    train_windows, train_speakers = clean_speakers(embeddings, segmentations)
+    train_windows, train_speakers = clean if clean is not None else clean_speakers(embeddings, segmentations)
     train = embeddings[train_windows, train_speakers]
     num_clusters, min_clusters, max_clusters = bound_clusters(
         train.shape[0], num_clusters, min_clusters, max_clusters

@@ -133,6 +133,7 @@ def _cluster(
     max_speakers: float,
     linker: Linker,
     on_initial_clusters: Callable[[int, int], None] | None,
+    clean: tuple[np.ndarray, np.ndarray] | None,
 ) -> Clusters:
     """The clustering `clustering`'s type picks (diarize's step 3)."""
     if isinstance(clustering, VBxParameters):
@@ -147,6 +148,7 @@ def _cluster(
             parameters=clustering,
             linker=linker,
             on_initial_clusters=on_initial_clusters,
+            clean=clean,
         )
     return agglomerative_clustering(
         embeddings,
@@ -156,6 +158,7 @@ def _cluster(
         max_clusters=max_speakers,
         parameters=clustering,
         linker=linker,
+        clean=clean,
     )
 
 
@@ -175,6 +178,7 @@ def diarize(
     min_duration_off: float = 0.0,
     linker: Linker = HOST,
     on_initial_clusters: Callable[[int, int], None] | None = None,
+    clean: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Diarization:
     """segmentations [windows, frames, speakers] (0/1, pyannote's binarized segmentation),
     embeddings [windows, speakers, dim] (`get_embeddings`' array) -> Diarization.
@@ -188,7 +192,9 @@ def diarize(
     linker: how the centroid linkage is computed (linkage.py: the compiled port on this
     host's cores by default, distances from the GPU on a GPU server; SciPy's bits always);
     on_initial_clusters: VBx's (vbx_clustering), called with (clean pairs, initial clusters)
-    once its AHC cut is made, before its updates.
+    once its AHC cut is made, before its updates; clean: the (window, speaker) indices
+    clustering.clean_speakers gives for these arrays, where the caller found them already (a
+    server does, window by window as they arrive: the filter is per window), else found here.
     With VBx, speaker numbers it does not meet by itself are met by re-clustering with
     scikit-learn's KMeans, as pyannote does (vbx.py; scikit-learn is imported only then).
     """
@@ -228,7 +234,7 @@ def diarize(
         try:
             clusters: Clusters | None = _cluster(
                 embeddings, segmentations, clustering, plda, num_speakers, min_speakers, max_speakers,
-                linker, on_initial_clusters,
+                linker, on_initial_clusters, clean,
             )  # fmt: skip
             failure: Exception | None = None
         except Exception as error:  # raised below unless the recording has no speaker

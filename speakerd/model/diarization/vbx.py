@@ -228,12 +228,14 @@ def vbx_clustering(
     parameters: VBxParameters = COMMUNITY_1,
     linker: Linker = HOST,
     on_initial_clusters: Callable[[int, int], None] | None = None,
+    clean: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Clusters:
     """embeddings [windows, speakers, dim], binarized segmentations [windows, frames,
     speakers] -> Clusters, as `VBxClustering.__call__` (module docstring); `linker` computes
     the initialisation's centroid linkage (linkage.py); `on_initial_clusters(n, s)` hears the
     AHC's outcome (n clean pairs in s initial clusters) before the updates that hold
-    VBX_BYTES_PER_PAIR_CLUSTER n s bytes (the server resizes its memory reservation there).
+    VBX_BYTES_PER_PAIR_CLUSTER n s bytes (the server resizes its memory reservation there);
+    `clean`: `clean_speakers` of these arrays where the caller has it (agglomerative_clustering).
 
     The speaker numbers are the pipeline's (`set_num_speakers`): min defaults to 1, max to
     no limit; unlike the agglomerative clustering they are not clipped to the number of
@@ -252,7 +254,7 @@ def vbx_clustering(
     min_clusters = 1 if min_clusters is None else min_clusters
     max_clusters = math.inf if max_clusters is None else max_clusters
     num_windows, num_speakers, dim = embeddings.shape
-    train_windows, train_speakers = clean_speakers(embeddings, segmentations)
+    train_windows, train_speakers = clean if clean is not None else clean_speakers(embeddings, segmentations)
     train = embeddings[train_windows, train_speakers]
     if train.shape[0] < MIN_TRAIN_EMBEDDINGS:
         return one_cluster(embeddings, train)  # no clustering

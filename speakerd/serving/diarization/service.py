@@ -195,6 +195,7 @@ class DiarizationService:
         self._refuse_early(header.recording)
         rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
         last, held, pairs, done, reported = None, [], 0, 0, began
+        clean: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
 
         def report(stage: str, windows: int) -> None:
             if progress is not None:
@@ -210,9 +211,12 @@ class DiarizationService:
                 async for response in windows:
                     rows[0].append(from_tensor(response.segmentation, "segmentation"))
                     rows[1].append(from_tensor(response.embeddings, "embeddings"))
-                    # the clean pairs the clustering will link, counted as the windows come
+                    # the clean pairs the clustering will link, found as the windows come
                     # (pyannote's filter is per window): nothing of it is left for the end
-                    pairs += len(clean_speakers(rows[1][-1], rows[0][-1])[0])
+                    windows_at, speakers_at = clean_speakers(rows[1][-1], rows[0][-1])
+                    clean[0].append(windows_at + response.first_window)
+                    clean[1].append(speakers_at)
+                    pairs += len(windows_at)
                     last = response
                     done += len(response.starts)
                     if time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
@@ -241,12 +245,14 @@ class DiarizationService:
                 raise asyncio.CancelledError
             asyncio.run_coroutine_threadsafe(room.reserve(clusters), loop).result()
 
+        found = (np.concatenate(clean[0]), np.concatenate(clean[1]))
+
         def cluster() -> Diarization:
             return diarize(
                 segmentations, embeddings, step_s, options.num_speakers, options.min_speakers,
                 options.max_speakers, clustering=options.clustering,
                 plda=used[1] if used is not None else None, linker=self.linker,
-                on_initial_clusters=initial_clusters,
+                on_initial_clusters=initial_clusters, clean=found,
             )  # fmt: skip
 
         started = time.perf_counter()
