@@ -428,6 +428,15 @@ def test_progress_reaches_the_client_while_the_server_works(server, sample) -> N
     embedding = [p for p in seen if p.stage == "embedding"]
     assert all(0 < p.windows_done <= p.windows == result.windows for p in embedding), embedding
     assert [p.elapsed_s for p in seen] == sorted(p.elapsed_s for p in seen)
+    # its errors are Diarize's: INVALID_ARGUMENT naming the field, after no progress at all
+    seen.clear()
+    with (
+        DiarizationClient(server.target, timeout_s=TIMEOUT_S) as client,
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        client.diarize(sample["waveform"].numpy().T, 16_000, uri="a b", progress=seen.append)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert [name for name, _ in field_violations(caught.value)] == ["uri"] and seen == [], caught.value
 
 
 def test_bench_diarize_times_both_calls_and_the_clustering(server, sample, tmp_path, capsys) -> None:

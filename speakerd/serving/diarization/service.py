@@ -242,7 +242,7 @@ class DiarizationService:
 
         def initial_clusters(pairs: int, clusters: int) -> None:  # on the clustering thread
             if room.abandoned:  # the call was cancelled: stop before VBx's updates
-                raise asyncio.CancelledError
+                raise CallAbandoned("the call was cancelled during its clustering")
             asyncio.run_coroutine_threadsafe(room.reserve(clusters), loop).result()
 
         found = (np.concatenate(clean[0]), np.concatenate(clean[1]))
@@ -263,7 +263,13 @@ class DiarizationService:
             result = await asyncio.shield(clustering)
         except asyncio.CancelledError:
             room.abandoned = True
-            clustering.add_done_callback(lambda _: room.release())
+
+            def ended(future: asyncio.Future[Diarization]) -> None:
+                room.release()  # the thread let go of the memory
+                if not future.cancelled():
+                    future.exception()  # retrieved: the call is gone, nobody reads the outcome
+
+            clustering.add_done_callback(ended)
             raise
         room.release()
         self.host.metrics.clustering_seconds.observe(time.perf_counter() - started)
@@ -455,6 +461,10 @@ def clustering_parameters(clustering: pb.Clustering) -> AgglomerativeParameters 
     if clustering.min_cluster_size:
         parameters = replace(parameters, min_cluster_size=clustering.min_cluster_size)
     return parameters
+
+
+class CallAbandoned(Exception):
+    """Raised in a cancelled call's clustering thread, at VBx's resize, to stop its work."""
 
 
 class Room:
