@@ -197,7 +197,8 @@ def test_nothing_given_is_the_synthetic_model(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("SPEAKERD_CACHE", str(tmp_path))
     resolved = resolve_model(None, "--segmentation-model", SEGMENTATION)
     assert resolved.path == tmp_path / default_segmentation_name()
-    assert resolved.source == ModelSource(filename=resolved.path.name, sha256=file_sha256(resolved.path))
+    expected = ModelSource(filename=resolved.path.name, sha256=file_sha256(resolved.path), synthetic=True)
+    assert resolved.source == expected  # GetModelInfo and the client say it is synthetic
     assert default_model_name() != resolved.path.name  # the embedding model's default is another file
 
 
