@@ -97,8 +97,8 @@ def test_resample_matches_torchaudio(rate: int) -> None:
 @pytest.mark.parametrize("rate", (16_000, *RATES))
 def test_streaming_resampler_equals_one_shot(rate: int) -> None:
     """Pieces of awkward sizes (1 sample, less than a filter, several frames) change nothing,
-    to the bit (a recording cut differently gave centroids ~2e-7 apart before the products
-    were grouped); the output length is torchaudio's."""
+    to the bit (a product of another shape sums in another order: centroids ~2e-7 apart);
+    the output length is torchaudio's."""
     x = _test_signal(rate, 0.9, seed=3)
     whole = resample(x, rate, SAMPLE_RATE)
     resampler, pieces, at = StreamingResampler(rate, SAMPLE_RATE), [], 0
