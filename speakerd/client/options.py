@@ -68,9 +68,7 @@ def read_token(path: Path | None) -> str | None:
 
 def security(args: argparse.Namespace) -> Security:
     """The Security of the parsed flags; ValueError naming the file when one is unusable."""
-    kwargs = client_kwargs(args)
-    del kwargs["retry"]
-    return Security.from_files(**kwargs)  # type: ignore[arg-type]
+    return Security.from_files(**_security_kwargs(args))  # type: ignore[arg-type]
 
 
 def retry_policy(args: argparse.Namespace) -> RetryPolicy:
@@ -85,6 +83,11 @@ def client_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """Keyword arguments of SpeakerClient / AsyncSpeakerClient from the parsed flags (the
     retry policy too: a command line makes one attempt unless --retries asks for more); a TLS
     file that is not there is a UsageError naming its flag."""
+    return {**_security_kwargs(args), "retry": retry_policy(args)}
+
+
+def _security_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The TLS files and the token of the parsed flags, checked."""
     for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"{flag} {path}: no such file (expected a PEM file)")
@@ -93,5 +96,4 @@ def client_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "token": read_token(args.token_file),
-        "retry": retry_policy(args),
     }

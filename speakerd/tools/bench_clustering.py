@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from speakerd.engine.gpu import cuda_available
 from speakerd.model.architecture import EMBEDDING_DIM
 from speakerd.model.diarization import linkage
 
@@ -63,16 +64,6 @@ def timed(function: Callable[[], np.ndarray], repeat: int) -> tuple[float, np.nd
     return best, result
 
 
-def has_gpu() -> bool:
-    """True where CuPy sees a device (no CuPy, no driver: a CPU machine)."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 def bench(points: np.ndarray, repeat: int, scipy_max_rows: int) -> dict:
     """One size: every variant's seconds and whether its matrix equals SciPy's."""
     import numba
@@ -95,7 +86,7 @@ def bench(points: np.ndarray, repeat: int, scipy_max_rows: int) -> dict:
         return linkage.linkage_from_square(distances)
 
     variants["host"] = host
-    if has_gpu():
+    if cuda_available()[0]:
         from speakerd.engine.gpu.distances import GpuDistances
         from speakerd.engine.gpu.linkage import GpuLinkage
 

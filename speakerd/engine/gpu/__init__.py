@@ -8,9 +8,9 @@ CUDA imports.
 from __future__ import annotations
 
 
-def gpu_available() -> tuple[bool, str]:
-    """(True, device name) when CuPy sees a CUDA device and the cuDNN frontend loads; else
-    (False, why). Never raises: the engine factory calls it to choose between GPU and CPU."""
+def cuda_available() -> tuple[bool, str]:
+    """(True, "") when CuPy sees a CUDA device; else (False, why). Enough for the kernels of
+    our own (the clustering's), which need no cuDNN. Never raises."""
     try:
         import cupy
     except Exception as error:  # ImportError, or a CUDA library that fails to load
@@ -19,8 +19,17 @@ def gpu_available() -> tuple[bool, str]:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as error:  # no driver, or a driver/runtime mismatch
         return False, f"no CUDA device ({type(error).__name__}: {error})"
-    if count < 1:
-        return False, "CUDA reports 0 devices"
+    return (True, "") if count >= 1 else (False, "CUDA reports 0 devices")
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(True, device name) when CuPy sees a CUDA device and the cuDNN frontend loads; else
+    (False, why). Never raises: the engine factory calls it to choose between GPU and CPU."""
+    found, why = cuda_available()
+    if not found:
+        return False, why
+    import cupy
+
     try:
         import cudnn
     except Exception as error:

@@ -515,23 +515,27 @@ def proof_points() -> np.ndarray:
 _proof_lock = threading.Lock()
 
 
-@functools.cache
-def _proven() -> bool:
+def equal_on_check_case(link: Callable[[np.ndarray], np.ndarray], what: str, instead: str) -> bool:
+    """True when `link` gives SciPy's linkage matrix of `proof_points` to the bit; else a
+    WARNING naming `what` and what is used `instead`, with how many merges differ."""
     from scipy.cluster.hierarchy import linkage
 
     points = proof_points()
-    ours = centroid_linkage(points)
+    ours = link(points)
     scipy = linkage(points, method="centroid", metric="euclidean")
     if np.array_equal(ours, scipy):
         return True
     differ = int(np.sum(np.any(ours != scipy, axis=1)))
-    log.warning(
-        "clustering: the compiled centroid linkage differs from this SciPy's on its check case "
-        "(%d of %d merges); linking with SciPy instead",
-        differ,
-        len(scipy),
-    )
+    log.warning("clustering: %s differs from this SciPy's on its check case (%d of %d merges); %s",
+                what, differ, len(scipy), instead)  # fmt: skip
     return False
+
+
+@functools.cache
+def _proven() -> bool:
+    return equal_on_check_case(
+        centroid_linkage, "the compiled centroid linkage", "linking with SciPy instead"
+    )
 
 
 def proven_equal_to_scipy() -> bool:
@@ -565,19 +569,9 @@ class DeviceLinkage(Protocol):
 def device_proven(device: DeviceLinkage) -> bool:
     """True when `device` gives SciPy's linkage matrix to the bit on the seeded check case
     (`proof_points`, as the compiled port is checked); a server uses it only then."""
-    from scipy.cluster.hierarchy import linkage
-
-    points = proof_points()
-    if not device.can_implement(points.shape[0]):
+    if not device.can_implement(PROOF_ROWS):
         return False
-    ours = device(points)
-    scipy = linkage(points, method="centroid", metric="euclidean")
-    if np.array_equal(ours, scipy):
-        return True
-    differ = int(np.sum(np.any(ours != scipy, axis=1)))
-    log.warning("clustering: the device's centroid linkage differs from SciPy's on the check case "
-                "(%d of %d merges); linking on the host instead", differ, len(scipy))  # fmt: skip
-    return False
+    return equal_on_check_case(device, "the device's centroid linkage", "linking on the host instead")
 
 
 #: `Linker.implementation` values: this module's port, or SciPy's own `linkage` (the reference,

@@ -6,7 +6,7 @@ the audio leaves empty, a low band's response to the waveform norm's offset), or
 all (digital silence, where it divides by sqrt(eps)). Float32 rounding there becomes a
 visible part of the output, pyannote's own included: its float32 log-probabilities differ
 from its float64 forward's by 3.6e-4 on sample.wav. So to stay within 1e-4 of pyannote
-(SPEC.md section 7) these layers repeat torch's rounding where it can be repeated and are
+(docs/segmentation.md) these layers repeat torch's rounding where it can be repeated and are
 exact where it cannot:
 
 - InstanceNorm (`norm_terms`, `instance_norm`): torch's CPU batch-norm kernel to the bit

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 #: The LSTM's two directions are independent, and 2 cores is the machine this is measured
-#: on (and pyannote's own CPU anchor, SPEC.md section 7). On that machine, shared with other
+#: on (and where pyannote's own CPU timing is taken, docs/segmentation.md). On that machine, shared with other
 #: jobs when measured (load average 5 on its 2 cores), 1 and 2 workers took the same time
 #: (6.7 s for 60 s of audio, half a core each): the second worker pays only where a second
 #: core is idle, and costs nothing where none is.

@@ -49,6 +49,7 @@ from speakerd.model.diarization import (
 from speakerd.model.diarization.linkage import HOST, Linker
 from speakerd.model.inputs import InputError
 from speakerd.model.recording import SAMPLE_RATE, step_samples, window_count
+from speakerd.model.resample import output_length
 from speakerd.model.source import ResolvedPlda
 from speakerd.model.voiceprint import check_threshold, normalize
 from speakerd.serving.api.calls import CALL_REQUEST_ID, header_and_parts, served
@@ -194,10 +195,10 @@ class DiarizationService:
             CALL_REQUEST_ID.set(check_request_id(header.recording.request_id, "header.recording.request_id"))
         self._refuse_early(header.recording)
         rows: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
-        last, held, pairs, done, reported = None, [], 0, 0, began
+        last, held, reported = None, [], began
         clean: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
 
-        def report(stage: str, windows: int) -> None:
+        def report(stage: str, done: int, windows: int) -> None:
             if progress is not None:
                 progress(pb.DiarizeProgress(stage=stage, windows_done=done, windows=windows,
                                             elapsed_s=round(time.perf_counter() - began, 3)))  # fmt: skip
@@ -216,16 +217,18 @@ class DiarizationService:
                     windows_at, speakers_at = clean_speakers(rows[1][-1], rows[0][-1])
                     clean[0].append(windows_at + response.first_window)
                     clean[1].append(speakers_at)
-                    pairs += len(windows_at)
                     last = response
-                    done += len(response.starts)
                     if time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
                         reported = time.perf_counter()
-                        report(EMBEDDING_STAGE, response.windows)
+                        report(
+                            EMBEDDING_STAGE, response.first_window + len(response.starts), response.windows
+                        )
             assert last is not None, "a recording has at least one window"
             embedded = time.perf_counter()
             segmentations, embeddings = np.concatenate(rows[0]), np.concatenate(rows[1])
             del rows
+            found = (np.concatenate(clean[0]), np.concatenate(clean[1]))
+            pairs = len(found[0])
             room = Room(self, segmentations, embeddings, pairs, context)
             await room.reserve(0)
         except Rejection as error:
@@ -236,7 +239,7 @@ class DiarizationService:
             metrics = self.host.metrics
             self.recordings.budget.report(metrics.recordings_waiting, metrics.recording_bytes_held)
         step_s = header.recording.step_s or DEFAULT_STEP_S
-        report(CLUSTERING_STAGE, last.windows)
+        report(CLUSTERING_STAGE, len(segmentations), last.windows)
 
         loop = asyncio.get_running_loop()
 
@@ -244,8 +247,6 @@ class DiarizationService:
             if room.abandoned:  # the call was cancelled: stop before VBx's updates
                 raise CallAbandoned("the call was cancelled during its clustering")
             asyncio.run_coroutine_threadsafe(room.reserve(clusters), loop).result()
-
-        found = (np.concatenate(clean[0]), np.concatenate(clean[1]))
 
         def cluster() -> Diarization:
             return diarize(
@@ -315,7 +316,7 @@ class DiarizationService:
         and what the call keeps of each window): refused before any work, not after it."""
         if recording.frames <= 0 or recording.sample_rate <= 0:
             return
-        samples = recording.frames * SAMPLE_RATE // recording.sample_rate  # at least what arrives
+        samples = output_length(recording.frames, recording.sample_rate, SAMPLE_RATE)  # as the recording path
         try:
             windows = window_count(samples, step_samples(recording.step_s or DEFAULT_STEP_S))
         except InputError:
