@@ -459,6 +459,7 @@ def test_bench_diarize_times_both_calls_and_the_clustering(server, sample, tmp_p
     split = server_split(server.log(), windows, "agglomerative", 1)
     assert split is not None, f"no Diarize line of {windows} windows in the server's log"
     assert 0 < split["embeddings"] <= split["total"] and split["clustering"] <= split["total"], split
+    assert 0 <= split["linkage"] <= split["clustering"] and 0 <= split["reply"] <= split["total"], split
     assert server_split(server.log(), windows, "agglomerative", 99) is None
     assert steps["speakers"] == lines["diarize"]["speakers"], steps
     with np.load(saved) as arrays:

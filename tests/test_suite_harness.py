@@ -15,16 +15,19 @@ import os
 import subprocess
 import sys
 import time
+import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from speakerd.tools.bench_diarize import tiled
 from speakerd.tools.suite import record as schema
 from speakerd.tools.suite.diarize import linkage_alone
 from speakerd.tools.suite.engine import engine_records
 from speakerd.tools.suite.pyannote import pyannote_records
 from speakerd.tools.suite.run import Context, StepFailed
+from speakerd.tools.suite.speakrs import hour_wav, speakrs_anchors, speakrs_hours
 from speakerd.tools.suite.suites import SUITES
 from speakerd.tools.suite.tests_gpu import gpu_test_files, pytest_counts
 
@@ -347,3 +350,29 @@ def test_diarize_suite_links_the_hours_rows_and_3_hours_worth_checked_against_sc
     # SciPy runs up to bench_clustering's SCIPY_MAX_ROWS (6,000): on both here, not on 3 h's 15,000
     assert all(r["anchors"][0]["name"].startswith("SciPy's linkage") for r in (hour, three_hours))
     assert not schema.validate(hour) and not schema.validate(three_hours)
+
+
+def test_speakrs_gets_the_hour_bench_diarize_tiles_and_is_skipped_without_its_files(tmp_path, capsys):
+    # speakrs' hour.py tiles the clip it is given: given the suite's hour, it diarizes the
+    # audio speakerd does (bench_diarize.tiled's tiling, as PCM16 it reads exactly)
+    clip = (np.random.default_rng(0).standard_normal(16_000 * 3) * 3000).astype(np.int16)
+    with wave.open(str(tmp_path / "clip.wav"), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16_000)
+        out.writeframes(clip.tobytes())
+    hour = hour_wav(tmp_path / "clip.wav", 7.5, tmp_path / "hour.wav")
+    with wave.open(str(hour)) as read:
+        samples = np.frombuffer(read.readframes(read.getnframes()), "<i2")
+    expected = tiled(clip[:, None].astype(np.float32), 16_000, 7.5)[:, 0]
+    assert np.array_equal(samples, expected.astype(np.int16)), "hour.py's clip is not bench_diarize's hour"
+    for given, why in (
+        (None, "no --speakrs DIR"),
+        (str(tmp_path), "lacks speakrs-*.whl, hour.py or models/"),
+    ):
+        ctx = Context("diarize", ENV, argparse.Namespace(speakrs=given), REPO, tmp_path,
+                      time.monotonic() + 60, tmp_path / "r.jsonl")  # fmt: skip
+        assert speakrs_hours(ctx, tmp_path / "clip.wav", 7.5) == {}
+        assert ctx.notes == ["speakrs skipped"] and not ctx.records, (ctx.notes, ctx.records)
+        assert why in capsys.readouterr().out
+    assert speakrs_anchors({}, schema.figure(1.0, "s", "lower")) == []

@@ -38,7 +38,7 @@ from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import cdist
 
-from speakerd.model.diarization.linkage import HOST, Linker
+from speakerd.model.diarization.linkage import HOST, Link
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def cluster_embeddings(
     min_clusters: int = 1,
     max_clusters: int | None = None,
     num_clusters: int | None = None,
-    linker: Linker = HOST,
+    linker: Link = HOST,
 ) -> np.ndarray:
     """train [n, dim] -> cluster index per row, 0..k-1 (`AgglomerativeClustering.cluster`).
     Centroid linkage (pyannote's) is `linker`'s, SciPy's bits however computed (linkage.py);
@@ -304,7 +304,7 @@ def agglomerative_clustering(
     min_clusters: int | None = None,
     max_clusters: float | None = None,
     parameters: AgglomerativeParameters = SPEAKER_DIARIZATION_3_1,
-    linker: Linker = HOST,
+    linker: Link = HOST,
     clean: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Clusters:
     """embeddings [windows, speakers, dim], binarized segmentations [windows, frames,

@@ -58,7 +58,11 @@ class SlidingFrames:
 
     def closest_frame(self, t: float) -> int:
         """Index of the position whose middle is closest to t (`SlidingWindow.closest_frame`)."""
-        return int(np.rint((t - self.start - 0.5 * self.duration) / self.step))
+        return int(self.closest_frames(np.float64(t)))
+
+    def closest_frames(self, times: np.ndarray) -> np.ndarray:
+        """`closest_frame` of each of `times`, the same float operations element-wise, int64."""
+        return np.rint((times - self.start - 0.5 * self.duration) / self.step).astype(np.int64)
 
     def moved_to(self, start: float) -> SlidingFrames:
         """The same frames starting at `start`: `Inference.aggregate` puts the frames on the

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import logging
 import threading
 from collections.abc import Callable
@@ -53,12 +52,10 @@ from typing import Protocol
 
 import numpy as np
 
+from speakerd.model.diarization import compiled
+from speakerd.model.diarization.compiled import available
+
 log = logging.getLogger(__name__)
-
-
-def available() -> bool:
-    """True when the compiled linkage can run here (numba is installed)."""
-    return importlib.util.find_spec("numba") is not None
 
 
 #: The functions below that numba compiles, and those of them whose loops run in parallel.
@@ -80,12 +77,9 @@ _parallel_turns: contextlib.AbstractContextManager = contextlib.nullcontext()
 
 
 def _compile() -> None:
-    """numba.njit on every function of _COMPILED_FUNCTIONS, with the options they share:
-    compiled once per machine (cache=True keeps the machine code beside the module or in
-    numba's user cache), no Python objects, the interpreter lock released, and NumPy's error
-    model (a division by zero gives inf, never an exception; sizes are never zero here). No
-    fastmath: every floating-point operation stays as written, in the order written, so the
-    bits are SciPy's."""
+    """compiled.jit on every function of _COMPILED_FUNCTIONS and _PARALLEL_FUNCTIONS (its
+    options: cached per machine, the interpreter lock released, NumPy's error model, no
+    fastmath, so the bits are SciPy's)."""
     global _compiled, prange
     with _compile_lock:
         if _compiled:
@@ -94,9 +88,7 @@ def _compile() -> None:
 
         names = globals()
         for name in _COMPILED_FUNCTIONS + _PARALLEL_FUNCTIONS:
-            names[name] = numba.njit(
-                cache=True, nogil=True, error_model="numpy", parallel=name in _PARALLEL_FUNCTIONS
-            )(names[name])
+            names[name] = compiled.jit(names[name], parallel=name in _PARALLEL_FUNCTIONS)
         prange = numba.prange
         # numba's threading layer is chosen at the first parallel region: TBB or OpenMP take
         # regions from several threads at once (the server's two clustering threads); its
@@ -573,6 +565,10 @@ def device_proven(device: DeviceLinkage) -> bool:
         return False
     return equal_on_check_case(device, "the device's centroid linkage", "linking on the host instead")
 
+
+#: points [n, dim] -> SciPy's linkage matrix of `linkage(points, "centroid", "euclidean")`: a
+#: Linker, or anything called like one (diarize times its Linker's calls through one).
+Link = Callable[[np.ndarray], np.ndarray]
 
 #: `Linker.implementation` values: this module's port, or SciPy's own `linkage` (the reference,
 #: `serve --linkage scipy` to check a server against it).

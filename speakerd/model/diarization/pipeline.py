@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from speakerd.model.diarization import compiled
 from speakerd.model.diarization.clustering import (
     LINKAGE_BYTES_PER_PAIR_SQUARED,
     NO_CLUSTER,
@@ -41,8 +42,14 @@ from speakerd.model.diarization.clustering import (
     agglomerative_clustering,
 )
 from speakerd.model.diarization.count import SpeakerCount, speaker_count
-from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, WINDOW_S, SlidingFrames, windows
-from speakerd.model.diarization.linkage import HOST, Linker
+from speakerd.model.diarization.frames import (
+    FRAMES_PER_WINDOW,
+    SEGMENTATION_FRAMES,
+    WINDOW_S,
+    SlidingFrames,
+    windows,
+)
+from speakerd.model.diarization.linkage import HOST, Link, Linker
 from speakerd.model.diarization.plda import Plda
 from speakerd.model.diarization.reconstruct import cluster_activations, most_active
 from speakerd.model.diarization.rttm import to_rttm
@@ -71,8 +78,9 @@ class Diarization:
     for a speaker without a cluster; speech_s: each speaker's speech in `turns`, seconds;
     clusters: how many clusters the clustering made (may fall outside the speaker bounds);
     seconds: where diarize()'s time went, wall seconds of each step ("clustering": the clean
-    pairs' filter, linkage and assignment; "count": the speaker count, beside the clustering;
-    "reconstruction": the turns from both; "total"), for logs and benchmarks.
+    pairs' filter, linkage and assignment; "linkage": the centroid linkage, part of the
+    clustering, absent when nothing was linked; "count": the speaker count, beside the
+    clustering; "reconstruction": the turns from both; "total"), for logs and benchmarks.
     """
 
     turns: list[Turn]
@@ -118,6 +126,19 @@ def working_bytes(windows: int, clean_pairs: int, initial_clusters: int = 0) -> 
     return max(linkage, updates) + DIARIZE_BYTES_PER_WINDOW * windows
 
 
+def compile_loops() -> None:
+    """Compiles the frame loops `diarize` runs (aggregate.py's and reconstruct.py's, numba:
+    a fraction of a second from its cache, a few seconds the first time on a machine) for a
+    server's arrays (0/1 bytes, int64 clusters), so that no call waits for it; nothing where
+    numba is not installed."""
+    if not compiled.available():
+        return
+    # numba compiles for the arrays' types, not their sizes: one window of 3 speakers will do
+    segmentations = np.zeros((1, FRAMES_PER_WINDOW, 3), dtype=np.uint8)
+    speaker_count(segmentations)
+    cluster_activations(segmentations, np.zeros((1, 3), dtype=np.int64), windows())
+
+
 def _named(tracks: list[Track], names: dict[int, str]) -> list[Turn]:
     # a column missing from `names` would keep pyannote's integer label: written as its digits
     return [Turn(t.start, t.end, names.get(t.column, str(t.column))) for t in tracks]
@@ -131,7 +152,7 @@ def _cluster(
     num_speakers: int | None,
     min_speakers: int,
     max_speakers: float,
-    linker: Linker,
+    linker: Link,
     on_initial_clusters: Callable[[int, int], None] | None,
     clean: tuple[np.ndarray, np.ndarray] | None,
 ) -> Clusters:
@@ -225,6 +246,13 @@ def diarize(
         finally:
             seconds["count"] = time.perf_counter() - began
 
+    def linked(points: np.ndarray) -> np.ndarray:  # the linker, its seconds kept
+        began = time.perf_counter()
+        try:
+            return linker(points)
+        finally:
+            seconds["linkage"] = seconds.get("linkage", 0.0) + time.perf_counter() - began
+
     with ThreadPoolExecutor(1, thread_name_prefix="diarize-beside") as beside:
         # the speaker count and the clustering need nothing of each other: the count runs
         # beside the clustering (whose compiled linkage and GPU waits release the
@@ -234,7 +262,7 @@ def diarize(
         try:
             clusters: Clusters | None = _cluster(
                 embeddings, segmentations, clustering, plda, num_speakers, min_speakers, max_speakers,
-                linker, on_initial_clusters, clean,
+                linked, on_initial_clusters, clean,
             )  # fmt: skip
             failure: Exception | None = None
         except Exception as error:  # raised below unless the recording has no speaker

@@ -19,10 +19,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from speakerd.model.diarization.aggregate import overlap_add
+from speakerd.model.diarization import compiled
+from speakerd.model.diarization.aggregate import check_fit, frame_count, overlap_add, window_firsts
 from speakerd.model.diarization.clustering import NO_CLUSTER
 from speakerd.model.diarization.count import SpeakerCount
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames
+
+
+def check_clusters(segmentations: np.ndarray, hard_clusters: np.ndarray) -> int:
+    """The number of clusters hard_clusters [windows, speakers] names (its largest index +
+    1); ValueError when its shape is not segmentations' [windows, _, speakers] or when it
+    holds a negative cluster other than NO_CLUSTER."""
+    num_windows, _, num_speakers = segmentations.shape
+    if hard_clusters.shape != (num_windows, num_speakers):
+        raise ValueError(f"hard clusters {hard_clusters.shape}, expected {(num_windows, num_speakers)}")
+    negative = hard_clusters[(hard_clusters < 0) & (hard_clusters != NO_CLUSTER)]
+    if len(negative):
+        raise ValueError(f"hard clusters: negative cluster {int(negative.min())} other than {NO_CLUSTER}")
+    return max(int(np.max(hard_clusters, initial=NO_CLUSTER)) + 1, 0)
 
 
 def clustered_segmentations(segmentations: np.ndarray, hard_clusters: np.ndarray) -> np.ndarray:
@@ -30,17 +44,11 @@ def clustered_segmentations(segmentations: np.ndarray, hard_clusters: np.ndarray
     [windows, frames, clusters] float64: per window, the max activity of the speakers in each
     cluster, NaN for clusters with none. NO_CLUSTER speakers are left out."""
     num_windows, num_frames, num_speakers = segmentations.shape
-    if hard_clusters.shape != (num_windows, num_speakers):
-        raise ValueError(f"hard clusters {hard_clusters.shape}, expected {(num_windows, num_speakers)}")
-    num_clusters = int(np.max(hard_clusters)) + 1
+    num_clusters = check_clusters(segmentations, hard_clusters)
     clustered = np.full((num_windows, num_frames, num_clusters), np.nan)
     for speaker in range(num_speakers):
         cluster = hard_clusters[:, speaker].astype(np.int64)
         rows = np.nonzero(cluster != NO_CLUSTER)[0]
-        if np.any(cluster[rows] < 0):
-            raise ValueError(
-                f"hard clusters: negative cluster {int(cluster[rows].min())} other than {NO_CLUSTER}"
-            )
         # NaN (no speaker yet) yields to any activity; otherwise the larger activity wins
         clustered[rows, :, cluster[rows]] = np.fmax(
             clustered[rows, :, cluster[rows]], segmentations[rows, :, speaker]
@@ -48,19 +56,62 @@ def clustered_segmentations(segmentations: np.ndarray, hard_clusters: np.ndarray
     return clustered
 
 
+def _add_clusters(segmentations, hard_clusters, firsts, total):
+    """Steps 1 and 2 as one loop (compiled by compiled.jit), without the clustered
+    [windows, frames, clusters] array: window by window, each cluster's activity in a frame
+    is the fmax of its speakers' in speaker order (NaN without one; NumPy's fmax: a NaN
+    yields to the other value), added as float64 to the frame's float32 sum unless NaN, as
+    overlap_add adds the clustered segmentations."""
+    num_chunks, per_chunk, num_speakers = segmentations.shape
+    for chunk in range(num_chunks):
+        first = firsts[chunk]
+        for speaker in range(num_speakers):
+            cluster = hard_clusters[chunk, speaker]
+            if cluster < 0:
+                continue
+            earlier = False  # the cluster's activity was added with its first speaker
+            for other in range(speaker):
+                earlier = earlier or hard_clusters[chunk, other] == cluster
+            if earlier:
+                continue
+            for frame in range(per_chunk):
+                activity = np.float64(segmentations[chunk, frame, speaker])
+                for other in range(speaker + 1, num_speakers):
+                    if hard_clusters[chunk, other] == cluster:
+                        value = np.float64(segmentations[chunk, frame, other])
+                        if activity != activity or value > activity:
+                            activity = value
+                if activity == activity:
+                    total[first + frame, cluster] = total[first + frame, cluster] + activity
+
+
 def cluster_activations(
     segmentations: np.ndarray,
     hard_clusters: np.ndarray,
     chunks: SlidingFrames,
     frames: SlidingFrames = SEGMENTATION_FRAMES,
+    use_compiled: bool | None = None,
 ) -> np.ndarray:
     """Steps 1 and 2: each cluster's summed activity on the recording's frames,
     [num_frames, clusters]. It does not depend on the count, so the diarization and its
-    exclusive form (the same with the count capped at 1) share it."""
-    activations, _ = overlap_add(
-        clustered_segmentations(segmentations, hard_clusters), chunks, frames, average=False, missing=0.0
-    )
-    return activations
+    exclusive form (the same with the count capped at 1) share it. use_compiled: one
+    compiled loop (None: where numba is installed), or the clustered segmentations
+    overlap-added by NumPy as pyannote does; the same bits either way."""
+    if not (compiled.available() if use_compiled is None else use_compiled):
+        activations, _ = overlap_add(
+            clustered_segmentations(segmentations, hard_clusters), chunks, frames, average=False,
+            missing=0.0, use_compiled=False,
+        )  # fmt: skip
+        return activations
+    hard = np.asarray(hard_clusters, dtype=np.int64)
+    num_clusters = check_clusters(segmentations, hard)
+    num_chunks, per_chunk, _ = segmentations.shape
+    num_frames = frame_count(chunks, num_chunks, frames)
+    firsts = window_firsts(chunks, num_chunks, frames)
+    check_fit(firsts, per_chunk, num_frames)
+    total = np.zeros((num_frames, num_clusters), dtype=np.float32)
+    compiled.jit(_add_clusters)(segmentations, hard, firsts, total)
+    return total
 
 
 def discrete_diarization(

@@ -52,7 +52,7 @@ from speakerd.model.diarization.clustering import (
     constrained_argmax,
     one_cluster,
 )
-from speakerd.model.diarization.linkage import HOST, Linker
+from speakerd.model.diarization.linkage import HOST, Link
 from speakerd.model.diarization.plda import Plda
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def unit_rows(train: np.ndarray) -> np.ndarray:
     return train / np.linalg.norm(train, axis=1, keepdims=True)
 
 
-def ahc_init(train: np.ndarray, threshold: float, linker: Linker = HOST) -> np.ndarray:
+def ahc_init(train: np.ndarray, threshold: float, linker: Link = HOST) -> np.ndarray:
     """[n, dim] clean embeddings -> initial cluster per row, 0..k-1: centroid linkage of the
     unit rows (`linker`'s: SciPy's bits, linkage.py) cut at `threshold`, labels renumbered in
     sorted order."""
@@ -226,7 +226,7 @@ def vbx_clustering(
     min_clusters: int | None = None,
     max_clusters: float | None = None,
     parameters: VBxParameters = COMMUNITY_1,
-    linker: Linker = HOST,
+    linker: Link = HOST,
     on_initial_clusters: Callable[[int, int], None] | None = None,
     clean: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Clusters:

@@ -289,17 +289,7 @@ class DiarizationService:
         turns = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.turns]
         exclusive = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.exclusive_turns]
         uri = header.uri or DEFAULT_URI
-        steps = result.seconds
-        log.info(
-            "Diarize %s: %d windows, %d clean pairs, %s, %d speakers, %d turns in %.3f s: audio "
-            "to embeddings %.3f s, waiting for clustering room %.3f s, clustering %.3f s (speaker "
-            "count %.3f s beside it), reconstruction %.3f s",
-            CALL_REQUEST_ID.get(), last.windows, pairs, VBX if options.vbx else AGGLOMERATIVE,
-            len(speakers), len(turns),
-            time.perf_counter() - began, embedded - began, started - embedded,
-            steps.get("clustering", 0.0), steps.get("count", 0.0), steps.get("reconstruction", 0.0),
-        )  # fmt: skip
-        return pb.DiarizeResponse(
+        response = pb.DiarizeResponse(
             turns=_turns(turns),
             exclusive_turns=_turns(exclusive),
             speakers=speakers,
@@ -309,6 +299,19 @@ class DiarizationService:
             segmentation_model_id=last.segmentation_model_id,
             plda_id=used[0].plda_id if used is not None else "",
         )
+        steps = result.seconds
+        replied = time.perf_counter()
+        log.info(
+            "Diarize %s: %d windows, %d clean pairs, %s, %d speakers, %d turns in %.3f s: audio "
+            "to embeddings %.3f s, waiting for clustering room %.3f s, clustering %.3f s (linkage "
+            "%.3f s; speaker count %.3f s beside it), reconstruction %.3f s, reply %.3f s",
+            CALL_REQUEST_ID.get(), last.windows, pairs, VBX if options.vbx else AGGLOMERATIVE,
+            len(speakers), len(turns),
+            replied - began, embedded - began, started - embedded, steps.get("clustering", 0.0),
+            steps.get("linkage", 0.0), steps.get("count", 0.0), steps.get("reconstruction", 0.0),
+            replied - started - steps.get("total", 0.0),
+        )  # fmt: skip
+        return response
 
     def _refuse_early(self, recording: pb.RecordingHeader) -> None:
         """INVALID_ARGUMENT at the header for a recording whose `frames` make more windows than

@@ -53,6 +53,7 @@ from grpc_reflection.v1alpha import reflection
 from speakerd.engine.base import Engine
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.diarization import linkage
+from speakerd.model.diarization.pipeline import compile_loops
 from speakerd.model.diarization.plda import Plda
 from speakerd.model.numerics import Math
 from speakerd.model.segmentation.weights import SegmentationModel
@@ -416,6 +417,11 @@ def plan_times_text(times: dict[int, float], engine_kind: str) -> str:
     return text
 
 
+def _compile_clustering() -> None:
+    linkage.proven_equal_to_scipy()
+    compile_loops()
+
+
 def diarization_linker(implementation: str, engine: Engine) -> linkage.Linker:
     """Diarize's centroid linkage (--linkage): compiled, on the engine's device when it has
     one (Engine.centroid_linkage, up to the rows it takes; beyond them the host merges, its
@@ -661,8 +667,8 @@ class SpeakerServer:
 
         # the compiled linkage's compile (numba's cache: a fraction of a second; a few seconds
         # the first time on a machine) and its check against SciPy, beside the engine's build;
-        # diarization_linker waits for it
-        threading.Thread(target=linkage.proven_equal_to_scipy, name="linkage-check", daemon=True).start()
+        # diarization_linker waits for it; then the compile of diarize's frame loops
+        threading.Thread(target=_compile_clustering, name="linkage-check", daemon=True).start()
 
         self._building = in_daemon_thread(build, lambda e: e.close())
         try:

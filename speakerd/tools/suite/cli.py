@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
         "--plda", default=None, help="diarize: a PLDA directory (xvec_transform.npz, plda.npz): VBx too"
     )
     parser.add_argument(
+        "--speakrs", default=None, help="diarize: speakrs' wheel, models/ and hour.py: its hour beside ours"
+    )
+    parser.add_argument(
         "--require-gpu", action="store_true", help="a suite skipped for want of a GPU fails the run"
     )
     return parser

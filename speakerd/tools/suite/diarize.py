@@ -9,8 +9,11 @@ and the clustering has an hour of clean embeddings to link. The records:
 - the hour's segmentation and embeddings through the server (EmbedRecording with
   `segment`), p50, against the same server embedding the hour under masks the client sends
   (`client load --recording`, the service suite's recording step): what segmenting costs;
+- with `--speakrs DIR`, speakrs 0.7.0 CUDA and CUDAFast diarizing the same hour on the same
+  GPU (suite/speakrs.py), before the server starts;
 - the hour diarized (Diarize: the same, then clustering, reconstruction and turns), p50,
-  against the segmentation and embeddings alone (what the clustering and the rest add),
+  against the segmentation and embeddings alone (what the clustering and the rest add) and
+  speakrs' two modes,
   with the server's own split of its calls (`server_split_s`: the medians of the steps its
   log line gives at the end of each call);
   with `--plda DIR` (a PLDA directory) the server gets it and VBx's hour is timed too;
@@ -37,6 +40,7 @@ from speakerd.tools.suite.pyannote import segmentation_path
 from speakerd.tools.suite.record import anchor, figure
 from speakerd.tools.suite.run import Context, json_lines, shown
 from speakerd.tools.suite.service import RECORDING_LOAD
+from speakerd.tools.suite.speakrs import speakrs_anchors, speakrs_hours
 from speakerd.tools.suite.steps import HOUR_S, load, serving_math
 
 #: Hour-long Diarize calls sent at once for the throughput record.
@@ -49,11 +53,12 @@ THREE_HOURS_ROWS = 15000
 CALL_LINE = re.compile(
     r"Diarize \S*: (?P<windows>\d+) windows, (?P<pairs>\d+) clean pairs, (?P<method>\w+), .* in "
     r"(?P<total>[\d.]+) s: audio to embeddings (?P<embeddings>[\d.]+) s, waiting for clustering room "
-    r"(?P<waiting>[\d.]+) s, clustering (?P<clustering>[\d.]+) s \(speaker count (?P<count>[\d.]+) s "
-    r"beside it\), reconstruction (?P<reconstruction>[\d.]+) s"
+    r"(?P<waiting>[\d.]+) s, clustering (?P<clustering>[\d.]+) s \(linkage (?P<linkage>[\d.]+) s; speaker "
+    r"count (?P<count>[\d.]+) s beside it\), reconstruction (?P<reconstruction>[\d.]+) s, reply "
+    r"(?P<reply>[\d.]+) s"
 )
-#: The steps of CALL_LINE, in the order they run.
-CALL_STEPS = ("embeddings", "waiting", "clustering", "count", "reconstruction", "total")
+#: The steps of CALL_LINE, in the order they run (the linkage is part of the clustering).
+CALL_STEPS = ("embeddings", "waiting", "clustering", "linkage", "count", "reconstruction", "reply", "total")
 
 
 def server_split(log: str, windows: int, method: str, calls: int) -> dict[str, float] | None:
@@ -92,6 +97,8 @@ def diarize(ctx: Context) -> None:
         ctx.skip("diarize", f"no {missing}")
         return
     math = serving_math(ctx)
+    # speakrs first, the GPU its own: the server below holds its plans until the end
+    speakrs = speakrs_hours(ctx, speech, HOUR_S)
     saved = ctx.out / "diarize-hour.npz"
     serve = ["--engine", "gpu", "--math", math, "--segmentation-model", str(checkpoint)]
     plda = ctx.options.plda
@@ -121,8 +128,8 @@ def diarize(ctx: Context) -> None:
     turns = figure(lines["diarize"]["p50_s"], "s", "lower")
     name = "the same server's segmentation and embeddings of the hour, p50 (all Diarize adds is after it)"
     split = server_split(log, windows, "agglomerative", runs)
-    ctx.record(f"hour diarization {math} through the server, p50", command, turns,
-               [anchor(name, segment["value"], "s", "lower", turns, command)],
+    anchors = [anchor(name, segment["value"], "s", "lower", turns, command), *speakrs_anchors(speakrs, turns)]
+    ctx.record(f"hour diarization {math} through the server, p50", command, turns, anchors,
                detail={**lines["diarize"], "server_split_s": split, "server": server["command"]},
                headline=True)  # fmt: skip
     if "diarize-vbx" in lines:
