@@ -39,6 +39,8 @@ def test_launch_shape_and_arithmetic_match_the_kernel() -> None:
     assert int(defines["THREADS"]) == gpu_linkage.MERGE_THREADS
     assert int(defines["NONFINITE"]) == gpu_linkage.NONFINITE
     assert int(defines["NO_NEIGHBOR"]) == gpu_linkage.NO_NEIGHBOR
+    assert int(defines["LOWERED_SHARED"]) == gpu_linkage.LOWERED_SHARED
+    assert int(defines["MAX_ROWS"]) == gpu_linkage.MAX_ROWS
     # _centroid's operations, each correctly rounded and never contracted into an FMA
     assert all(name in source for name in ("__dsub_rn", "__dmul_rn", "__dadd_rn", "__ddiv_rn", "__dsqrt_rn"))
 

@@ -16,10 +16,10 @@ minimum by index), so the linkage matrix is SciPy's to the bit; tests/test_gpu_l
 checks it against SciPy on random rows, ties and duplicates, and a server proves it on the
 seeded check case before using it (model/diarization/linkage.py's `device_proven`).
 
-Memory: the square matrix, 8 n^2 bytes of device memory, and 60 bytes a row of scratch (seven
+Memory: the square matrix, 8 n^2 bytes of device memory, and 56 bytes a row of scratch (six
 int32, two int64 and two float64 arrays) while a call runs (one at a time: a lock); the heap,
-12 bytes a row of shared memory, bounds
-the rows one call takes (`max_rows`: 19,000-odd on an H100 or H200, more than 5 hours of
+12 bytes a row of shared memory (a float64 value and two 16-bit indices), bounds
+the rows one call takes (`max_rows`: about 18,200 on an H100 or H200, more than 3 hours of
 speech); beyond it, or when the device memory is not there, `can_implement` says no and the
 caller links on the host. Importing this module touches no device.
 """
@@ -47,8 +47,14 @@ NONFINITE, NO_NEIGHBOR = 1, 2
 #: Shared memory centroid_merges declares statically, bytes (its per-warp arrays and
 #: broadcast values, rounded up): the heap gets the rest of the block's limit.
 STATIC_SHARED_BYTES = 1024
-#: Heap bytes a row: its value (float64) and key (int32).
+#: Heap bytes a row: its value (float64), its key by position and position by key (uint16).
 HEAP_BYTES_PER_ROW = 12
+#: Fallen bounds of one merge gathered into shared memory, and their bytes (a float64 and an
+#: int32 each); LOWERED_SHARED in kernels/linkage.cu.
+LOWERED_SHARED = 1024
+LOWERED_BYTES = 12 * LOWERED_SHARED
+#: Rows one call takes at most: the heap's 16-bit indices (MAX_ROWS in kernels/linkage.cu).
+MAX_ROWS = 65535
 #: What SciPy's linkage raises for these conditions (scipy/cluster/hierarchy.py and
 #: _hierarchy.pyx), word for word, so a caller cannot tell the two apart.
 NONFINITE_MESSAGE = "The condensed distance matrix must contain only finite values."
@@ -73,7 +79,9 @@ class GpuLinkage:
                 cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device
             )
             #: rows one call takes: its heap fits the block's shared memory
-            self.max_rows = (limit - STATIC_SHARED_BYTES) // HEAP_BYTES_PER_ROW + 1
+            self.max_rows = min(
+                MAX_ROWS, (limit - STATIC_SHARED_BYTES - LOWERED_BYTES) // HEAP_BYTES_PER_ROW + 1
+            )
             self._stream = cupy.cuda.Stream(non_blocking=True)
             self._distances = kernels.module(DISTANCES_SOURCE).get_function("pair_distances")
             self._neighbors = kernels.module(SOURCE).get_function("initial_neighbors")
@@ -100,16 +108,20 @@ class GpuLinkage:
         with self._lock, cupy.cuda.Device(self.device), self._stream:
             try:
                 S = cupy.empty((n, n), dtype=np.float64)
-                ints = [cupy.empty(n + (32 if i == 6 else 0), dtype=np.int32) for i in range(7)]
+                ints = [
+                    cupy.empty(n + (MERGE_THREADS // 32 if i == 5 else 0), dtype=np.int32) for i in range(6)
+                ]
                 longs = [cupy.empty(n, dtype=np.int64) for _ in range(2)]
-                doubles = [cupy.empty(n, dtype=np.float64) for _ in range(2)]
+                doubles = [
+                    cupy.empty(n + (MERGE_THREADS // 32 if i == 0 else 0), dtype=np.float64) for i in range(2)
+                ]
             except cupy.cuda.memory.OutOfMemoryError as error:
                 raise MemoryError(
                     f"the GPU has not {8 * n * n} bytes free for {n} rows' distances"
                 ) from error
-            version, alive, position, moved, neighbor, index_by_key, lowered = ints
+            version, alive, position, moved, neighbor, lowered_z = ints
             size, cluster_id = longs
-            merged, min_dist = doubles
+            lowered_d, min_dist = doubles
             status = cupy.zeros(1, dtype=np.int32)
             Z = cupy.empty((n - 1, 4), dtype=np.float64)
             rows = cupy.asarray(points)
@@ -126,9 +138,9 @@ class GpuLinkage:
             self._merges(
                 (1,),
                 (MERGE_THREADS,),
-                (S, np.int32(n), Z, neighbor, min_dist, index_by_key, version, size, cluster_id, alive,
-                 position, moved, merged, lowered, status),
-                shared_mem=HEAP_BYTES_PER_ROW * (n - 1),
+                (S, np.int32(n), Z, neighbor, min_dist, version, size, cluster_id, alive, position, moved,
+                 lowered_z, lowered_d, status),
+                shared_mem=HEAP_BYTES_PER_ROW * (n - 1) + LOWERED_BYTES,
             )  # fmt: skip
             result = Z.get(stream=self._stream)
             flags = int(status.get(stream=self._stream)[0])

@@ -25,6 +25,11 @@
 #define WARPS (THREADS / 32)
 // positions one lane handles per round of a range: their loads are issued together
 #define UNROLL 4
+// fallen bounds of one merge gathered into shared memory for thread 0's heap changes (more
+// are read from device memory): a merge of clustered rows lowers about a hundred at most
+#define LOWERED_SHARED 1024
+// rows one call takes: heap_index's range
+#define MAX_ROWS 65535
 
 // status bits
 #define NONFINITE 1
@@ -62,18 +67,23 @@ __device__ __forceinline__ void warp_first_min(double& dist, int& index) {
 
 // --- the heap (_structures.pxi's Heap), thread 0 only ------------------------------------
 
-__device__ __forceinline__ void heap_swap(double* values, int* key_by_index, int* index_by_key, int i, int j) {
+// keys and heap positions are below MAX_ROWS: 16 bits each, so the whole heap (its values,
+// its keys by position and the positions by key) fits in shared memory: 12 bytes a row
+typedef unsigned short heap_index;
+
+__device__ __forceinline__ void heap_swap(double* values, heap_index* key_by_index, heap_index* index_by_key,
+                                          int i, int j) {
     const double value = values[i];
     values[i] = values[j];
     values[j] = value;
     const int key_i = key_by_index[i], key_j = key_by_index[j];
-    key_by_index[i] = key_j;
-    key_by_index[j] = key_i;
-    index_by_key[key_i] = j;
-    index_by_key[key_j] = i;
+    key_by_index[i] = (heap_index)key_j;
+    key_by_index[j] = (heap_index)key_i;
+    index_by_key[key_i] = (heap_index)j;
+    index_by_key[key_j] = (heap_index)i;
 }
 
-__device__ void heap_sift_up(double* values, int* key_by_index, int* index_by_key, int index) {
+__device__ void heap_sift_up(double* values, heap_index* key_by_index, heap_index* index_by_key, int index) {
     int parent = (index - 1) >> 1;
     while (index > 0 && values[parent] > values[index]) {
         heap_swap(values, key_by_index, index_by_key, index, parent);
@@ -82,7 +92,8 @@ __device__ void heap_sift_up(double* values, int* key_by_index, int* index_by_ke
     }
 }
 
-__device__ void heap_sift_down(double* values, int* key_by_index, int* index_by_key, int size, int index) {
+__device__ void heap_sift_down(double* values, heap_index* key_by_index, heap_index* index_by_key, int size,
+                               int index) {
     int child = (index << 1) + 1;
     while (child < size) {
         if (child + 1 < size && values[child + 1] < values[child]) child += 1;
@@ -96,8 +107,8 @@ __device__ void heap_sift_down(double* values, int* key_by_index, int* index_by_
     }
 }
 
-__device__ void heap_change_value(double* values, int* key_by_index, int* index_by_key, int size, int key,
-                                  double value) {
+__device__ void heap_change_value(double* values, heap_index* key_by_index, heap_index* index_by_key, int size,
+                                  int key, double value) {
     const int index = index_by_key[key];
     const double old_value = values[index];
     values[index] = value;
@@ -137,22 +148,27 @@ extern "C" __global__ void initial_neighbors(const double* __restrict__ S, int n
 }
 
 // Z [n - 1, 4] as SciPy's linkage matrix; S [n, n] is overwritten (rows of merged clusters).
-// Global scratch, each of n entries (lowered: n + WARPS): version, size, cluster_id, alive,
-// position, moved, merged, lowered. neighbor and min_dist come from initial_neighbors.
-// Dynamic shared memory: the heap's values (n - 1 doubles) then its keys (n - 1 ints).
+// Global scratch, each of n entries (lowered_z and lowered_d: n + WARPS): version, size,
+// cluster_id, alive, position, moved, lowered_z, lowered_d. neighbor and min_dist come from
+// initial_neighbors. Dynamic shared memory (12 (n - 1) + 12 LOWERED_SHARED bytes): the heap's
+// values, the gathered fallen bounds' distances and keys, the heap's keys by position and
+// positions by key.
 extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __restrict__ S, int n, double* __restrict__ Z, int* __restrict__ neighbor,
-                    double* __restrict__ min_dist, int* __restrict__ index_by_key, int* __restrict__ version,
-                    long long* __restrict__ size, long long* __restrict__ cluster_id, int* __restrict__ alive,
-                    int* __restrict__ position, int* __restrict__ moved, double* __restrict__ merged,
-                    int* __restrict__ lowered, int* __restrict__ status) {
+                    double* __restrict__ min_dist, int* __restrict__ version, long long* __restrict__ size,
+                    long long* __restrict__ cluster_id, int* __restrict__ alive, int* __restrict__ position,
+                    int* __restrict__ moved, int* __restrict__ lowered_z, double* __restrict__ lowered_d,
+                    int* __restrict__ status) {
     extern __shared__ double shared[];
     double* values = shared;
-    int* key_by_index = (int*)(values + (n - 1));
+    double* gathered_d = values + (n - 1);
+    int* gathered_z = (int*)(gathered_d + LOWERED_SHARED);
+    heap_index* key_by_index = (heap_index*)(gathered_z + LOWERED_SHARED);
+    heap_index* index_by_key = key_by_index + (n - 1);
     __shared__ int s_x, s_y, s_valid, s_failed;
     __shared__ double s_dist;
     __shared__ long long s_nx, s_ny;
     __shared__ double warp_dist[WARPS];
-    __shared__ int warp_index[WARPS], warp_lowered[WARPS];
+    __shared__ int warp_index[WARPS], warp_lowered[WARPS], lowered_before[WARPS + 1];
 
     if (*status) return;  // initial_neighbors found a non-finite distance or a row without a candidate
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -168,8 +184,8 @@ extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __
     }
     for (int i = tid; i < n - 1; i += THREADS) {
         values[i] = min_dist[i];
-        key_by_index[i] = i;
-        index_by_key[i] = i;
+        key_by_index[i] = (heap_index)i;
+        index_by_key[i] = (heap_index)i;
     }
     if (tid == 0) s_failed = 0;
     __syncthreads();
@@ -198,15 +214,29 @@ extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __
             const int low = position[x] + 1;
             const int span = (count - low + WARPS - 1) / WARPS;
             const int first = low + warp * span, last = min(count, first + span);
+            const int version_x = version[x];
+            const double* row_x = S + (long long)x * rows;
             double best = inf;
             int best_index = -1;
-            for (int p = first + lane; p < last; p += 32) {
-                const int z = alive[p];
-                const double d = distance_of(S, rows, version, x, z);
-                if (d < best) {
-                    best = d;
-                    best_index = z;
+            for (int base = first; base < last; base += 32 * UNROLL) {
+                int zs[UNROLL];
+                double ds[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int p = base + u * 32 + lane;
+                    zs[u] = p < last ? alive[p] : -1;
                 }
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int z = zs[u];
+                    if (z >= 0) ds[u] = version_x >= version[z] ? row_x[z] : S[(long long)z * rows + x];
+                }
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u)
+                    if (zs[u] >= 0 && ds[u] < best) {  // positions rise with u: the first minimum
+                        best = ds[u];
+                        best_index = zs[u];
+                    }
             }
             warp_first_min(best, best_index);
             if (lane == 0) {
@@ -273,7 +303,8 @@ extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __
         double* row_y = S + (long long)y * rows;
         const int span = (count + WARPS - 1) / WARPS;
         const int first = warp * span, last = min(count, first + span);
-        int* listed = lowered + warp * span;
+        int* listed_z = lowered_z + warp * span;
+        double* listed_d = lowered_d + warp * span;
         int listed_count = 0;
         double best = inf;
         int best_index = -1;
@@ -296,13 +327,12 @@ extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                const int p = base + u * 32 + lane;
                 const int z = zs[u];
                 bool fell = false;
+                double d = 0.0;
                 if (z >= 0 && z != x && z != y) {
-                    const double d = centroid(to_x[u], to_y[u], d_xy, nx, ny);
+                    d = centroid(to_x[u], to_y[u], d_xy, nx, ny);
                     row_y[z] = d;
-                    merged[p] = d;
                     if (z < y) {
                         if (z < x && neighbor[z] == x) neighbor[z] = y;
                         fell = d < min_dist[z];
@@ -312,7 +342,11 @@ extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __
                     }
                 }
                 const unsigned ballot = __ballot_sync(0xffffffffu, fell);
-                if (fell) listed[listed_count + __popc(ballot & ((1u << lane) - 1u))] = p;
+                if (fell) {
+                    const int slot = listed_count + __popc(ballot & ((1u << lane) - 1u));
+                    listed_z[slot] = z;
+                    listed_d[slot] = d;
+                }
                 listed_count += __popc(ballot);
             }
         }
@@ -323,18 +357,47 @@ extern "C" __global__ __launch_bounds__(THREADS) void centroid_merges(double* __
             warp_lowered[warp] = listed_count;
         }
         __syncthreads();
+        if (tid == 0) {
+            lowered_before[0] = 0;
+            for (int w = 0; w < WARPS; ++w) lowered_before[w + 1] = lowered_before[w] + warp_lowered[w];
+        }
+        __syncthreads();
+        // the fallen bounds, in index order, gathered into shared memory; each z's candidate
+        // and bound set by the thread that moves it (distinct z: any order)
+        const int fallen = lowered_before[WARPS];
+        for (int i = tid; i < fallen; i += THREADS) {
+            int w = 0;
+            while (lowered_before[w + 1] <= i) ++w;
+            const int at = w * span + (i - lowered_before[w]);
+            const int z = lowered_z[at];
+            const double d = lowered_d[at];
+            neighbor[z] = y;
+            min_dist[z] = d;
+            if (i < LOWERED_SHARED) {
+                gathered_z[i] = z;
+                gathered_d[i] = d;
+            }
+        }
+        __syncthreads();
 
-        // thread 0: the fallen bounds in index order, then y's candidate (the heap in SciPy's order)
+        // thread 0: the heap in SciPy's order, the fallen bounds first, then y's candidate
         if (tid == 0) {
             version[y] = k;
-            for (int w = 0; w < WARPS; ++w)
-                for (int i = 0; i < warp_lowered[w]; ++i) {
-                    const int p = lowered[w * span + i];
-                    const int z = alive[p];
-                    neighbor[z] = y;
-                    min_dist[z] = merged[p];
-                    heap_change_value(values, key_by_index, index_by_key, heap_size, z, merged[p]);
+            for (int i = 0; i < fallen; ++i) {
+                int z;
+                double d;
+                if (i < LOWERED_SHARED) {
+                    z = gathered_z[i];
+                    d = gathered_d[i];
+                } else {
+                    int w = 0;
+                    while (lowered_before[w + 1] <= i) ++w;
+                    const int at = w * span + (i - lowered_before[w]);
+                    z = lowered_z[at];
+                    d = lowered_d[at];
                 }
+                heap_change_value(values, key_by_index, index_by_key, heap_size, z, d);
+            }
             if (y < n - 1) {
                 double dist = inf;
                 int nearest = -1;
