@@ -19,6 +19,7 @@ import pytest
 from speakerd.model.diarization import compiled
 from speakerd.model.diarization.aggregate import overlap_add
 from speakerd.model.diarization.clustering import NO_CLUSTER
+from speakerd.model.diarization.count import speakers_per_frame
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames, windows
 from speakerd.model.diarization.reconstruct import cluster_activations
 
@@ -122,3 +123,11 @@ def test_bad_clusters_and_windows_are_refused(use_compiled: bool) -> None:
         overlap_add(
             segmentations, windows(1.0), long_frames, average=True, missing=0.0, use_compiled=use_compiled
         )
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32, np.bool_, np.float32])
+def test_speakers_per_frame_is_numpys_sum(dtype: type) -> None:
+    # bytes are summed speaker by speaker: the same values and dtype as np.sum over the axis
+    binarized = (np.random.default_rng(0).random((6, FRAMES_PER_WINDOW, LOCAL_SPEAKERS)) < 0.5).astype(dtype)
+    ours, numpys = speakers_per_frame(binarized), np.sum(binarized, axis=-1, keepdims=True)
+    assert ours.dtype == numpys.dtype and np.array_equal(ours, numpys), (ours.dtype, numpys.dtype)

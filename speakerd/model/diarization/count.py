@@ -35,6 +35,19 @@ class SpeakerCount:
     frames: SlidingFrames
 
 
+def speakers_per_frame(binarized: np.ndarray) -> np.ndarray:
+    """binarized [windows, frames, speakers] -> the active speakers of each window's frames,
+    [windows, frames, 1]: `np.sum` over the speakers, as pyannote sums them. Integers (a
+    server's 0/1 bytes) are summed speaker by speaker into np.sum's own dtype instead, the
+    same exact sums about seven times faster than a reduction over an axis of 3."""
+    if not np.issubdtype(binarized.dtype, np.integer) or binarized.shape[-1] == 0:
+        return np.sum(binarized, axis=-1, keepdims=True)
+    total = binarized[..., 0].astype(np.sum(binarized[:1, :1], axis=-1).dtype)
+    for speaker in range(1, binarized.shape[-1]):
+        total += binarized[..., speaker]
+    return total[..., None]
+
+
 def speaker_count(
     binarized: np.ndarray,
     step_s: float = WINDOW_STEP_S,
@@ -50,7 +63,7 @@ def speaker_count(
     """
     if binarized.ndim != 3:
         raise ValueError(f"binarized segmentations: {binarized.ndim} dimensions, expected 3")
-    per_window = np.sum(binarized, axis=-1, keepdims=True)
+    per_window = speakers_per_frame(binarized)
     mean, grid = overlap_add(
         per_window, windows(step_s, window_s, start_s), frames, average=True, missing=0.0
     )

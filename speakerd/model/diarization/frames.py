@@ -53,7 +53,11 @@ class SlidingFrames:
 
     def middles(self, count: int) -> np.ndarray:
         """Middles of positions 0..count-1, `Segment.middle` of `SlidingWindow[i]`."""
-        starts = self.starts(count)
+        return self.middles_at(np.arange(count))
+
+    def middles_at(self, positions: np.ndarray) -> np.ndarray:
+        """Middles of the given positions (integers), the same float operations as `middles`."""
+        starts = self.start + positions * self.step
         return 0.5 * (starts + (starts + self.duration))
 
     def closest_frame(self, t: float) -> int:

@@ -51,7 +51,7 @@ from speakerd.model.diarization.frames import (
 )
 from speakerd.model.diarization.linkage import HOST, Link, Linker
 from speakerd.model.diarization.plda import Plda
-from speakerd.model.diarization.reconstruct import cluster_activations, most_active
+from speakerd.model.diarization.reconstruct import cluster_activations, most_active, ranking
 from speakerd.model.diarization.rttm import to_rttm
 from speakerd.model.diarization.turns import Track, Turn, binarize, speech_seconds
 from speakerd.model.diarization.vbx import VBX_BYTES_PER_PAIR_CLUSTER, VBxParameters, vbx_clustering
@@ -80,7 +80,8 @@ class Diarization:
     seconds: where diarize()'s time went, wall seconds of each step ("clustering": the clean
     pairs' filter, linkage and assignment; "linkage": the centroid linkage, part of the
     clustering, absent when nothing was linked; "count": the speaker count, beside the
-    clustering; "reconstruction": the turns from both; "total"), for logs and benchmarks.
+    clustering, with the search for speakers silent in a whole window; "reconstruction": the
+    turns from both; "total"), for logs and benchmarks.
     """
 
     turns: list[Turn]
@@ -239,10 +240,12 @@ def diarize(
     started = time.perf_counter()
     seconds: dict[str, float] = {}
 
-    def counted() -> SpeakerCount:
+    def counted() -> tuple[SpeakerCount, np.ndarray]:
+        # the speaker count, and the speakers silent in a whole window (step 4)
         began = time.perf_counter()
         try:
-            return speaker_count(segmentations, step_s, window_s=window_s, start_s=start_s, frames=frames)
+            count = speaker_count(segmentations, step_s, window_s=window_s, start_s=start_s, frames=frames)
+            return count, np.sum(segmentations, axis=1) == 0
         finally:
             seconds["count"] = time.perf_counter() - began
 
@@ -254,10 +257,10 @@ def diarize(
             seconds["linkage"] = seconds.get("linkage", 0.0) + time.perf_counter() - began
 
     with ThreadPoolExecutor(1, thread_name_prefix="diarize-beside") as beside:
-        # the speaker count and the clustering need nothing of each other: the count runs
-        # beside the clustering (whose compiled linkage and GPU waits release the
-        # interpreter lock); pyannote counts first and stops there when nobody speaks, so
-        # the clustering's outcome, an error too, is dropped then
+        # the speaker count and the clustering need nothing of each other: the count (and
+        # the search for silent speakers) runs beside the clustering, whose compiled linkage
+        # and GPU waits release the interpreter lock; pyannote counts first and stops there
+        # when nobody speaks, so the clustering's outcome, an error too, is dropped then
         counting = beside.submit(counted)
         try:
             clusters: Clusters | None = _cluster(
@@ -268,7 +271,7 @@ def diarize(
         except Exception as error:  # raised below unless the recording has no speaker
             clusters, failure = None, error
         seconds["clustering"] = time.perf_counter() - started
-        count = counting.result()
+        count, silent = counting.result()
     if np.nanmax(count.counts, initial=0) == 0:
         seconds["total"] = time.perf_counter() - started
         return Diarization([], [], [], np.zeros((0, embeddings.shape[-1])), {}, 0, seconds)
@@ -285,16 +288,17 @@ def diarize(
 
     capped = np.minimum(count.counts, max_speakers).astype(np.int8)
     hard = np.array(clusters.hard, dtype=np.int64)
-    hard[np.sum(segmentations, axis=1) == 0] = NO_CLUSTER
+    hard[silent] = NO_CLUSTER
     exclusive = np.minimum(capped, EXCLUSIVE_SPEAKERS).astype(np.int8)
 
     reconstructing = time.perf_counter()
     # pyannote reconstructs twice (the count, then the count capped at 1); the clusters'
     # summed activity is the same both times, so it is computed once
     activations = cluster_activations(segmentations, hard, chunks, frames)
+    ranked = ranking(activations)  # the same for both, unless a count needs more columns
 
     def turns_of(counts: np.ndarray) -> list[Track]:
-        reconstructed = most_active(activations, SpeakerCount(counts, count.frames))
+        reconstructed = most_active(activations, SpeakerCount(counts, count.frames), ranked)
         return binarize(reconstructed, count.frames, min_duration_off=min_duration_off)
 
     tracks = turns_of(capped)

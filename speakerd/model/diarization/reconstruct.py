@@ -127,9 +127,17 @@ def discrete_diarization(
     return most_active(activations, count)
 
 
-def most_active(activations: np.ndarray, count: SpeakerCount) -> np.ndarray:
+def ranking(activations: np.ndarray) -> np.ndarray:
+    """Each frame's columns from the most active down: NumPy's `argsort` of the negated
+    activations, as pyannote ranks them (its ties broken as NumPy's sort breaks them)."""
+    return np.argsort(-activations, axis=-1)
+
+
+def most_active(activations: np.ndarray, count: SpeakerCount, ranked: np.ndarray | None = None) -> np.ndarray:
     """Step 3: in each frame the `count` columns of largest activation are 1, the others 0
-    (`to_diarization`'s ranking), [num_frames, columns]."""
+    (`to_diarization`'s ranking), [num_frames, columns]. ranked: `ranking(activations)`
+    where the caller has it (the diarization and its exclusive form rank the same
+    activations); ranked again when the count needs more columns than it has."""
     counts = np.asarray(count.counts)
     if activations.shape[0] != counts.shape[0]:
         # pyannote crops both to their common extent; from the same windows they are equal
@@ -137,7 +145,8 @@ def most_active(activations: np.ndarray, count: SpeakerCount) -> np.ndarray:
     most = int(counts.max(initial=0))
     if activations.shape[1] < most:
         activations = np.pad(activations, ((0, 0), (0, most - activations.shape[1])))
-    ranked = np.argsort(-activations, axis=-1)
+    if ranked is None or ranked.shape != activations.shape:
+        ranked = ranking(activations)
     # frame t keeps its counts[t] best-ranked columns
     keep = np.arange(activations.shape[1])[None, :] < counts.astype(np.int64)[:, None]
     binary = np.zeros_like(activations)

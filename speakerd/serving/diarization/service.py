@@ -286,14 +286,13 @@ class DiarizationService:
         names: dict[str, str] = {}
         if header.names and speakers and self.voiceprints is not None:
             names = await self._names(tenant, last.model_id, result, speakers, options.threshold)
-        turns = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.turns]
-        exclusive = [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in result.exclusive_turns]
+        turns, exclusive = _named(result.turns, names), _named(result.exclusive_turns, names)
         uri = header.uri or DEFAULT_URI
         response = pb.DiarizeResponse(
             turns=_turns(turns),
             exclusive_turns=_turns(exclusive),
             speakers=speakers,
-            rttm=to_rttm([replace(t, speaker=rttm_field(t.speaker)) for t in turns], uri),
+            rttm=to_rttm(_named(turns, {t.speaker: rttm_field(t.speaker) for t in turns}), uri),
             windows=last.windows,
             model_id=last.model_id,
             segmentation_model_id=last.segmentation_model_id,
@@ -387,6 +386,14 @@ class Options:
 def _unserved(field: str, expected: str, why: str) -> Rejection:
     """FAILED_PRECONDITION for an option this server was not started to serve, naming it."""
     return Rejection(grpc.StatusCode.FAILED_PRECONDITION, "unserved", f"{field}: {why}", field, expected)
+
+
+def _named(turns: list[Turn], names: dict[str, str]) -> list[Turn]:
+    """`turns` with each speaker renamed as `names` says (unchanged where it says nothing or
+    the same; the same list when nothing changes, as for pyannote's labels)."""
+    if all(names.get(speaker, speaker) == speaker for speaker in names):
+        return turns
+    return [replace(t, speaker=names.get(t.speaker, t.speaker)) for t in turns]
 
 
 def _turns(turns: list[Turn]) -> list[pb.SpeakerTurn]:
