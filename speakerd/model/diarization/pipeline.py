@@ -61,11 +61,15 @@ SPEAKER_PREFIX = "SPEAKER_"
 #: The exclusive diarization keeps at most this many speakers per frame.
 EXCLUSIVE_SPEAKERS = 1
 #: Bytes `diarize` holds per window above its inputs, the linkage aside: the speaker count
-#: (made beside the clustering), the clean-pair filter and the aggregated and reconstructed
-#: frames (measured peak RSS with nothing to link: 21.0 KB a window over 4,000 windows; with
-#: the count made before the clustering, as pyannote orders them, it was 17.8 KB over 3,600
-#: and 4,000 windows, 16.0 KB over 10,800), rounded up with a margin for other allocators.
-DIARIZE_BYTES_PER_WINDOW = 24_000
+#: and the search for silent speakers (made beside the clustering), the clean-pair filter and
+#: the aggregated and reconstructed frames (measured peak RSS with nothing to link: 6.4-8.7
+#: KB a window over 4,000 and 8,000 windows), rounded up with a margin for other allocators.
+DIARIZE_BYTES_PER_WINDOW = 11_000
+#: Bytes the clustering holds per clean pair beside the linkage's square matrix: the pair's
+#: embedding gathered (float32) and normalised (float64), the linkage's per-row scratch
+#: (measured: 13.5 KB a window with two clean pairs each, 8.7 KB of it the window's own, over
+#: 1,500 and 3,000 windows, so 2.4 KB a pair), rounded up with a margin.
+CLUSTERING_BYTES_PER_PAIR = 4_096
 
 
 @dataclass(frozen=True)
@@ -120,11 +124,12 @@ def working_bytes(windows: int, clean_pairs: int, initial_clusters: int = 0) -> 
     the clustering's quadratic scratch, the centroid linkage's 8 n^2 bytes (the agglomerative
     clustering's, and VBx's initialisation's), or with `initial_clusters` s > 0 VBx's updates
     over the s initial clusters of its AHC cut when they hold more (112 n s), plus the
-    per-window arrays. An upper bound, not an estimate: the server reserves it before
-    clustering, and again for VBx once s is known (serving/diarization/service.py)."""
+    per-pair and per-window arrays. An upper bound, not an estimate: the server reserves it
+    before clustering, and again for VBx once s is known (serving/diarization/service.py)."""
     linkage = LINKAGE_BYTES_PER_PAIR_SQUARED * clean_pairs * clean_pairs
     updates = VBX_BYTES_PER_PAIR_CLUSTER * clean_pairs * initial_clusters
-    return max(linkage, updates) + DIARIZE_BYTES_PER_WINDOW * windows
+    arrays = CLUSTERING_BYTES_PER_PAIR * clean_pairs + DIARIZE_BYTES_PER_WINDOW * windows
+    return max(linkage, updates) + arrays
 
 
 def compile_loops() -> None:

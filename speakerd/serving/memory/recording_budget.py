@@ -32,7 +32,7 @@ DEFAULT_RECORDING_MEMORY_MB = 2048
 DEFAULT_RECORDING_QUEUE = 64
 #: MiB Diarize calls clustering at once may hold (`--clustering-memory-mb`): an hour's
 #: clustering takes at most 1.0 GB (every pair clean), so two at once fit; a 3 h recording
-#: fits with up to 46% of its pairs clean (sample.wav's share, 47%, takes 2.2 GB).
+#: fits with up to 47% of its pairs clean (sample.wav's share, 47%, takes 2.1 GB).
 DEFAULT_CLUSTERING_MEMORY_MB = 2048
 
 
