@@ -64,12 +64,12 @@ CASES = [
 ]
 
 
-#: The clustering budget of the module's server, MiB: the smallest the flag takes, so that a
-#: minute of audio does not fit it (51 windows reserve 1.47 MB) while the sample (4 windows,
-#: at most 12 clean pairs: 0.12 MB) does.
+#: The clustering budget of the module's server, MiB: the smallest the flag takes, so that 80 s
+#: of audio do not fit it (71 windows reserve 1.12 MB) while the sample (4 windows, at most 12
+#: clean pairs: 0.11 MB) does.
 CLUSTERING_MEMORY_MB = 1
 #: Seconds of silence whose clustering reservation exceeds that budget.
-OVER_BUDGET_S = 60
+OVER_BUDGET_S = 80
 #: Seconds of the sample the bench reads, and the seconds it tiles them to: 2 windows (its
 #: warm-up calls each kind once on them too), each holding both speakers' first turns (6.7 s
 #: to 10 s of the sample, by its sample.rttm).
@@ -239,7 +239,7 @@ def test_a_recording_whose_clustering_exceeds_the_budget_is_invalid_argument(ser
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
         details = caught.value.details()
         assert [name for name, _ in field_violations(caught.value)] == ["header.recording.frames"], details
-        assert "960000 frames make 51 windows, whose clustering needs at least 1 MiB" in details, details
+        assert "1280000 frames make 71 windows, whose clustering needs at least 1 MiB" in details, details
         assert "clustering budget (1 MiB, serve --clustering-memory-mb)" in details, details
         assert client.diarize(np.zeros(12 * 16_000, np.int16), 16_000).windows == 3
 
