@@ -61,10 +61,11 @@ RUN groupadd --system --gid 10001 speakerd \
 COPY --from=build /opt/speakerd /opt/speakerd
 COPY --from=build /opt/speakerd-cache /opt/speakerd-cache
 # SPEAKERD_HOST: listen on every interface (the server's own default is loopback only).
-# CUPY_CACHE_DIR: CuPy caches compiled kernels under $HOME by default, which is read-only in
-# the Deployment; /tmp is its writable emptyDir. NUMBA_CACHE_DIR: the same for the clustering's
-# compiled linkage (numba caches beside the installed package or under $HOME, both read-only
-# there, and its machine code is for the CPU it runs on, so it is made at the first start).
+# CUPY_CACHE_DIR: serve and warm put CuPy's compiled kernels in $SPEAKERD_CACHE/cupy unless
+# this is set, and $SPEAKERD_CACHE here is the image's read-only layer of default models;
+# /tmp is the Deployment's writable emptyDir. NUMBA_CACHE_DIR: the same for the clustering's
+# compiled loops (numba's machine code is for the CPU it runs on, so it is made at the first
+# start).
 # HF_HOME: huggingface_hub's cache for `--model org/name`, and the converted model beside each
 # download, on the /models volume (owned by the server's uid, so a new Docker volume is too).
 ENV VIRTUAL_ENV=/opt/speakerd \

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from speakerd.model.store import default_model_name
+from speakerd.serving.server.caches import LIBRARY_CACHES
 from tests.serving import SERVING_LINE, start_server
 
 #: A CPU engine's warm-up on 2 shared cores: the default models made, every plan checked.
@@ -32,7 +33,9 @@ def _phases(line: str) -> list[str]:
 
 
 def warm(cache: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SPEAKERD_CACHE": str(cache)}
+    # the libraries' own cache variables unset: warm points them into SPEAKERD_CACHE
+    env = {name: value for name, value in os.environ.items() if name not in LIBRARY_CACHES}
+    env["SPEAKERD_CACHE"] = str(cache)
     return subprocess.run(
         [sys.executable, "-m", "speakerd", "warm", "--engine", "cpu", "--plans", "1", *flags],
         capture_output=True, text=True, timeout=WARM_TIMEOUT_S, env=env,
@@ -48,6 +51,10 @@ def test_warm_fills_the_cache_and_a_server_then_names_its_phases(tmp_path: Path)
     assert "warm: what serve builds with these flags is built and checked, in " in last, last
     assert _phases(last) == list(PHASES), last
     assert (cache / default_model_name()).is_file(), sorted(p.name for p in cache.iterdir())
+    # the clustering's compiled loops in numba's cache, inside SPEAKERD_CACHE
+    compiled = sorted(p.name for p in (cache / LIBRARY_CACHES["NUMBA_CACHE_DIR"]).rglob("*.nbi"))
+    assert any("_fast_linkage" in name for name in compiled), compiled
+    assert any("_add_windows" in name for name in compiled), compiled
     made = {path: path.stat().st_mtime_ns for path in cache.iterdir()}
     again = warm(cache)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -370,6 +370,7 @@ def build_all(
                 engine = _start_pool(settings, prepared, resolved, metrics, on_lost)
         with phases.timed("clustering check"):
             linker = diarization_linker(settings.linkage, engine)
+            compile_loops()  # diarize's frame loops (at once when the start-up's thread did it)
     except BaseException:
         segmenter.close()
         raise

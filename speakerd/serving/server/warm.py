@@ -5,10 +5,11 @@ traffic: the models are fetched and converted (or the synthetic defaults made), 
 segmenter and the engine are built and pass their self-check, Diarize's linkage is compiled
 and checked, and everything that start-up keeps on disk stays there for the next `serve`:
 converted checkpoints and the default models in $SPEAKERD_CACHE, the compiled CUDA kernels
-in CuPy's kernel cache ($CUPY_CACHE_DIR), the compiled linkage in numba's cache
-($NUMBA_CACHE_DIR). Nothing listens and no voiceprint store is opened; one line at the end
-says where the seconds went, as the SERVING line of `serve` does. Exit 0 when all of it
-passed, 1 when the start-up failed (a self-check that did not pass), 2 for flags.
+in CuPy's kernel cache and the clustering's compiled loops in numba's, both in
+$SPEAKERD_CACHE too unless $CUPY_CACHE_DIR or $NUMBA_CACHE_DIR say otherwise (caches.py).
+Nothing listens and no voiceprint store is opened; one line at the end says where the
+seconds went, as the SERVING line of `serve` does. Exit 0 when all of it passed, 1 when the
+start-up failed (a self-check that did not pass), 2 for flags.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
         return config.USAGE_EXIT
     from speakerd.serving.observability.metrics import Metrics
     from speakerd.serving.server import serve
+    from speakerd.serving.server.caches import point_library_caches
     from speakerd.serving.server.phases import Phases
 
+    point_library_caches()
     logging.basicConfig(level=settings.log_level, format=serve.LOG_FORMAT)
     started = time.monotonic()
     try:
