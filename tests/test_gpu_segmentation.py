@@ -367,3 +367,28 @@ def test_the_server_gpu_segmenter_serves_the_cpu_segmenters_segmentation(tmp_pat
     assert served.shape == expected.shape == (len(starts), 589, 3) and served.dtype == np.uint8
     assert not np.any(differ & ~near), np.argwhere(differ & ~near)[:5]
     gpu.close()
+
+
+def test_calls_at_once_each_get_their_own_segmentation(setup):
+    """The recording threads segment at once (serving/api/recording.py's SEGMENT_THREADS), on
+    one segmenter whose plans' buffers are shared by every call of a size: each call's
+    log-probabilities are the bits it gets alone, whatever runs beside it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speakerd.engine.gpu.segmentation import GpuSegmenter
+    from speakerd.model.audio import synthetic_recording
+
+    segmenter = GpuSegmenter(setup[0], model_id="test", max_windows=MAX_WINDOWS, math="fp32")
+    windows = 32
+    starts = np.arange(windows, dtype=np.int64) * STEP
+    length = (windows - 1) * STEP + 160000
+    audios = [synthetic_recording(AUDIO_S, seed=seed).samples[:length] for seed in range(4)]
+    audios = [audio.astype(np.float32) for audio in audios]
+    alone = [segmenter.log_probs(audio, starts) for audio in audios]
+    assert not any(np.array_equal(alone[0], other) for other in alone[1:]), "the recordings must differ"
+    with ThreadPoolExecutor(len(audios)) as pool:
+        for _ in range(5):
+            together = list(pool.map(lambda audio: segmenter.log_probs(audio, starts), audios * 3))
+            mixed = [i for i, got in enumerate(together) if not np.array_equal(got, alone[i % len(audios)])]
+            assert not mixed, f"calls {mixed} of {len(together)} at once got another call's segmentation"
+    segmenter.close()

@@ -43,6 +43,7 @@ bit-identical to eager (same kernels, same cuBLAS workspaces, no atomics).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -180,6 +181,10 @@ class GpuSegmenter(Segmenter):
         self.use_graph, self.norm_mode, self.lstm = use_graph, int(norm_mode), lstm
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.gemms = Gemms(self.stream.ptr)
+        #: held from a call's upload to its outputs' copy back: the recording threads segment
+        #: at once (serving/api/recording.py's SEGMENT_THREADS), and a plan's buffers, its
+        #: graph and the stream are shared by every call of its size
+        self._lock = threading.RLock()
         device = cp.cuda.Device()
         self.sms = int(device.attributes["MultiProcessorCount"])
         self.smem_optin = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
@@ -379,9 +384,11 @@ class GpuSegmenter(Segmenter):
         return p
 
     def run(self, samples: np.ndarray, starts: np.ndarray, graph: bool | None = None) -> _Plan:
-        """Upload, forward (graph replay or eager), and return the plan holding the outputs."""
+        """Upload, forward (graph replay or eager), and return the plan holding the outputs
+        (read them while holding `_lock`, as log_probs and segment do: the next call of the
+        same size overwrites them)."""
         use_graph = self.use_graph if graph is None else graph
-        with self.stream:
+        with self._lock, self.stream:
             p = self._upload(samples, starts)
             if use_graph:
                 if p.graph is None:
@@ -403,28 +410,32 @@ class GpuSegmenter(Segmenter):
             event.record(self.stream)
             events.append((name, event))
 
-        with self.stream:
-            mark("start")
-            p = self._upload(samples, starts)
-            mark("upload")
-            self._forward(p, mark)
-        self.stream.synchronize()
+        with self._lock:
+            with self.stream:
+                mark("start")
+                p = self._upload(samples, starts)
+                mark("upload")
+                self._forward(p, mark)
+            self.stream.synchronize()
         return {name: cp.cuda.get_elapsed_time(a, b) for (_, a), (name, b) in itertools.pairwise(events)}
 
     def log_probs(self, samples: np.ndarray, starts: np.ndarray, graph: bool | None = None) -> np.ndarray:
         """[k, 589, 7] float32 powerset log-probabilities (the parity surface)."""
-        p = self.run(samples, starts, graph)
-        out = p.logp.get(stream=self.stream)
-        self.stream.synchronize()
+        with self._lock:
+            p = self.run(samples, starts, graph)
+            out = p.logp.get(stream=self.stream)
+            self.stream.synchronize()
         return out
 
     def segment(self, samples: np.ndarray, starts: np.ndarray) -> Segmentation:
         t0 = time.perf_counter()
-        p = self.run(samples, starts)
-        ml = p.ml.get(stream=self.stream)
-        self.stream.synchronize()
+        with self._lock:
+            p = self.run(samples, starts)
+            ml = p.ml.get(stream=self.stream)
+            self.stream.synchronize()
         return Segmentation(multilabel=ml, compute_s=time.perf_counter() - t0)
 
     def close(self) -> None:
-        self._plans.clear()
-        self.gemms.close()
+        with self._lock:
+            self._plans.clear()
+            self.gemms.close()
