@@ -37,21 +37,23 @@ def frame_count(chunks: SlidingFrames, num_chunks: int, frames: SlidingFrames) -
     return frames.moved_to(chunks.start).closest_frame(last_end) + 1
 
 
-def window_firsts(chunks: SlidingFrames, num_chunks: int, frames: SlidingFrames) -> np.ndarray:
-    """The grid frame each window's first frame lands on: the one closest to the window's
-    start plus half a frame, [num_chunks] int64."""
+def placement(
+    chunks: SlidingFrames, num_chunks: int, per_chunk: int, frames: SlidingFrames
+) -> tuple[SlidingFrames, int, np.ndarray]:
+    """Where `num_chunks` windows of `per_chunk` frames land: (the recording's grid, its
+    frame_count, the grid frame each window's first frame lands on, [num_chunks] int64: the
+    one closest to the window's start plus half a frame). ValueError unless every window's
+    frames fit the grid (the compiled loops write where they are told, unchecked;
+    pyannote's slices would not fit either)."""
     grid = frames.moved_to(chunks.start)
-    return grid.closest_frames(chunks.starts(num_chunks) + 0.5 * grid.duration)
-
-
-def check_fit(firsts: np.ndarray, per_chunk: int, num_frames: int) -> None:
-    """ValueError unless every window's frames land within the grid's `num_frames` (the
-    compiled loops write where they are told, unchecked; pyannote's slices would not fit)."""
-    if len(firsts) and (int(firsts.min()) < 0 or int(firsts.max()) + per_chunk > num_frames):
+    num_frames = frame_count(chunks, num_chunks, frames)
+    firsts = grid.closest_frames(chunks.starts(num_chunks) + 0.5 * grid.duration)
+    if num_chunks and (int(firsts.min()) < 0 or int(firsts.max()) + per_chunk > num_frames):
         raise ValueError(
             f"windows of {per_chunk} frames from grid frames {int(firsts.min())}..{int(firsts.max())} "
             f"do not fit the recording's {num_frames} frames: expected frames that span their window"
         )
+    return grid, num_frames, firsts
 
 
 def _add_windows(scores, firsts, total, contributors, covered):
@@ -88,13 +90,10 @@ def overlap_add(
     loop (None: where numba is installed) or NumPy's slices; the same bits either way.
     """
     num_chunks, per_chunk, classes = scores.shape
-    grid = frames.moved_to(chunks.start)
-    num_frames = frame_count(chunks, num_chunks, frames)
-    firsts = window_firsts(chunks, num_chunks, frames)
+    grid, num_frames, firsts = placement(chunks, num_chunks, per_chunk, frames)
     total = np.zeros((num_frames, classes), dtype=np.float32)
     contributors = np.zeros((num_frames, classes), dtype=np.float32)
     covered = np.zeros((num_frames, classes), dtype=bool)
-    check_fit(firsts, per_chunk, num_frames)
     if compiled.available() if use_compiled is None else use_compiled:
         compiled.jit(_add_windows)(scores, firsts, total, contributors, covered)
     else:

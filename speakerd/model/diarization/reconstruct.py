@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from speakerd.model.diarization import compiled
-from speakerd.model.diarization.aggregate import check_fit, frame_count, overlap_add, window_firsts
+from speakerd.model.diarization.aggregate import overlap_add, placement
 from speakerd.model.diarization.clustering import NO_CLUSTER
 from speakerd.model.diarization.count import SpeakerCount
 from speakerd.model.diarization.frames import SEGMENTATION_FRAMES, SlidingFrames
@@ -106,9 +106,7 @@ def cluster_activations(
     hard = np.asarray(hard_clusters, dtype=np.int64)
     num_clusters = check_clusters(segmentations, hard)
     num_chunks, per_chunk, _ = segmentations.shape
-    num_frames = frame_count(chunks, num_chunks, frames)
-    firsts = window_firsts(chunks, num_chunks, frames)
-    check_fit(firsts, per_chunk, num_frames)
+    _, num_frames, firsts = placement(chunks, num_chunks, per_chunk, frames)
     total = np.zeros((num_frames, num_clusters), dtype=np.float32)
     compiled.jit(_add_clusters)(segmentations, hard, firsts, total)
     return total

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from speakerd.tools.bench_diarize import tiled
 from speakerd.tools.suite.record import anchor, figure
 from speakerd.tools.suite.run import Context, json_lines, shown
 
@@ -35,19 +36,18 @@ SAMPLE_RATE = 16_000
 
 
 def hour_wav(speech: Path, seconds: float, out: Path) -> Path:
-    """`speech` (16 kHz mono PCM16) tiled to `seconds`, as bench_diarize.tiled tiles it,
-    written as 16 kHz mono PCM16 to `out`."""
+    """`speech` (16 kHz mono PCM16) tiled to `seconds` by bench_diarize.tiled, written as
+    16 kHz mono PCM16 to `out`."""
     with wave.open(str(speech)) as clip:
         if (clip.getframerate(), clip.getnchannels(), clip.getsampwidth()) != (SAMPLE_RATE, 1, 2):
             raise ValueError(f"{speech}: speakrs' hour.py takes 16 kHz mono PCM16")
         samples = np.frombuffer(clip.readframes(clip.getnframes()), "<i2")
-    frames = round(seconds * SAMPLE_RATE)
-    tiled = np.tile(samples, -(-frames // len(samples)))[:frames]
+    hour_samples = tiled(samples[:, None], SAMPLE_RATE, seconds)[:, 0]
     with wave.open(str(out), "wb") as hour:
         hour.setnchannels(1)
         hour.setsampwidth(2)
         hour.setframerate(SAMPLE_RATE)
-        hour.writeframes(tiled.astype("<i2").tobytes())
+        hour.writeframes(hour_samples.astype("<i2").tobytes())
     return out
 
 
