@@ -89,6 +89,11 @@ def test_pieces_are_checked(engine: CpuEngine, reference_cases) -> None:
     with pytest.raises(InputLengthError) as fbank:
         engine.run_batch([first.fbank], [first.masks, first.masks])
     assert (fbank.value.field, fbank.value.expected, fbank.value.given) == ("fbank", 2 * 998 * 80, 998 * 80)
+    # the right number of elements on the wrong axes: the shape is named, not a length
+    axes_named = rf"masks: shape \(1, 1, 3, {frames}\): expected \[chunks, 3, F\]"
+    with pytest.raises(InputError, match=axes_named) as axes:
+        engine.run_batch(first.fbank, first.masks[None])
+    assert not isinstance(axes.value, InputLengthError), axes.value
 
 
 def test_fewer_speakers_and_any_frame_count(engine: CpuEngine, reference_cases) -> None:

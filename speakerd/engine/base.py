@@ -91,6 +91,9 @@ def batch_inputs(fbank: Pieces, masks: Pieces) -> BatchInputs:
         if piece.ndim != 3 or piece.shape[1] != MAX_SPEAKERS or not 1 <= piece.shape[2] <= MAX_MASK_FRAMES:
             width = int(piece.shape[-1]) if piece.ndim and 1 <= piece.shape[-1] <= MAX_MASK_FRAMES else 1
             whole = max(1, int(piece.size) // (MAX_SPEAKERS * width))
+            if whole * MAX_SPEAKERS * width == piece.size:  # the elements are there, the axes are not
+                raise InputError(field, f"shape {tuple(piece.shape)}: expected [chunks, {MAX_SPEAKERS}, F] "
+                                        f"with F from 1 to {MAX_MASK_FRAMES}")  # fmt: skip
             raise InputLengthError(field, whole * MAX_SPEAKERS * width, int(piece.size))
         if index == 0:
             frames = int(piece.shape[2])
