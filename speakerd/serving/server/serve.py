@@ -86,6 +86,7 @@ from speakerd.serving.server import config, plda, segmentation
 from speakerd.serving.server import data_dir as data_dir_lock
 from speakerd.serving.server.memory_bound import memory_bound, resident_bytes
 from speakerd.serving.server.phases import Phases
+from speakerd.serving.server.precompile import ClusteringCompile
 from speakerd.serving.voiceprints.records import StoreUnavailable
 from speakerd.serving.voiceprints.service import SERVICE_NAME as VOICEPRINTS_SERVICE
 from speakerd.serving.voiceprints.service import VoiceprintService
@@ -351,17 +352,22 @@ def build_all(
     before SERVING and `speakerd warm` builds to fill the caches (blocking)."""
     from speakerd.model.source import SEGMENTATION, resolve_model
 
-    with phases.timed("models"):
-        resolved = prepared.resolved or resolve_model(None)
-        if prepared.segmentation is not None:
-            found, weights = prepared.segmentation
-        else:
-            found = resolve_model(None, kind=SEGMENTATION)
-            weights = segmentation.load(found, None)
-    # with --devices the GPUs belong to the worker processes: this one segments on its CPU
-    kind = prepared.engine_kind if prepared.devices is None else "cpu"
-    with phases.timed("segmentation"):
-        segmenter = segmentation.build(weights, found.path, kind)
+    clustering = ClusteringCompile()  # numba's compile in a child process, beside all of this
+    try:
+        with phases.timed("models"):
+            resolved = prepared.resolved or resolve_model(None)
+            if prepared.segmentation is not None:
+                found, weights = prepared.segmentation
+            else:
+                found = resolve_model(None, kind=SEGMENTATION)
+                weights = segmentation.load(found, None)
+        # with --devices the GPUs belong to the worker processes: this one segments on its CPU
+        kind = prepared.engine_kind if prepared.devices is None else "cpu"
+        with phases.timed("segmentation"):
+            segmenter = segmentation.build(weights, found.path, kind)
+    except BaseException:
+        clustering.close()
+        raise
     try:
         if prepared.devices is None:
             engine = _build_engine(settings, prepared, resolved, phases)
@@ -369,9 +375,11 @@ def build_all(
             with phases.timed("devices"):
                 engine = _start_pool(settings, prepared, resolved, metrics, on_lost)
         with phases.timed("clustering check"):
+            clustering.wait()  # then the linkage and the frame loops load what the child compiled
             linker = diarization_linker(settings.linkage, engine)
-            compile_loops()  # diarize's frame loops (at once when the start-up's thread did it)
+            compile_loops()
     except BaseException:
+        clustering.close()
         segmenter.close()
         raise
     return Built(engine, segmenter, resolved.source, found.source, linker)
@@ -416,11 +424,6 @@ def plan_times_text(times: dict[int, float], engine_kind: str) -> str:
     if engine_kind == "cpu" and len(times) > 1:
         text += f" (b1 measured; b{max(times)} and the other plans are b x b1, estimated)"
     return text
-
-
-def _compile_clustering() -> None:
-    linkage.proven_equal_to_scipy()
-    compile_loops()
 
 
 def diarization_linker(implementation: str, engine: Engine) -> linkage.Linker:
@@ -665,11 +668,6 @@ class SpeakerServer:
             self.segmenter = built.segmenter
             self.diarization.linker = built.linker
             return built.engine
-
-        # the compiled linkage's compile (numba's cache: a fraction of a second; a few seconds
-        # the first time on a machine) and its check against SciPy, beside the engine's build;
-        # diarization_linker waits for it; then the compile of diarize's frame loops
-        threading.Thread(target=_compile_clustering, name="linkage-check", daemon=True).start()
 
         self._building = in_daemon_thread(build, lambda e: e.close())
         try:
