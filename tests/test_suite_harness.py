@@ -53,7 +53,8 @@ def test_list_names_every_suite_with_its_budget_inside_a_device_call():
     assert done.returncode == 0, done.stderr
     listed = {line.split()[0]: int(line.split()[1]) for line in done.stdout.splitlines()}
     assert listed == {name: s.budget_s for name, s in SUITES.items()}
-    assert set(listed) == {"tests-gpu", "engine", "service", "recording", "pyannote", "diarize", "devices"}
+    names = {"tests-gpu", "engine", "service", "recording", "pyannote", "diarize", "startup", "devices"}
+    assert set(listed) == names
     assert all(budget <= 570 for budget in listed.values()), "a suite must fit one 600 s device call"
 
 
@@ -64,7 +65,7 @@ def test_list_names_every_suite_with_its_budget_inside_a_device_call():
         ([], "name at least one suite"),
         (
             ["engine", "--engine", "cpu"],
-            "--engine cpu: only these suites run on the CPU engine: service, pyannote",
+            "--engine cpu: only these suites run on the CPU engine: service, pyannote, startup",
         ),
         (["service", "--runs", "0"], "--runs, --seconds and --budget-s must be positive"),
         (["service", "--math", "fp16,tf32"], "--math fp16,tf32: only the engine suite takes several maths"),
@@ -332,6 +333,29 @@ def test_service_suite_serves_verifies_and_loads_on_the_cpu_engine(tmp_path, ref
     summary = [line for line in done.stdout.splitlines() if line.startswith("service: 2 records in ")]
     assert len(summary) == 1 and f"verify fp32 {cases} cases within parity bounds" in summary[0]
     assert (out / "logs.tgz").is_file() and not (out / "logs").exists()
+
+
+@pytest.mark.slow
+def test_startup_suite_starts_twice_on_one_cache_and_records_both(tmp_path):
+    """The second server finds what the first made (here the CPU engine's default models and
+    the clustering's compiled loops) and says so in its phases."""
+    out = tmp_path / "out"
+    done = suite("startup", "--engine", "cpu", "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in records] == [
+        "start-up to SERVING with an empty cache, fp32 cpu server",
+        "start-up to SERVING from the first start's cache, fp32 cpu server",
+    ]
+    assert all(schema.validate(r) == [] and r["ok"] for r in records), records
+    empty, cached = (r["detail"] for r in records)
+    assert list(empty["phases_s"]) == ["models", "segmentation", "engine", "self-check", "plan timing",
+                                       "clustering check"], empty["phases_s"]  # fmt: skip
+    # the first start made the default models; the second only read them
+    assert cached["phases_s"]["models"] < empty["phases_s"]["models"], (empty["phases_s"], cached["phases_s"])
+    assert empty["cache_files"].get("numba", 0) > 0, empty["cache_files"]
+    assert records[1]["anchors"][0]["value"] == records[0]["figure"]["value"]
+    assert records[1]["anchors"][0]["command"] == records[0]["command"]
 
 
 def test_diarize_suite_links_the_hours_rows_and_3_hours_worth_checked_against_scipy(tmp_path):

@@ -8,9 +8,13 @@ engine 152.9 s, self-check 0.6 s, plan timing 0.4 s, clustering check 0.2 s)`.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Iterator
+
+#: The SERVING line's start-up: its seconds and its phases' (`Phases.text`), as logged.
+SERVING_LINE = re.compile(r"SERVING \S+ after (?P<seconds>[\d.]+) s of start-up \((?P<phases>[^)]*)\)")
 
 
 class Phases:
@@ -39,3 +43,16 @@ class Phases:
     def text(self) -> str:
         """'models 1.2 s, engine 152.9 s, ...' (empty when nothing was timed)."""
         return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds().items())
+
+
+def serving_seconds(log: str) -> tuple[float, dict[str, float]] | None:
+    """(start-up seconds, each phase's seconds) from the first SERVING line in a server's
+    `log`; None when it has none."""
+    found = SERVING_LINE.search(log)
+    if found is None:
+        return None
+    phases = {}
+    for part in filter(None, found["phases"].split(", ")):
+        name, _, seconds = part.rpartition(" ")[0].rpartition(" ")
+        phases[name] = float(seconds)
+    return float(found["seconds"]), phases

@@ -169,9 +169,12 @@ class Context:
         return record
 
     @contextmanager
-    def server(self, name: str, flags: Sequence[str]) -> Iterator[dict[str, str]]:
+    def server(
+        self, name: str, flags: Sequence[str], env: Mapping[str, str | None] | None = None
+    ) -> Iterator[dict[str, str]]:
         """`speakerd serve FLAGS` on free ports until the block ends; yields its target,
-        metrics URL and command. Not SERVING in time (or exited): StepFailed."""
+        metrics URL, command and log's path. `env`: variables set for it (None: unset). Not
+        SERVING in time (or exited): StepFailed."""
         port, metrics = free_port(), free_port()
         # a benchmark keeps no voiceprints: no SQLite store, so no --data-dir to hold
         # (serving/server/data_dir.py) beside a server the machine may run already
@@ -181,7 +184,13 @@ class Context:
         )
         log = self.log_path(f"serve-{name}")
         with log.open("w") as out:
-            process = subprocess.Popen(argv, cwd=self.repo, stdout=out, stderr=subprocess.STDOUT)
+            environ = dict(os.environ)
+            for variable, value in (env or {}).items():
+                if value is None:
+                    environ.pop(variable, None)
+                else:
+                    environ[variable] = value
+            process = subprocess.Popen(argv, cwd=self.repo, stdout=out, stderr=subprocess.STDOUT, env=environ)
         target = f"127.0.0.1:{port}"
         try:
             wait = max(1, int(min(SERVER_START_S, self.left() - 5)))

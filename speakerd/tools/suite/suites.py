@@ -16,6 +16,7 @@ from speakerd.tools.suite.pyannote import pyannote
 from speakerd.tools.suite.recording import recording
 from speakerd.tools.suite.run import Context
 from speakerd.tools.suite.service import devices, service
+from speakerd.tools.suite.startup import startup
 from speakerd.tools.suite.tests_gpu import tests_gpu
 
 
@@ -76,6 +77,14 @@ SUITES: dict[str, Suite] = {
             "at once; the clustering's steps; the linkage alone at the hour's rows and at 3 h's",
             480,
             diarize,
+        ),
+        Suite(
+            "startup",
+            "a server's start-up to SERVING with an empty cache, then a second server on the cache "
+            "the first kept, each with its phases (--engine cpu: the CPU engine's)",
+            420,
+            startup,
+            cpu_engine=True,
         ),
         Suite(
             "devices",
