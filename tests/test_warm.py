@@ -10,7 +10,6 @@ the SERVING line. A flag warm cannot honour is one line and exit 2, before any w
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from speakerd.model.store import default_model_name
 from speakerd.serving.server.caches import LIBRARY_CACHES
+from speakerd.serving.server.phases import phase_seconds
 from tests.serving import SERVING_LINE, start_server
 
 #: A CPU engine's warm-up on 2 shared cores: the default models made, every plan checked.
@@ -28,8 +28,7 @@ PHASES = ("models", "segmentation", "engine", "self-check", "plan timing", "clus
 
 
 def _phases(line: str) -> list[str]:
-    inside = line[line.rindex("(") + 1 : line.rindex(")")]
-    return [re.fullmatch(r"(.+) \d+\.\d s", part).group(1) for part in inside.split(", ")]  # type: ignore[union-attr]
+    return list(phase_seconds(line[line.rindex("(") + 1 : line.rindex(")")]))
 
 
 def warm(cache: Path, *flags: str) -> subprocess.CompletedProcess[str]:

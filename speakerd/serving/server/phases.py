@@ -51,8 +51,13 @@ def serving_seconds(log: str) -> tuple[float, dict[str, float]] | None:
     found = SERVING_LINE.search(log)
     if found is None:
         return None
+    return float(found["seconds"]), phase_seconds(found["phases"])
+
+
+def phase_seconds(text: str) -> dict[str, float]:
+    """Each phase's seconds from `Phases.text`'s form ('models 1.2 s, engine 152.9 s')."""
     phases = {}
-    for part in filter(None, found["phases"].split(", ")):
-        name, _, seconds = part.rpartition(" ")[0].rpartition(" ")
+    for part in filter(None, text.split(", ")):
+        name, _, seconds = part.removesuffix(" s").rpartition(" ")
         phases[name] = float(seconds)
-    return float(found["seconds"]), phases
+    return phases

@@ -353,6 +353,7 @@ def build_all(
     from speakerd.model.source import SEGMENTATION, resolve_model
 
     clustering = ClusteringCompile()  # numba's compile in a child process, beside all of this
+    segmenter: Segmenter | None = None
     try:
         with phases.timed("models"):
             resolved = prepared.resolved or resolve_model(None)
@@ -365,10 +366,6 @@ def build_all(
         kind = prepared.engine_kind if prepared.devices is None else "cpu"
         with phases.timed("segmentation"):
             segmenter = segmentation.build(weights, found.path, kind)
-    except BaseException:
-        clustering.close()
-        raise
-    try:
         if prepared.devices is None:
             engine = _build_engine(settings, prepared, resolved, phases)
         else:
@@ -380,7 +377,8 @@ def build_all(
             compile_loops()
     except BaseException:
         clustering.close()
-        segmenter.close()
+        if segmenter is not None:
+            segmenter.close()
         raise
     return Built(engine, segmenter, resolved.source, found.source, linker)
 
