@@ -271,6 +271,16 @@ class Engine(abc.ABC):
         """`empty_rows` if already measured, else None (never runs the engine)."""
         return self._empty_rows
 
+    #: whether this engine was built from cached start-up choices (engine/build_cache.py)
+    built_from_cache: bool = False
+
+    def keep_build(self) -> None:  # noqa: B027 - engines that tune nothing at start-up keep nothing
+        """Keep this build's start-up choices for the next start (called once the self-check
+        passed)."""
+
+    def forget_build(self) -> None:  # noqa: B027 - nothing kept, nothing to forget
+        """Drop the cached choices this engine was built from (its self-check failed)."""
+
     def close(self) -> None:  # noqa: B027 - engines without device resources need no cleanup
         """Release device resources; the engine is unusable afterwards."""
 

@@ -35,6 +35,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+#: The cache's folder in the server's cache directory ($SPEAKERD_CACHE).
+BUILDS_DIR = "builds"
 #: The entries' layout; an entry of another format is not read (and is replaced on store).
 FORMAT = "speakerd.build/1"
 #: Hex digits of the key's SHA-256 in an entry's file name: 128 bits, no collision in practice

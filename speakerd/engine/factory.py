@@ -12,9 +12,11 @@ import logging
 from pathlib import Path
 
 from speakerd.engine.base import Engine
+from speakerd.engine.build_cache import BUILDS_DIR, BuildCache
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.numerics import Math
 from speakerd.model.segmentation.weights import SegmentationModel
+from speakerd.model.store import cache_dir
 from speakerd.model.weights import FoldedModel
 
 log = logging.getLogger(__name__)
@@ -68,11 +70,14 @@ def create_engine(
     plan_sizes: tuple[int, ...] = DEFAULT_PLAN_SIZES,
     conv_kernels: str = "auto",
     cpu_threads: int | None = None,
+    build_cache: bool = False,
 ) -> Engine:
     """Build, warm up and time an engine of `kind` (auto | cpu | gpu) for `model`;
     `conv_kernels` ("auto" | "cudnn" | "blocks") says whether the GPU engine may run our
     kernels, and (blocks) our one-kernel BasicBlocks too;
-    `cpu_threads` caps the CPU engine's threads (None: every core)."""
+    `cpu_threads` caps the CPU engine's threads (None: every core); `build_cache`: the GPU
+    engine uses and keeps its start-up choices in $SPEAKERD_CACHE/builds (build_cache.py;
+    the caller stores them once the self-check passed: Engine.keep_build)."""
     resolved = resolve_kind(kind)
     if resolved == "cpu":
         from speakerd.engine.cpu import CpuEngine
@@ -80,7 +85,8 @@ def create_engine(
         return CpuEngine(model, Math(math), plan_sizes, threads=cpu_threads)
     from speakerd.engine.gpu.engine import GpuEngine
 
-    return GpuEngine(model, Math(math), plan_sizes, **gpu_kernel_options(conv_kernels))
+    cache = BuildCache(cache_dir() / BUILDS_DIR) if build_cache else None
+    return GpuEngine(model, Math(math), plan_sizes, **gpu_kernel_options(conv_kernels), build_cache=cache)
 
 
 def gpu_kernel_options(conv_kernels: str) -> dict[str, bool]:

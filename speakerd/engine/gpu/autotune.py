@@ -32,13 +32,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from speakerd.engine.gpu import block, igemm, maths, stem
 from speakerd.engine.gpu.block import BlockKernel
 from speakerd.engine.gpu.context import DeviceContext
-from speakerd.engine.gpu.convs import ConvGraph, ConvKey, instantiate, time_plans
+from speakerd.engine.gpu.convs import ConvGraph, ConvKey, from_entry, graph_entry, instantiate, time_plans
 from speakerd.engine.gpu.epilogue import Epilogue
 from speakerd.engine.gpu.igemm import IgemmConv
 from speakerd.engine.gpu.stem import StemConv
@@ -319,8 +320,20 @@ class Autotuner:
     timed cuDNN graph per key (shared by plans), fusions cuDNN cannot build or that replayed
     wrongly, banned plans, shapes our kernels may not run, and every refusal."""
 
-    def __init__(self, ctx: DeviceContext, own_kernels: bool = True, fused_blocks: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: DeviceContext,
+        own_kernels: bool = True,
+        fused_blocks: bool = False,
+        cached_graphs: Mapping[str, dict] | None = None,
+    ) -> None:
         self.ctx = ctx
+        #: cuDNN graphs a start-up under an equal BuildKey timed (key label -> convs.graph_entry,
+        #: or {"unsupported": why} for a fused graph cuDNN could not serve): their chosen plan
+        #: is built alone, nothing timed (engine/build_cache.py)
+        self.cached_graphs = dict(cached_graphs or {})
+        #: the same of this build's graphs, what the next start may use (`cached_graphs`)
+        self.graph_entries: dict[str, dict] = {}
         self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
         self.fused_blocks = fused_blocks  # True: one-kernel blocks where faster (--conv-kernels blocks)
         self.block_refused: dict[ConvKey, str] = {}  # conv1 keys (bare) our block kernel may not run
@@ -569,19 +582,42 @@ class Autotuner:
         """The cuDNN graph for `key`, built and its plans timed on first request (again after
         a ban). A graph cuDNN cannot serve raises when `required`, else gives None (a fused
         candidate; the reason is kept in `failed`)."""
+        label = key.label()
+        if not required and key not in self.failed and "unsupported" in self.cached_graphs.get(label, {}):
+            self.failed[key] = self.cached_graphs[label]["unsupported"]
+            self.graph_entries[label] = {"unsupported": self.failed[key]}
         if key in self.failed and not required:
             return None
         if key not in self.graphs:
             try:
                 banned = frozenset(self.banned.get(key, ()))
-                self.graphs[key] = time_plans(key, self.ctx.cudnn, self.ctx.stream, buffers, banned)
+                graph = self._cached_graph(key, banned)
+                if graph is None:
+                    graph = time_plans(key, self.ctx.cudnn, self.ctx.stream, buffers, banned)
+                self.graphs[key] = graph
+                self.graph_entries[label] = graph_entry(graph)
             except Exception as error:
                 if required:
                     raise
                 self.failed[key] = f"{type(error).__name__}: {error}"
-                log.info("no fused cuDNN graph for %s: %s", key.label(), str(error)[:300])
+                self.graph_entries[label] = {"unsupported": self.failed[key]}
+                log.info("no fused cuDNN graph for %s: %s", label, str(error)[:300])
                 return None
         return self.graphs[key]
+
+    def _cached_graph(self, key: ConvKey, banned: frozenset[int]) -> ConvGraph | None:
+        """`key`'s graph with the plan a cached start-up chose, built alone; None when none
+        is cached for it, its plan was banned here, or it does not rebuild (one line why:
+        the plans are timed again)."""
+        entry = self.cached_graphs.get(key.label())
+        if entry is None or "plan_index" not in entry or entry["plan_index"] in banned:
+            return None
+        try:
+            return from_entry(key, entry, self.ctx.cudnn)
+        except Exception as error:
+            log.info("build cache: %s: the cached plan %s did not rebuild (%s); timing its plans",
+                     key.label(), entry.get("plan_name"), str(error)[:200])  # fmt: skip
+            return None
 
     def instance(self, prototype: ConvGraph) -> ConvGraph:
         """A graph of its own for one convolution, with the plan timed on `prototype`
@@ -612,6 +648,11 @@ class Autotuner:
             log.warning("%s: fusion off (%s)", key.label(), self.failed[key])
         self.banned.setdefault(key, set()).add(plan_index)
         self.graphs.pop(key, None)
+        # what the next start keeps of it is what this build settles on after the ban
+        if key.epilogue is not None:
+            self.graph_entries[key.label()] = {"unsupported": self.failed[key]}
+        else:
+            self.graph_entries.pop(key.label(), None)
 
     def refuse_own(self, key: ConvKey, reason: str, family: str) -> None:
         """Never run our kernels of `family` (a candidate's name) for `key` (bare) again (one

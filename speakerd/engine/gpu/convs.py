@@ -179,6 +179,29 @@ def instantiate(prototype: ConvGraph, handle) -> ConvGraph:
     )  # fmt: skip
 
 
+def graph_entry(graph: ConvGraph) -> dict:
+    """What a start-up keeps of a timed graph (engine/build_cache.py): its chosen plan and
+    the times it measured, enough for `from_entry` to build that plan alone next time."""
+    return {
+        "plan_index": graph.plan_index,
+        "plan_name": graph.plan_name,
+        "workspace_bytes": graph.workspace_bytes,
+        "ms": graph.ms,
+        "plan_ms": list(graph.plan_ms),
+    }
+
+
+def from_entry(key: ConvKey, entry: dict, handle) -> ConvGraph:
+    """`key`'s graph with only the plan `entry` (graph_entry's) chose built, not timed again:
+    the plan timed on an equal BuildKey. Raises when the rebuilt graph's plan at that index
+    is not the one the entry names (another heuristic order), as instantiate does."""
+    timed = ConvGraph(
+        key, None, {}, int(entry["plan_index"]), str(entry["plan_name"]), int(entry["workspace_bytes"]),
+        float(entry["ms"]), list(entry["plan_ms"]),
+    )  # fmt: skip
+    return instantiate(timed, handle)
+
+
 def fp32_graph(handle, io=None):
     """An empty cuDNN graph with FP32 intermediates and compute (io FP32 unless `io` says),
     to be replayed from CUDA graphs (the frontend then only offers plans that can be)."""

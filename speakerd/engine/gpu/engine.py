@@ -36,8 +36,10 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
+from speakerd.engine.build_cache import BuildCache, Loaded
 from speakerd.engine.gpu import held, kernels, maths, recording
 from speakerd.engine.gpu.autotune import Autotuner
+from speakerd.engine.gpu.build_key import conv_kernels_option, engine_build_key
 from speakerd.engine.gpu.capture import GraphCapture
 from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, SplitScratch, Workspace
 from speakerd.engine.gpu.convs import ConvKey
@@ -76,6 +78,7 @@ class GpuEngine(Engine):
         graphs: bool = True,
         own_kernels: bool = True,
         fused_blocks: bool = False,
+        build_cache: BuildCache | None = None,
     ) -> None:
         import cudnn
         import cupy
@@ -119,7 +122,13 @@ class GpuEngine(Engine):
                 sm_count=int(cupy.cuda.Device().attributes["MultiProcessorCount"]),
                 compute_capability=str(cupy.cuda.Device().compute_capability),
             )
-            self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks)
+            #: where this build's choices are kept, under what key, and what was loaded
+            self.build_cache = build_cache
+            self.build_key = engine_build_key(self.device, model.model_id, math, sizes,
+                                              conv_kernels_option(own_kernels, fused_blocks))  # fmt: skip
+            loaded = build_cache.load(self.build_key) if build_cache is not None else Loaded(None, "no cache")
+            self.build_loaded = loaded.entries or {}
+            self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks, self.build_loaded.get("graphs"))
             self._randomize_arena(math)
             self.plans: dict[int, Plan] = {
                 size: Plan(self.ctx, self.tuner, model, size, math) for size in sizes
@@ -152,6 +161,27 @@ class GpuEngine(Engine):
             math, sizes, self.setup_s, report["cudnn_graphs"], report["cudnn_build_s"],
             {size: round(ms, 3) for size, ms in self._times.items()},
         )  # fmt: skip
+
+    def build_entries(self) -> dict:
+        """What this build chose that the next start under the same key may use."""
+        return {"graphs": dict(self.tuner.graph_entries)}
+
+    def keep_build(self) -> None:
+        """Store this build's choices in the build cache (after the self-check passed: only a
+        proven build is kept), unless the cache already holds exactly these."""
+        if self.build_cache is not None and self.build_entries() != self.build_loaded:
+            path = self.build_cache.store(self.build_key, self.build_entries())
+            log.info("build cache: this build's choices kept in %s", path)
+
+    def forget_build(self) -> None:
+        """Remove this key's cached choices (they built an engine that failed its self-check)."""
+        if self.build_cache is not None:
+            self.build_cache.path(self.build_key).unlink(missing_ok=True)
+
+    @property
+    def built_from_cache(self) -> bool:
+        """Whether cached choices were used for this build."""
+        return bool(self.build_loaded)
 
     @property
     def stream(self):

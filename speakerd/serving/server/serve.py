@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TypeVar
 
 import grpc
@@ -298,23 +299,34 @@ async def serve(settings: config.ServeConfig, prepared: Prepared) -> Outcome:
 def _build_engine(
     settings: config.ServeConfig, prepared: Prepared, resolved: ResolvedModel, phases: Phases
 ) -> Engine:
-    """Load the weights, build and warm the engine, check it against the reference (blocking)."""
-    from speakerd.engine.factory import create_engine
+    """Load the weights, build and warm the engine, check it against the reference (blocking).
+    A GPU engine built from cached start-up choices (engine/build_cache.py) that fails the
+    self-check is built afresh once, its cached choices removed; one that passes keeps its
+    choices for the next start."""
     from speakerd.model.weights import load_model
 
-    started = time.perf_counter()
-    with phases.timed("engine"):
-        model = prepared.model if prepared.model is not None else load_model(resolved.path)
-        source = resolved.path
-        engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans,
-                               settings.conv_kernels, cpu_threads=settings.cpu_threads or None)  # fmt: skip
-    threads = f", {engine.threads} thread{'s' * (engine.threads != 1)}" if engine.threads else ""
-    log.info("engine %s %s plans %s%s built in %.1f s from %s (model %s)", engine.name, engine.math,
-             engine.plan_sizes, threads, time.perf_counter() - started, source,
-             model.model_id[:12])  # fmt: skip
+    model = prepared.model if prepared.model is not None else load_model(resolved.path)
+    engine = _engine(settings, prepared, model, resolved.path, phases)
     try:
         with phases.timed("self-check"):
-            check_engine(engine, model)
+            try:
+                check_engine(engine, model)
+                failure = None
+            except SelfCheckFailed as error:
+                if not engine.built_from_cache:
+                    raise
+                failure = error
+        if failure is not None:
+            # a cached choice is proven on every start; one that fails is dropped and every
+            # candidate timed again
+            log.warning("self-check failed on cached start-up choices (%s); removing them, building "
+                        "afresh", failure)  # fmt: skip
+            engine.forget_build()
+            engine.close()
+            engine = _engine(settings, prepared, model, resolved.path, phases)
+            with phases.timed("self-check"):
+                check_engine(engine, model)
+        engine.keep_build()
         log.info("self-check passed for every plan; timing plans for the batcher's cost model")
         # measured here, off the event loop (the batcher reads them when it is made): on a
         # CPU engine this runs every plan once, seconds in which health must still answer;
@@ -326,6 +338,24 @@ def _build_engine(
         engine.close()
         raise
     log.info("plan times %s", plan_times_text(times, prepared.engine_kind))
+    return engine
+
+
+def _engine(
+    settings: config.ServeConfig, prepared: Prepared, model: FoldedModel, source: Path, phases: Phases
+) -> Engine:
+    """The engine `settings` ask for, built and warmed (the "engine" phase)."""
+    from speakerd.engine.factory import create_engine
+
+    started = time.perf_counter()
+    with phases.timed("engine"):
+        engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans,
+                               settings.conv_kernels, cpu_threads=settings.cpu_threads or None,
+                               build_cache=True)  # fmt: skip
+    threads = f", {engine.threads} thread{'s' * (engine.threads != 1)}" if engine.threads else ""
+    log.info("engine %s %s plans %s%s built in %.1f s from %s (model %s%s)", engine.name, engine.math,
+             engine.plan_sizes, threads, time.perf_counter() - started, source, model.model_id[:12],
+             ", cached start-up choices" if engine.built_from_cache else "")  # fmt: skip
     return engine
 
 
