@@ -37,7 +37,7 @@ def _engine(model, cache: BuildCache):
 
 
 def _embeddings(engine, case) -> np.ndarray:
-    return np.asarray(engine.run_batch(case.fbank[None], case.masks[None]).embeddings)
+    return np.asarray(engine.run_batch(case.fbank, case.masks).embeddings)
 
 
 def _row(name: str, engine) -> None:
