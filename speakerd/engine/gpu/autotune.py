@@ -102,6 +102,12 @@ class ConvRequest:
     def key(self) -> ConvKey:
         return ConvKey.of(self.spec, self.batch, self.math, self.epilogue)
 
+    @property
+    def label(self) -> str:
+        """The convolution in its plan, e.g. "b32 fp16 layer2.0.conv1": a fallback plan's
+        convolutions differ by their math."""
+        return f"b{self.batch} {self.math} {self.name}"
+
 
 @dataclass
 class ConvChoice:
@@ -326,14 +332,21 @@ class Autotuner:
         own_kernels: bool = True,
         fused_blocks: bool = False,
         cached_graphs: Mapping[str, dict] | None = None,
+        cached_choices: Mapping[str, dict] | None = None,
     ) -> None:
         self.ctx = ctx
         #: cuDNN graphs a start-up under an equal BuildKey timed (key label -> convs.graph_entry,
         #: or {"unsupported": why} for a fused graph cuDNN could not serve): their chosen plan
         #: is built alone, nothing timed (engine/build_cache.py)
         self.cached_graphs = dict(cached_graphs or {})
-        #: the same of this build's graphs, what the next start may use (`cached_graphs`)
-        self.graph_entries: dict[str, dict] = {}
+        #: what ran each convolution of that start (request label -> choice_entry): the same
+        #: runs it again, nothing built or timed beside it (`_from_cache`)
+        self.cached_choices = dict(cached_choices or {})
+        #: the same of this build, what the next start may use: every graph known (a cached
+        #: one stays known until banned or timed again) and every convolution's choice
+        self.graph_entries: dict[str, dict] = dict(self.cached_graphs)
+        self.choice_entries: dict[str, dict] = {}
+        self.from_cache = 0  # convolutions this build ran on a cached choice
         self.own_kernels = own_kernels  # False: cuDNN runs every convolution (--conv-kernels cudnn)
         self.fused_blocks = fused_blocks  # True: one-kernel blocks where faster (--conv-kernels blocks)
         self.block_refused: dict[ConvKey, str] = {}  # conv1 keys (bare) our block kernel may not run
@@ -349,7 +362,20 @@ class Autotuner:
 
     # ----- choosing ---------------------------------------------------------------------
     def choose(self, request: ConvRequest) -> ConvChoice:
-        """Time every candidate that can run `request` and keep the fastest (module docstring)."""
+        """What runs `request`: what ran it at a start under an equal BuildKey when that is
+        cached and may still run it, else the fastest of every candidate that can, timed
+        (module docstring). Either way kept in `choice_entries` for the next start."""
+        entry = self.cached_choices.get(request.label)
+        choice = self._from_cache(request, entry) if entry is not None else None
+        if choice is None:
+            choice = self._timed_choice(request)
+        else:
+            self.from_cache += 1
+        self.choice_entries[request.label] = choice_entry(choice)
+        return choice
+
+    def _timed_choice(self, request: ConvRequest) -> ConvChoice:
+        """Time every candidate that can run `request` and keep the fastest."""
         key, table = request.key, maths.of(request.math)
         refusals: list[Refusal] = []
         able: list[Candidate] = []
@@ -409,6 +435,69 @@ class Autotuner:
         for refusal in refusals:
             self._remember(refusal)
         return self._pick(request, best, buffers, fused, fused_buffers, ours, tuple(refusals))
+
+    def _from_cache(self, request: ConvRequest, entry: dict) -> ConvChoice | None:
+        """`request`'s choice rebuilt from a cached start's `entry` (choice_entry's): our kernel
+        of that name bound to the request's buffers, or cuDNN's plan of that graph built alone
+        as the convolution's own graph, nothing timed. None, with one line why, when it may
+        not run it now (refused or banned here since, or the candidate cannot be rebuilt):
+        the request is then timed as on a first start."""
+        key = request.key
+        try:
+            if entry["runs"] == "ours":
+                return self._cached_own(request, entry)
+            return self._cached_cudnn(request, entry)
+        except Exception as error:  # a cache of another layout or a plan that does not rebuild
+            why = f"{type(error).__name__}: {str(error)[:200]}"
+        log.info("build cache: %s (%s): the cached choice does not run it (%s); timing its candidates",
+                 request.label, key.label(), why)  # fmt: skip
+        return None
+
+    def _cached_own(self, request: ConvRequest, entry: dict) -> ConvChoice:
+        key, table = request.key, maths.of(request.math)
+        family = next((f for f in self.own if f.name == entry["family"]), None)
+        if family is None:
+            raise LookupError(f"no kernel family {entry['family']!r}")
+        ok, why = family.can_implement(key)
+        if not ok:
+            raise LookupError(why)
+        weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io and family.io_weights)
+        kernel = next((k for k in family.bind(request, weight, bias) if k.name == entry["kernel"]), None)
+        if kernel is None:
+            raise LookupError(f"no kernel {entry['kernel']!r} in {family.name} for this shape")
+        kernel.ms = float(entry["ms"])
+        return ConvChoice(key.bare(), None, {}, None, 0.0, _float(entry.get("bare_ms")),
+                          fused_ms=_float(entry.get("fused_ms")), own=kernel, own_ms=kernel.ms)  # fmt: skip
+
+    def _cached_cudnn(self, request: ConvRequest, entry: dict) -> ConvChoice:
+        key, table = request.key, maths.of(request.math)
+        graph_key = key if entry["fused"] else key.bare()
+        ok, why = (self.fusion if entry["fused"] else self.bare).can_implement(key)
+        if not ok:
+            raise LookupError(why)
+        graph_entry = self.cached_graphs[graph_key.label()]
+        if graph_entry.get("plan_index") in self.banned.get(graph_key, ()):
+            raise LookupError(f"plan {graph_entry['plan_index']} was banned")
+        weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io)
+        buffers = {"X": request.x.data.ptr, "W": weight.data.ptr, "Y": request.y.data.ptr}
+        epilogue = None
+        if entry["fused"]:
+            buffers["B"] = bias.data.ptr
+            if request.residual is not None:
+                buffers["Z"] = request.residual.data.ptr
+            if table.range_flag:
+                assert request.amax is not None, f"{request.name}: no range-maximum slot for a fused graph"
+                buffers["A"] = request.amax.data.ptr
+        else:
+            epilogue = Epilogue.bind(
+                request.epilogue, request.y, bias, request.residual, request.spec.cout, request.elements,
+                request.flag if request.y.dtype.itemsize == 2 else None, self.ctx.sm_count,
+            )  # fmt: skip
+        graph = from_entry(graph_key, graph_entry, self.ctx.cudnn)  # the convolution's own (see instance)
+        self.instances.append(graph)
+        return ConvChoice(key.bare(), graph, graph.pack(buffers), epilogue, float(entry["epilogue_ms"]),
+                          _float(entry.get("bare_ms")), fused_ms=_float(entry.get("fused_ms")),
+                          own_ms=_float(entry.get("own_ms")))  # fmt: skip
 
     def _pick(
         self, request: ConvRequest, best: ConvChoice | None, buffers: dict[str, int], fused: ConvGraph | None,
@@ -670,6 +759,7 @@ class Autotuner:
             "cudnn_graphs": len(self.graphs),
             "cudnn_build_s": round(sum(g.build_s for g in self.graphs.values()), 2),
             "conv_instances": len(self.instances),
+            "conv_choices_cached": self.from_cache,
             "instance_build_s": round(sum(g.build_s for g in self.instances), 2),
             "fusions_unsupported": sorted(key.label() for key in self.failed),  # or turned off
             "own_kernel_refused": {f"{n} {key.label()}": why for (n, key), why in self.own_refused.items()},
@@ -695,3 +785,19 @@ def summarize(refusals: list[Refusal]) -> dict[str, int]:
         line = f"{refusal.candidate}: {refusal.reason}"
         counts[line] = counts.get(line, 0) + 1
     return counts
+
+
+def choice_entry(choice: ConvChoice) -> dict:
+    """What a start-up keeps of one convolution's choice (engine/build_cache.py): enough for
+    Autotuner._from_cache to run the same again, with the times it was chosen on."""
+    times = {"bare_ms": choice.bare_ms, "fused_ms": choice.fused_ms, "own_ms": choice.own_ms}
+    if choice.own is not None:
+        return {"runs": "ours", "family": choice.own.family, "kernel": choice.own.name, "ms": choice.own.ms,
+                **times}  # fmt: skip
+    assert choice.graph is not None, choice.key.label()
+    return {"runs": "cudnn", "fused": choice.fused, "graph": choice.graph.key.label(),
+            "epilogue_ms": choice.epilogue_ms, **times}  # fmt: skip
+
+
+def _float(value) -> float | None:
+    return None if value is None else float(value)

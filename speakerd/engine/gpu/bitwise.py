@@ -4,6 +4,8 @@ the eager execution wrote."""
 
 from __future__ import annotations
 
+import threading
+
 
 def bits(values):
     """`values` viewed as unsigned integers of its width: equal bits compare equal, NaNs
@@ -21,3 +23,20 @@ def replay_matches(captured, stream, y, eager) -> bool:
     y.fill(float("nan"))
     captured.launch(stream)
     return bool(cupy.array_equal(bits(y), bits(eager)))
+
+
+def compile_in_background(device: int) -> threading.Thread:
+    """Start compiling, on a thread, the CuPy kernels `replay_matches` runs for 16- and 32-bit
+    words (its comparison and reduction): a fresh machine compiles them for seconds, which
+    the first plan check would otherwise wait for (CuPy keeps them in its kernel cache)."""
+    import cupy
+
+    def build() -> None:
+        with cupy.cuda.Device(device):
+            for dtype in (cupy.float16, cupy.float32):
+                values = cupy.zeros((2,), dtype=dtype)
+                cupy.array_equal(bits(values), bits(values))
+
+    thread = threading.Thread(target=build, name="cupy-compile", daemon=True)
+    thread.start()
+    return thread

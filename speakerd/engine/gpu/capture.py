@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from speakerd.engine.gpu import held
-from speakerd.engine.gpu.bitwise import bits, replay_matches
+from speakerd.engine.gpu.bitwise import replay_matches
 from speakerd.engine.gpu.plan import TAIL_STEPS, BlockStep, ConvStep, Plan
 from speakerd.model.architecture import MASK_FRAMES, MAX_SPEAKERS
 
@@ -139,24 +141,25 @@ class GraphCapture:
 
     def _check_graph(self) -> str | None:
         """Replays against eager (set-up only); None when bit-identical every time. Two
-        input sets, GRAPH_CHECK_REPLAYS replays each."""
-        import cupy
-
+        input sets, GRAPH_CHECK_REPLAYS replays each. Compared on the host: the outputs are
+        a few hundred rows, and CuPy's comparison and count kernels cost a fresh machine
+        seconds of compiling each."""
         plan = self.plan
         for realistic in (False, True):
             self._random_inputs(realistic)
             with self.stream:
                 plan.forward()
-                eager, eager_active = plan.output.copy(), plan.active.copy()
+                eager, eager_active = plan.output.get(), plan.active.get()
                 for replay in range(GRAPH_CHECK_REPLAYS):
                     plan.output.fill(float("nan"))
                     plan.active.fill(-1)
                     self.graph.launch(self.stream)
-                    differ = int(cupy.count_nonzero(bits(plan.output) != bits(eager)).get())
-                    differ += int(cupy.count_nonzero(plan.active != eager_active).get())
+                    output, active = plan.output.get(), plan.active.get()
+                    differ = int(np.count_nonzero(output.view(np.uint32) != eager.view(np.uint32)))
+                    differ += int(np.count_nonzero(active != eager_active))
                     if differ:
-                        worst = float(cupy.nanmax(cupy.abs(plan.output - eager)).get())
-                        self.stream.synchronize()
+                        with np.errstate(invalid="ignore"):
+                            worst = float(np.nanmax(np.abs(output - eager), initial=0.0))
                         inputs = "realistic masks" if realistic else "masks of ones"
                         return f"replay {replay + 1} on {inputs}: {differ} values differ, max abs {worst:.3g}"
             self.stream.synchronize()

@@ -25,6 +25,7 @@ piece by piece into the slot's pinned memory: the host never joins it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -37,7 +38,7 @@ import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
 from speakerd.engine.build_cache import BuildCache, Loaded
-from speakerd.engine.gpu import held, kernels, maths, recording
+from speakerd.engine.gpu import bitwise, held, kernels, maths, recording
 from speakerd.engine.gpu.autotune import Autotuner
 from speakerd.engine.gpu.build_key import conv_kernels_option, engine_build_key
 from speakerd.engine.gpu.capture import GraphCapture
@@ -101,6 +102,12 @@ class GpuEngine(Engine):
         #: events are reused by the batch staged into it next, maybe before this one is read)
         self._last_end: Any = None
         self.device = int(cupy.cuda.Device().id)  # the current device: bound on each engine thread
+        # the kernels set-up needs, compiled at once on threads (a fresh machine's ~40 s of
+        # NVRTC on one core) while the context and weights are made; waited for before the
+        # first plan is timed, since a CUDA graph captured in global mode (convs.py) fails
+        # when another thread loads a module or allocates meanwhile
+        compiling = kernels.compile_in_background(self.device)
+        comparing = bitwise.compile_in_background(self.device)
         stream = cupy.cuda.Stream(non_blocking=True)
         handle = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=stream.ptr)
@@ -122,13 +129,16 @@ class GpuEngine(Engine):
                 sm_count=int(cupy.cuda.Device().attributes["MultiProcessorCount"]),
                 compute_capability=str(cupy.cuda.Device().compute_capability),
             )
+            concurrent.futures.wait(compiling)  # a failed compile fails again where it is used
+            comparing.join()
             #: where this build's choices are kept, under what key, and what was loaded
             self.build_cache = build_cache
             self.build_key = engine_build_key(self.device, model.model_id, math, sizes,
                                               conv_kernels_option(own_kernels, fused_blocks))  # fmt: skip
             loaded = build_cache.load(self.build_key) if build_cache is not None else Loaded(None, "no cache")
             self.build_loaded = loaded.entries or {}
-            self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks, self.build_loaded.get("graphs"))
+            self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks, self.build_loaded.get("graphs"),
+                                   self.build_loaded.get("choices"))  # fmt: skip
             self._randomize_arena(math)
             self.plans: dict[int, Plan] = {
                 size: Plan(self.ctx, self.tuner, model, size, math) for size in sizes
@@ -157,14 +167,17 @@ class GpuEngine(Engine):
         self.setup_s = time.perf_counter() - started
         report = self.tuner.report()
         log.info(
-            "gpu engine %s plans %s ready in %.1f s (%d cuDNN graphs, %.1f s building them); plan ms %s",
+            "gpu engine %s plans %s ready in %.1f s (%d cuDNN graphs timed in %.1f s, %d convolutions built "
+            "in %.1f s, %d of %d on cached choices); plan ms %s",
             math, sizes, self.setup_s, report["cudnn_graphs"], report["cudnn_build_s"],
+            report["conv_instances"], report["instance_build_s"], report["conv_choices_cached"],
+            len(self.tuner.choice_entries),
             {size: round(ms, 3) for size, ms in self._times.items()},
         )  # fmt: skip
 
     def build_entries(self) -> dict:
         """What this build chose that the next start under the same key may use."""
-        return {"graphs": dict(self.tuner.graph_entries)}
+        return {"graphs": dict(self.tuner.graph_entries), "choices": dict(self.tuner.choice_entries)}
 
     def keep_build(self) -> None:
         """Store this build's choices in the build cache (after the self-check passed: only a

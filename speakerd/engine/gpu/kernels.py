@@ -13,6 +13,8 @@ import hashlib
 import os
 import re
 import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -97,10 +99,45 @@ def compile_binary(source: str, arch: str = CI_ARCH, name: str = ENGINE_SOURCE) 
         nvrtc.destroyProgram(program)
 
 
-@functools.cache
 def module(source: str = ENGINE_SOURCE):  # -> cupy.RawModule
     """kernels/`source` compiled for the current device (CuPy caches the binary on disk; a
-    CHIP_SOURCES file is compiled here and its cubin cached beside CuPy's: _cubin)."""
+    CHIP_SOURCES file is compiled here and its cubin cached beside CuPy's: _cubin). Once per
+    process: a call while another thread compiles it (compile_in_background) waits for that
+    compile instead of starting its own."""
+    with _guard:
+        lock = _locks.setdefault(source, threading.Lock())
+    with lock:
+        return _module(source)
+
+
+#: One lock per source, so that a source is compiled once however many threads ask for it.
+_locks: dict[str, threading.Lock] = {}
+_guard = threading.Lock()
+
+
+def compile_in_background(device: int, threads: int | None = None) -> list[Future]:
+    """Start compiling every kernels/ source that device `device` runs, each on a thread of
+    its own (NVRTC releases the GIL), and return at once: a fresh machine then spends the
+    longest compile on them, not their sum (about 40 s of NVRTC on one core), while start-up
+    loads models and builds plans; `module` waits where a compile is still running. A
+    source that fails here fails again, with NVRTC's log, where it is used."""
+    import cupy
+
+    capability = str(cupy.cuda.Device(device).compute_capability)
+    sources = [s for s in kernel_sources() if s not in CHIP_SOURCES or CHIP_SOURCES[s] == capability]
+
+    def build(source: str) -> None:
+        with cupy.cuda.Device(device):
+            module(source)
+
+    pool = ThreadPoolExecutor(max_workers=threads or len(sources), thread_name_prefix="nvrtc")
+    futures = [pool.submit(build, source) for source in sources]
+    pool.shutdown(wait=False)
+    return futures
+
+
+@functools.cache
+def _module(source: str):  # -> cupy.RawModule
     import cupy
 
     if source not in CHIP_SOURCES:
