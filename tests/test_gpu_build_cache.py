@@ -33,10 +33,10 @@ pytestmark = pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU for the C
 MATH, SIZES = Math.TF32, (1,)
 
 
-def _engine(model, cache: BuildCache):
+def _engine(model, cache: BuildCache, **options):
     from speakerd.engine.gpu.engine import GpuEngine
 
-    return GpuEngine(model, MATH, SIZES, build_cache=cache)
+    return GpuEngine(model, MATH, SIZES, build_cache=cache, **options)
 
 
 def _embeddings(engine, case) -> np.ndarray:
@@ -118,3 +118,32 @@ def test_cached_choices_that_do_not_build_are_timed_again(
             assert parity.min_cosine >= bound.min_cosine, f"{case.name}: min cosine {parity.min_cosine:.9f}"
     finally:
         second.close()
+
+
+def test_a_first_build_times_its_graphs_in_worker_processes(
+    folded_model, reference_cases, tmp_path, caplog, capsys
+) -> None:
+    """tuning_pool.py: every graph the plans use timed by the workers, each chosen plan then
+    built here from their answer (none rebuilt differently), and the engine meets its bound."""
+    caplog.set_level(logging.INFO, logger="speakerd.engine.gpu")
+    with capsys.disabled():
+        _header()
+        engine = _engine(folded_model, BuildCache(tmp_path / BUILDS_DIR), tuning_workers=4)
+        _row("first (graphs timed in 4 workers)", engine)
+    try:
+        tuned = engine.tuned
+        assert tuned is not None and tuned.workers == 4, tuned
+        print(f"pool: {len(tuned.entries)} graphs in {tuned.seconds:.1f} s, unanswered {tuned.unanswered}")
+        assert not tuned.unanswered, f"the workers did not time {tuned.unanswered}"
+        assert {key.label() for key in engine.tuner.graphs} <= set(tuned.entries), (
+            "a graph outside the pool's"
+        )
+        rebuilt = [r.message for r in caplog.records if "did not rebuild" in r.message]
+        assert not rebuilt, rebuilt
+        for case in (c for c in reference_cases if c.chunks == 1):
+            parity = compare(_embeddings(engine, case), case.output.reshape(1, MAX_SPEAKERS, EMBEDDING_DIM))
+            assert parity.min_cosine >= BOUNDS[MATH].min_cosine, (
+                f"{case.name}: min cosine {parity.min_cosine:.9f}"
+            )
+    finally:
+        engine.close()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -785,6 +785,27 @@ def summarize(refusals: list[Refusal]) -> dict[str, int]:
         line = f"{refusal.candidate}: {refusal.reason}"
         counts[line] = counts.get(line, 0) + 1
     return counts
+
+
+def graph_keys(
+    convs: Sequence[tuple[ConvSpec, str]], sizes: Sequence[int], plan_maths: Sequence[Math]
+) -> list[ConvKey]:
+    """The cuDNN graphs a first start times for plans of `sizes` in each of `plan_maths`
+    (`convs`: each convolution's spec and epilogue, plan.trunk_convs): what `choose` asks
+    `conv_graph` for before anything was refused, each convolution's bare graph where cuDNN
+    may run it (CudnnBare) and its fused one where the math fuses (CudnnFused); tuning_pool.py
+    times them before the plans exist."""
+    keys: dict[ConvKey, None] = {}
+    for math in plan_maths:
+        for batch in sizes:
+            for spec, epilogue in convs:
+                key = ConvKey.of(spec, batch, math, epilogue)
+                if _half_stem(key):
+                    continue
+                keys[key.bare()] = None
+                if maths.of(math).cudnn_fusion:
+                    keys[key] = None
+    return list(keys)
 
 
 def choice_entry(choice: ConvChoice) -> dict:

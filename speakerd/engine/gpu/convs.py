@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 from speakerd.engine.gpu import maths
@@ -347,11 +348,18 @@ def plan_limit(key: ConvKey) -> int:
 
 
 def time_plans(
-    key: ConvKey, handle, stream, buffers: dict[str, int], banned: frozenset[int] = frozenset()
+    key: ConvKey,
+    handle,
+    stream,
+    buffers: dict[str, int],
+    banned: frozenset[int] = frozenset(),
+    gpu_lock: AbstractContextManager | None = None,
 ) -> ConvGraph:
     """Build `key`'s graph, build and time each execution plan (see _time_candidate) on
     `buffers` (device pointers for X, W, Y [, B, Z]) and keep the fastest. Plans in
-    `banned` (seen replaying wrongly inside a whole forward) are skipped."""
+    `banned` (seen replaying wrongly inside a whole forward) are skipped. With `gpu_lock`,
+    each plan is built without it and timed holding it (processes building plans side by
+    side take turns on the GPU: tuning_pool.py)."""
     started = time.perf_counter()
     graph, tensors = build_graph(key, handle)
     pack = {tensors[name]: pointer for name, pointer in buffers.items()}
@@ -374,7 +382,8 @@ def time_plans(
         tried += 1
         try:
             fastest = None if best is None else best[1]
-            ms, strict = _time_candidate(graph, index, pack, handle, stream, y, fastest)
+            with gpu_lock or nullcontext():
+                ms, strict = _time_candidate(graph, index, pack, handle, stream, y, fastest)
         except Exception as error:  # unsupported here, or replays wrongly: not a candidate
             results.append(None)
             failures.append(f"[{index}] {type(error).__name__}: {str(error)[:160]}")

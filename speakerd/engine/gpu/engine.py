@@ -39,16 +39,17 @@ import numpy as np
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
 from speakerd.engine.build_cache import BuildCache, Loaded
 from speakerd.engine.gpu import bitwise, held, kernels, maths, recording
-from speakerd.engine.gpu.autotune import Autotuner
+from speakerd.engine.gpu.autotune import Autotuner, graph_keys
 from speakerd.engine.gpu.build_key import conv_kernels_option, engine_build_key
 from speakerd.engine.gpu.capture import GraphCapture
 from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, SplitScratch, Workspace
 from speakerd.engine.gpu.convs import ConvKey
 from speakerd.engine.gpu.cublas import Cublas
-from speakerd.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw, read_results
+from speakerd.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw, read_results, trunk_convs
 from speakerd.engine.gpu.recording import GpuRecordingFrames
 from speakerd.engine.gpu.staging import INPUT_SLOTS, InputSlot
 from speakerd.engine.gpu.timing import fill_random, gpu_ms, median_ms
+from speakerd.engine.gpu.tuning_pool import TuningPool, workers_for
 from speakerd.engine.gpu.waveform import WaveformFbank, WaveformRows
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, TAP_NAMES
 from speakerd.model.inputs import InputError
@@ -80,6 +81,7 @@ class GpuEngine(Engine):
         own_kernels: bool = True,
         fused_blocks: bool = False,
         build_cache: BuildCache | None = None,
+        tuning_workers: int | None = None,
     ) -> None:
         import cudnn
         import cupy
@@ -102,6 +104,12 @@ class GpuEngine(Engine):
         #: events are reused by the batch staged into it next, maybe before this one is read)
         self._last_end: Any = None
         self.device = int(cupy.cuda.Device().id)  # the current device: bound on each engine thread
+        #: where this build's choices are kept, under what key, and what was loaded
+        self.build_cache = build_cache
+        self.build_key = engine_build_key(self.device, model.model_id, math, sizes,
+                                          conv_kernels_option(own_kernels, fused_blocks))  # fmt: skip
+        loaded = build_cache.load(self.build_key) if build_cache is not None else Loaded(None, "no cache")
+        self.build_loaded = loaded.entries or {}
         # the kernels set-up needs, compiled at once on threads (a fresh machine's ~40 s of
         # NVRTC on one core) while the context and weights are made; waited for before the
         # first plan is timed, since a CUDA graph captured in global mode (convs.py) fails
@@ -129,15 +137,20 @@ class GpuEngine(Engine):
                 sm_count=int(cupy.cuda.Device().attributes["MultiProcessorCount"]),
                 compute_capability=str(cupy.cuda.Device().compute_capability),
             )
+            # nothing cached: the cuDNN graphs are timed in worker processes (tuning_pool.py)
+            # while this process finishes compiling
+            pool = None if self.build_loaded else self._tuning_pool(math, sizes, tuning_workers)
             concurrent.futures.wait(compiling)  # a failed compile fails again where it is used
             comparing.join()
-            #: where this build's choices are kept, under what key, and what was loaded
-            self.build_cache = build_cache
-            self.build_key = engine_build_key(self.device, model.model_id, math, sizes,
-                                              conv_kernels_option(own_kernels, fused_blocks))  # fmt: skip
-            loaded = build_cache.load(self.build_key) if build_cache is not None else Loaded(None, "no cache")
-            self.build_loaded = loaded.entries or {}
-            self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks, self.build_loaded.get("graphs"),
+            #: what the tuning pool answered (None: no pool)
+            self.tuned = pool.result() if pool is not None else None
+            if self.tuned is not None:
+                tuned = self.tuned
+                left = f"; {len(tuned.unanswered)} left to this process" if tuned.unanswered else ""
+                log.info("%d cuDNN graphs timed in %d worker processes in %.1f s%s", len(tuned.entries),
+                         tuned.workers, tuned.seconds, left)  # fmt: skip
+            graphs = self.tuned.entries if self.tuned is not None else self.build_loaded.get("graphs")
+            self.tuner = Autotuner(self.ctx, own_kernels, fused_blocks, graphs,
                                    self.build_loaded.get("choices"))  # fmt: skip
             self._randomize_arena(math)
             self.plans: dict[int, Plan] = {
@@ -174,6 +187,18 @@ class GpuEngine(Engine):
             len(self.tuner.choice_entries),
             {size: round(ms, 3) for size, ms in self._times.items()},
         )  # fmt: skip
+
+    def _tuning_pool(self, math: Math, sizes: tuple[int, ...], workers: int | None) -> TuningPool | None:
+        """The worker processes timing a first start's cuDNN graphs (tuning_pool.py), or None
+        where this host has too few cores for them (`workers`: how many, None for
+        workers_for's choice, 0 for none)."""
+        fallback = self.table.fallback
+        keys = graph_keys(trunk_convs(), sizes, (math,) if fallback is None else (math, fallback))
+        count = workers_for(len(keys)) if workers is None else min(workers, len(keys))
+        if count <= 0:
+            return None
+        log.info("timing %d cuDNN graphs' plans in %d worker processes", len(keys), count)
+        return TuningPool(keys, self.device, count)
 
     def build_entries(self) -> dict:
         """What this build chose that the next start under the same key may use."""

@@ -52,6 +52,7 @@ from speakerd.model.architecture import (
     STEM,
     TRUNK_CHANNELS,
     TRUNK_MELS,
+    ConvSpec,
     tap_shape,
 )
 from speakerd.model.inputs import MAX_MASK_FRAMES
@@ -65,6 +66,27 @@ TRANSPOSE_ROWS = 8
 CONVOLUTIONS = 1 + sum(2 + (block.shortcut is not None) for block in BLOCKS)
 #: (tap name, device view, tap shape) -> None, called after each tap is computed.
 TapHook = Callable[[str, object, tuple[int, ...]], None]
+#: What follows each convolution of the trunk (epilogue.py): ReLU after the stem and a
+#: block's first convolution, the bias alone on a shortcut, the residual and ReLU after a
+#: block's second.
+STEM_EPILOGUE, CONV1_EPILOGUE, SHORTCUT_EPILOGUE, CONV2_EPILOGUE = (
+    "bias_relu",
+    "bias_relu",
+    "bias_only",
+    "bias_add_relu",
+)
+
+
+def trunk_convs() -> list[tuple[ConvSpec, str]]:
+    """Every convolution of a plan's trunk with its epilogue, in the order a plan chooses
+    them (Plan._build): what a fresh start can time before the plans exist (tuning_pool.py)."""
+    convs = [(STEM, STEM_EPILOGUE)]
+    for block in BLOCKS:
+        convs.append((block.conv1, CONV1_EPILOGUE))
+        if block.shortcut is not None:
+            convs.append((block.shortcut, SHORTCUT_EPILOGUE))
+        convs.append((block.conv2, CONV2_EPILOGUE))
+    return convs
 
 
 def activation_elements(batch: int) -> dict[str, int]:
@@ -289,18 +311,18 @@ class Plan:
         tap = self._tap
         steps: list[Step] = [ClearFlagStep(self.flag)] if self.table.range_flag else []
         steps.append(TransposeStep(self.fbank, self.stem_in, self.batch))
-        steps += [self._conv("stem", model.stem, self.stem_in, a, "bias_relu"), tap("stem", a)]
+        steps += [self._conv("stem", model.stem, self.stem_in, a, STEM_EPILOGUE), tap("stem", a)]
         x, out = a, c
         for spec_block, block in zip(BLOCKS, model.blocks, strict=True):
             prefix = spec_block.prefix
-            first = self._conv(f"{prefix}.conv1", block.conv1, x, b, "bias_relu")
+            first = self._conv(f"{prefix}.conv1", block.conv1, x, b, CONV1_EPILOGUE)
             middle: list[Step] = [tap(spec_block.hidden_tap, b)]
             residual = x
             if block.shortcut is not None:
-                shortcut = self._conv(f"{prefix}.shortcut", block.shortcut, x, d, "bias_only")
+                shortcut = self._conv(f"{prefix}.shortcut", block.shortcut, x, d, SHORTCUT_EPILOGUE)
                 middle += [shortcut, tap(spec_block.shortcut_tap, d)]
                 residual = d
-            second = self._conv(f"{prefix}.conv2", block.conv2, b, out, "bias_add_relu", residual)
+            second = self._conv(f"{prefix}.conv2", block.conv2, b, out, CONV2_EPILOGUE, residual)
             fused = self.tuner.choose_block(spec_block, first.request, first.choice, second.request,
                                             second.choice)  # fmt: skip
             if fused is not None and fused.wins:
@@ -310,6 +332,9 @@ class Plan:
             x, out = out, x
         self.trunk_out = x
         assert len(self._requests) == CONVOLUTIONS, (len(self._requests), CONVOLUTIONS)
+        assert [(r.spec, r.epilogue) for r in self._requests] == trunk_convs(), (
+            "trunk_convs is not what _build binds"
+        )
         pool = PoolStep(self.table.pool_kernel, self.batch, x, self.masks, self.mask_frames, self.pooled,
                         self.active, self.amax, self.flag if self.amax is not None else None)  # fmt: skip
         bias = Epilogue.bind("bias_only", self.output, self.ctx.weights.seg_bias, None, EMBEDDING_DIM,
