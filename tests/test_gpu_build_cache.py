@@ -7,7 +7,7 @@ second build runs every convolution on the cached choice, times nothing and buil
 time, and its embeddings are the first build's to the bit; cached choices that no longer
 build (a cuDNN plan of another name, a kernel we no longer have) are timed afresh, one log
 line each, and the engine still meets the math's bound. Each test prints its table (build,
-cuDNN graphs timed, convolutions on cached choices, seconds building).
+cuDNN graphs built, convolutions on cached choices, seconds building).
 
 Needs a GPU (REQUIRE_GPU=1 makes a skip a failure); the cache's own rules are
 tests/test_build_cache.py's, on the CPU.
@@ -54,7 +54,7 @@ def _row(name: str, engine) -> None:
 
 
 def _header() -> None:
-    print(f"\n{'build':<34} {'timed':>7} {'cached':>7} {'build s':>10}")
+    print(f"\n{'build':<34} {'graphs':>7} {'cached':>7} {'build s':>10}")
 
 
 def test_a_cached_build_is_the_first_build_faster(folded_model, reference_cases, tmp_path, capsys) -> None:

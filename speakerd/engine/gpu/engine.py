@@ -180,7 +180,7 @@ class GpuEngine(Engine):
         self.setup_s = time.perf_counter() - started
         report = self.tuner.report()
         log.info(
-            "gpu engine %s plans %s ready in %.1f s (%d cuDNN graphs timed in %.1f s, %d convolutions built "
+            "gpu engine %s plans %s ready in %.1f s (%d cuDNN graphs built in %.1f s, %d convolutions built "
             "in %.1f s, %d of %d on cached choices); plan ms %s",
             math, sizes, self.setup_s, report["cudnn_graphs"], report["cudnn_build_s"],
             report["conv_instances"], report["instance_build_s"], report["conv_choices_cached"],

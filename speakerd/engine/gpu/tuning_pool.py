@@ -86,6 +86,8 @@ class TuningPool:
     def result(self, deadline_s: float = DEADLINE_S) -> Tuned:
         """Every answer the workers gave within `deadline_s` of the start; the pool is shut."""
         tuned = Tuned(workers=self.workers)
+        failed: list[str] = []
+        late = False
         try:
             left = max(0.0, deadline_s - (time.perf_counter() - self.started))
             for future in concurrent.futures.as_completed(self._futures, timeout=left):
@@ -93,21 +95,29 @@ class TuningPool:
                 try:
                     entry = future.result()
                 except Exception as error:  # a worker died (BrokenProcessPool) or raised
-                    log.info("tuning pool: %s not timed in a worker (%s)", key.label(), str(error)[:200])
+                    failed.append(f"{key.label()}: {type(error).__name__}: {str(error)[:200]}")
                     continue
                 if entry is not None:
                     tuned.entries[key.label()] = entry
         except concurrent.futures.TimeoutError:
+            late = True
             log.warning("tuning pool: past its %.0f s deadline; the engine times the rest", deadline_s)
         finally:
-            self.close()
+            self.close(kill=late)
+        if failed:
+            log.warning("tuning pool: %d graphs not timed in a worker, the engine times them (first: %s)",
+                        len(failed), failed[0])  # fmt: skip
         tuned.unanswered = [key.label() for key in self.keys if key.label() not in tuned.entries]
         tuned.seconds = time.perf_counter() - self.started
         return tuned
 
-    def close(self) -> None:
-        """Stop the workers (what they have not started is cancelled)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: what they have not started is cancelled; with `kill` (a pool past
+        its deadline) what they are running too."""
+        if kill:
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.kill()
+        self._pool.shutdown(wait=not kill, cancel_futures=True)
 
 
 def _start_worker(device: int, lock) -> None:
