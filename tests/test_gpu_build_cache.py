@@ -26,7 +26,10 @@ from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.numerics import BOUNDS, Math, compare
 from tests.test_gpu_engine import GPU_DETAIL, GPU_USABLE
 
-pytestmark = pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU for the CuPy engine: {GPU_DETAIL}")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU for the CuPy engine: {GPU_DETAIL}"),
+]
 
 #: One plan size and TF32 (no FP16 fallback plans): the fewest graphs that still have fused
 #: and bare cuDNN candidates beside ours.
