@@ -65,7 +65,8 @@ COPY --from=build /opt/speakerd-cache /opt/speakerd-cache
 # this is set, and $SPEAKERD_CACHE here is the image's read-only layer of default models;
 # /tmp is the Deployment's writable emptyDir. NUMBA_CACHE_DIR: the same for the clustering's
 # compiled loops (numba's machine code is for the CPU it runs on, so it is made at the first
-# start).
+# start). SPEAKERD_BUILD_CACHE: the same for the GPU engine's start-up choices. deploy/k8s
+# points all three at a per-node volume instead, so a pod's later starts reuse them.
 # HF_HOME: huggingface_hub's cache for `--model org/name`, and the converted model beside each
 # download, on the /models volume (owned by the server's uid, so a new Docker volume is too).
 ENV VIRTUAL_ENV=/opt/speakerd \
@@ -76,6 +77,7 @@ ENV VIRTUAL_ENV=/opt/speakerd \
     SPEAKERD_CACHE=/opt/speakerd-cache \
     CUPY_CACHE_DIR=/tmp/cupy-kernel-cache \
     NUMBA_CACHE_DIR=/tmp/numba-cache \
+    SPEAKERD_BUILD_CACHE=/tmp/speakerd-builds \
     HF_HOME=/models/huggingface \
     HF_HUB_DISABLE_PROGRESS_BARS=1
 # numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd

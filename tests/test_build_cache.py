@@ -147,3 +147,22 @@ def test_servers_storing_and_loading_at_once_never_see_a_partial_entry(tmp_path)
     assert not bad, f"{len(bad)} of {len(outcomes)} loads did not get a whole entry: {bad[:3]}"
     assert list(tmp_path.glob("*.tmp")) == [], "temporary files were left behind"
     assert BuildCache(tmp_path).load(KEY).entries is not None
+
+
+def test_the_cache_lives_where_serve_and_warm_point_it(tmp_path, monkeypatch) -> None:
+    """$SPEAKERD_BUILD_CACHE names the folder; serve and warm set it to builds/ in
+    $SPEAKERD_CACHE when it is not set, as they do CuPy's and numba's (caches.py)."""
+    from speakerd.engine.build_cache import BUILD_CACHE_VARIABLE, BUILDS_DIR, build_cache_dir
+    from speakerd.serving.server.caches import START_CACHES, point_start_caches
+
+    monkeypatch.setenv("SPEAKERD_CACHE", str(tmp_path / "cache"))
+    environ = {"CUPY_CACHE_DIR": "/elsewhere/cupy"}
+    chosen = point_start_caches(environ)
+    assert chosen == {name: str(tmp_path / "cache" / sub) for name, sub in START_CACHES.items()
+                      if name != "CUPY_CACHE_DIR"}  # fmt: skip
+    assert environ["CUPY_CACHE_DIR"] == "/elsewhere/cupy", "a variable already set was changed"
+    assert environ[BUILD_CACHE_VARIABLE] == str(tmp_path / "cache" / BUILDS_DIR)
+    monkeypatch.delenv(BUILD_CACHE_VARIABLE, raising=False)
+    assert build_cache_dir() == tmp_path / "cache" / BUILDS_DIR
+    monkeypatch.setenv(BUILD_CACHE_VARIABLE, str(tmp_path / "volume"))
+    assert build_cache_dir() == tmp_path / "volume"

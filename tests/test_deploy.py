@@ -52,7 +52,10 @@ SERVICE_DOC = REPO / "docs" / "service.md"
 #: (validating against 1.28 rejects it), so validating at 1.30 proves the stated minimum.
 K8S_MIN_VERSION = "1.30.0"
 #: Environment variables the image and Deployment may set besides the serve flags'.
-EXTRA_ENV = {"SPEAKERD_CACHE", "CUPY_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE"}
+EXTRA_ENV = {
+    "SPEAKERD_CACHE", "SPEAKERD_BUILD_CACHE", "CUPY_CACHE_DIR", "NUMBA_CACHE_DIR",
+    "HF_HOME", "HF_HUB_OFFLINE",
+}  # fmt: skip
 #: Labels Prometheus itself attaches to every scraped series.
 PROMETHEUS_TARGET_LABELS = {"job", "instance"}
 #: The alert fires at this fraction of SPEAKERD_QUEUE_CHUNKS (see its comment in alerts.yml).

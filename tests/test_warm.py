@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from speakerd.model.store import default_model_name
-from speakerd.serving.server.caches import LIBRARY_CACHES
+from speakerd.serving.server.caches import START_CACHES
 from speakerd.serving.server.phases import phase_seconds
 from tests.serving import SERVING_LINE, start_server
 
@@ -33,7 +33,7 @@ def _phases(line: str) -> list[str]:
 
 def warm(cache: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     # the libraries' own cache variables unset: warm points them into SPEAKERD_CACHE
-    env = {name: value for name, value in os.environ.items() if name not in LIBRARY_CACHES}
+    env = {name: value for name, value in os.environ.items() if name not in START_CACHES}
     env["SPEAKERD_CACHE"] = str(cache)
     return subprocess.run(
         [sys.executable, "-m", "speakerd", "warm", "--engine", "cpu", "--plans", "1", *flags],
@@ -51,7 +51,7 @@ def test_warm_fills_the_cache_and_a_server_then_names_its_phases(tmp_path: Path)
     assert _phases(last) == list(PHASES), last
     assert (cache / default_model_name()).is_file(), sorted(p.name for p in cache.iterdir())
     # the clustering's compiled loops in numba's cache, inside SPEAKERD_CACHE
-    compiled = sorted(p.name for p in (cache / LIBRARY_CACHES["NUMBA_CACHE_DIR"]).rglob("*.nbi"))
+    compiled = sorted(p.name for p in (cache / START_CACHES["NUMBA_CACHE_DIR"]).rglob("*.nbi"))
     assert any("_fast_linkage" in name for name in compiled), compiled
     assert any("_add_windows" in name for name in compiled), compiled
     made = {path: path.stat().st_mtime_ns for path in cache.iterdir()}

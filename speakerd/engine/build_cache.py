@@ -35,8 +35,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: The cache's folder in the server's cache directory ($SPEAKERD_CACHE).
+#: The cache's folder in the server's cache directory ($SPEAKERD_CACHE), unless
+#: $SPEAKERD_BUILD_CACHE names another (serving/server/caches.py sets it for serve and warm).
 BUILDS_DIR = "builds"
+BUILD_CACHE_VARIABLE = "SPEAKERD_BUILD_CACHE"
 #: The entries' layout; an entry of another format is not read (and is replaced on store).
 FORMAT = "speakerd.build/1"
 #: Hex digits of the key's SHA-256 in an entry's file name: 128 bits, no collision in practice
@@ -203,3 +205,12 @@ def _problem(text: str, key: BuildKey) -> str | None:
     if document.get("key") != key.fields():
         return "its key is not the key its name stands for"
     return None
+
+
+def build_cache_dir() -> Path:
+    """Where the start-up choices are kept: $SPEAKERD_BUILD_CACHE, else `builds/` in the
+    server's cache directory."""
+    from speakerd.model.store import cache_dir
+
+    named = os.environ.get(BUILD_CACHE_VARIABLE)
+    return Path(named) if named else cache_dir() / BUILDS_DIR

@@ -12,11 +12,10 @@ import logging
 from pathlib import Path
 
 from speakerd.engine.base import Engine
-from speakerd.engine.build_cache import BUILDS_DIR, BuildCache
+from speakerd.engine.build_cache import BuildCache, build_cache_dir
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.numerics import Math
 from speakerd.model.segmentation.weights import SegmentationModel
-from speakerd.model.store import cache_dir
 from speakerd.model.weights import FoldedModel
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ def create_engine(
     `conv_kernels` ("auto" | "cudnn" | "blocks") says whether the GPU engine may run our
     kernels, and (blocks) our one-kernel BasicBlocks too;
     `cpu_threads` caps the CPU engine's threads (None: every core); `build_cache`: the GPU
-    engine uses and keeps its start-up choices in $SPEAKERD_CACHE/builds (build_cache.py;
+    engine uses and keeps its start-up choices in build_cache_dir() (build_cache.py;
     the caller stores them once the self-check passed: Engine.keep_build)."""
     resolved = resolve_kind(kind)
     if resolved == "cpu":
@@ -85,7 +84,7 @@ def create_engine(
         return CpuEngine(model, Math(math), plan_sizes, threads=cpu_threads)
     from speakerd.engine.gpu.engine import GpuEngine
 
-    cache = BuildCache(cache_dir() / BUILDS_DIR) if build_cache else None
+    cache = BuildCache(build_cache_dir()) if build_cache else None
     return GpuEngine(model, Math(math), plan_sizes, **gpu_kernel_options(conv_kernels), build_cache=cache)
 
 

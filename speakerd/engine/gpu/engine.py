@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
-from speakerd.engine.build_cache import BuildCache, Loaded
+from speakerd.engine.build_cache import BUILD_CACHE_VARIABLE, BuildCache, Loaded
 from speakerd.engine.gpu import bitwise, held, kernels, maths, recording
 from speakerd.engine.gpu.autotune import Autotuner, graph_keys
 from speakerd.engine.gpu.build_key import conv_kernels_option, engine_build_key
@@ -208,13 +208,24 @@ class GpuEngine(Engine):
         """Store this build's choices in the build cache (after the self-check passed: only a
         proven build is kept), unless the cache already holds exactly these."""
         if self.build_cache is not None and self.build_entries() != self.build_loaded:
-            path = self.build_cache.store(self.build_key, self.build_entries())
+            try:
+                path = self.build_cache.store(self.build_key, self.build_entries())
+            except OSError as error:  # serving goes on; the next start builds afresh
+                where = self.build_cache.directory
+                log.warning("build cache: this build's choices could not be kept in %s (%s): set %s to a "
+                            "writable directory", where, error, BUILD_CACHE_VARIABLE)  # fmt: skip
+                return
             log.info("build cache: this build's choices kept in %s", path)
 
     def forget_build(self) -> None:
         """Remove this key's cached choices (they built an engine that failed its self-check)."""
         if self.build_cache is not None:
-            self.build_cache.path(self.build_key).unlink(missing_ok=True)
+            try:
+                self.build_cache.path(self.build_key).unlink(missing_ok=True)
+            except OSError as error:
+                log.warning(
+                    "build cache: %s could not be removed (%s)", self.build_cache.path(self.build_key), error
+                )
 
     @property
     def built_from_cache(self) -> bool:

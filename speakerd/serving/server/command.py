@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"speakerd serve: error: {error}", file=sys.stderr)
         return config.USAGE_EXIT
     from speakerd.serving.server import serve
-    from speakerd.serving.server.caches import point_library_caches
+    from speakerd.serving.server.caches import point_start_caches
 
-    point_library_caches()
+    point_start_caches()
     return serve.run(settings)

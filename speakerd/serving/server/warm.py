@@ -43,10 +43,10 @@ def run(args: argparse.Namespace) -> int:
         return config.USAGE_EXIT
     from speakerd.serving.observability.metrics import Metrics
     from speakerd.serving.server import serve
-    from speakerd.serving.server.caches import point_library_caches
+    from speakerd.serving.server.caches import point_start_caches
     from speakerd.serving.server.phases import Phases
 
-    point_library_caches()
+    point_start_caches()
     logging.basicConfig(level=settings.log_level, format=serve.LOG_FORMAT)
     started = time.monotonic()
     try:
