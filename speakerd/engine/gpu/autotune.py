@@ -401,24 +401,16 @@ class Autotuner:
         fused, fused_buffers = None, {}  # fused_buffers: X, W, Y, B [, Z]
         if self.bare in able:
             weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io)
-            buffers = {"X": request.x.data.ptr, "W": weight.data.ptr, "Y": request.y.data.ptr}
-            fused_buffers = dict(buffers, B=bias.data.ptr)
+            buffers = _cudnn_buffers(request, weight, bias, fused=False)
             bare = self.conv_graph(key.bare(), buffers)
             assert bare is not None, key.label()
-            epilogue = Epilogue.bind(
-                request.epilogue, request.y, bias, request.residual, request.spec.cout, request.elements,
-                request.flag if request.y.dtype.itemsize == 2 else None, self.ctx.sm_count,
-            )  # fmt: skip
+            epilogue = self._epilogue(request, bias)
             epilogue_ms = self._time_epilogue(epilogue)
             best = ConvChoice(
                 key.bare(), bare, bare.pack(buffers), epilogue, epilogue_ms, bare.ms + epilogue_ms
             )
+            fused_buffers = _cudnn_buffers(request, weight, bias, fused=True)
         if self.fusion in able and best is not None:
-            if request.residual is not None:
-                fused_buffers["Z"] = request.residual.data.ptr
-            if table.range_flag:
-                assert request.amax is not None, f"{request.name}: no range-maximum slot for a fused graph"
-                fused_buffers["A"] = request.amax.data.ptr
             fused = self.conv_graph(key, fused_buffers, required=False)
             if fused is None:
                 refusals.append(Refusal(self.fusion.name, _label(key), self.failed[key]))
@@ -479,20 +471,8 @@ class Autotuner:
         if graph_entry.get("plan_index") in self.banned.get(graph_key, ()):
             raise LookupError(f"plan {graph_entry['plan_index']} was banned")
         weight, bias = self.ctx.weights.conv(request.folded, half=table.half_io)
-        buffers = {"X": request.x.data.ptr, "W": weight.data.ptr, "Y": request.y.data.ptr}
-        epilogue = None
-        if entry["fused"]:
-            buffers["B"] = bias.data.ptr
-            if request.residual is not None:
-                buffers["Z"] = request.residual.data.ptr
-            if table.range_flag:
-                assert request.amax is not None, f"{request.name}: no range-maximum slot for a fused graph"
-                buffers["A"] = request.amax.data.ptr
-        else:
-            epilogue = Epilogue.bind(
-                request.epilogue, request.y, bias, request.residual, request.spec.cout, request.elements,
-                request.flag if request.y.dtype.itemsize == 2 else None, self.ctx.sm_count,
-            )  # fmt: skip
+        buffers = _cudnn_buffers(request, weight, bias, fused=entry["fused"])
+        epilogue = None if entry["fused"] else self._epilogue(request, bias)
         graph = from_entry(graph_key, graph_entry, self.ctx.cudnn)  # the convolution's own (see instance)
         self.instances.append(graph)
         return ConvChoice(key.bare(), graph, graph.pack(buffers), epilogue, float(entry["epilogue_ms"]),
@@ -647,6 +627,13 @@ class Autotuner:
     def _remember(self, refusal: Refusal) -> None:
         """Keep `refusal` for the reports, once per (candidate, key, reason)."""
         self._refusals.setdefault((refusal.candidate, refusal.key, refusal.reason), refusal)
+
+    def _epilogue(self, request: ConvRequest, bias) -> Epilogue:
+        """Our epilogue kernel after a bare cuDNN convolution of `request`."""
+        return Epilogue.bind(
+            request.epilogue, request.y, bias, request.residual, request.spec.cout, request.elements,
+            request.flag if request.y.dtype.itemsize == 2 else None, self.ctx.sm_count,
+        )  # fmt: skip
 
     def _time_epilogue(self, epilogue: Epilogue) -> float:
         """GPU ms of our epilogue kernel on its buffers, from graph replays as it serves
@@ -806,6 +793,20 @@ def graph_keys(
                 if maths.of(math).cudnn_fusion:
                     keys[key] = None
     return list(keys)
+
+
+def _cudnn_buffers(request: ConvRequest, weight, bias, fused: bool) -> dict[str, int]:
+    """The device pointers a cuDNN graph of `request` binds: X, W, Y, and for a fused graph
+    its bias B, residual Z and, in range-flag maths, the range maximum's slot A."""
+    buffers = {"X": request.x.data.ptr, "W": weight.data.ptr, "Y": request.y.data.ptr}
+    if fused:
+        buffers["B"] = bias.data.ptr
+        if request.residual is not None:
+            buffers["Z"] = request.residual.data.ptr
+        if maths.of(request.math).range_flag:
+            assert request.amax is not None, f"{request.name}: no range-maximum slot for a fused graph"
+            buffers["A"] = request.amax.data.ptr
+    return buffers
 
 
 def choice_entry(choice: ConvChoice) -> dict:
