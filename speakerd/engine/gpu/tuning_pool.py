@@ -144,7 +144,9 @@ def _time_graph(key: ConvKey) -> dict | None:
 
     def filled(count: int, dtype) -> int:
         values = cupy.empty((count,), dtype=dtype)
-        fill_random(values, random)
+        with _state["lock"]:  # GPU work: never beside another worker's timing
+            fill_random(values, random)
+            stream.synchronize()
         arrays.append(values)
         return int(values.data.ptr)
 
