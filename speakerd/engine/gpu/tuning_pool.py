@@ -132,38 +132,48 @@ def _start_worker(device: int, lock) -> None:
     _state.update(stream=stream, handle=handle, lock=lock, random=cupy.random.RandomState(SEED))
 
 
+def random_buffers(key: ConvKey, random, arrays: list) -> dict[str, int]:
+    """Device buffers of `key`'s shapes filled with `random`'s normal draws (the arrays are
+    appended to `arrays`, which keeps them alive): X, W, Y and, for a fused graph, B, Z
+    (with a residual) and A (in range-flag maths), as a graph of `key` binds them."""
+    import cupy
+
+    table = maths.of(key.math)
+
+    def filled(count: int, dtype) -> int:
+        values = cupy.empty((count,), dtype=dtype)
+        fill_random(values, random)
+        arrays.append(values)
+        return int(values.data.ptr)
+
+    io = table.io_dtype
+    buffers = {
+        "X": filled(key.batch * key.cin * key.h_in * key.w_in, io),
+        "W": filled(key.cout * key.cin * key.kernel * key.kernel, io),
+        "Y": filled(key.output_elements, io),
+    }
+    if key.epilogue is not None:
+        buffers["B"] = filled(key.cout, cupy.float32)
+        if key.epilogue == "bias_add_relu":
+            buffers["Z"] = filled(key.output_elements, io)
+        if table.range_flag:
+            buffers["A"] = filled(1, cupy.float32)
+    return buffers
+
+
 def _time_graph(key: ConvKey) -> dict | None:
     """In a worker: `key`'s plans built and timed on random buffers of its shapes; the entry
     the build cache keeps, {"unsupported": why} for a fused graph cuDNN cannot serve, None for
     a bare one with no working plan (the engine times it and says why)."""
     import cupy
 
-    stream, random = _state["stream"], _state["random"]
-    table = maths.of(key.math)
+    stream = _state["stream"]
     arrays: list = []
-
-    def filled(count: int, dtype) -> int:
-        values = cupy.empty((count,), dtype=dtype)
-        with _state["lock"]:  # GPU work: never beside another worker's timing
-            fill_random(values, random)
-            stream.synchronize()
-        arrays.append(values)
-        return int(values.data.ptr)
-
     try:
         with stream:
-            io = table.io_dtype
-            buffers = {
-                "X": filled(key.batch * key.cin * key.h_in * key.w_in, io),
-                "W": filled(key.cout * key.cin * key.kernel * key.kernel, io),
-                "Y": filled(key.output_elements, io),
-            }
-            if key.epilogue is not None:
-                buffers["B"] = filled(key.cout, cupy.float32)
-                if key.epilogue == "bias_add_relu":
-                    buffers["Z"] = filled(key.output_elements, io)
-                if table.range_flag:
-                    buffers["A"] = filled(1, cupy.float32)
+            with _state["lock"]:  # GPU work: never beside another worker's timing
+                buffers = random_buffers(key, _state["random"], arrays)
+                stream.synchronize()
             graph = time_plans(key, _state["handle"], stream, buffers, gpu_lock=_state["lock"])
             stream.synchronize()
         return graph_entry(graph)
