@@ -25,7 +25,7 @@ import shutil
 import time
 from pathlib import Path
 
-from speakerd.serving.server.caches import LIBRARY_CACHES
+from speakerd.serving.server.caches import START_CACHES
 from speakerd.serving.server.phases import serving_seconds
 from speakerd.tools.suite.pyannote import segmentation_path
 from speakerd.tools.suite.record import anchor, figure
@@ -54,7 +54,7 @@ def startup(ctx: Context) -> None:
     cache = ctx.out / "startup-cache"
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
-    env: dict[str, str | None] = {"SPEAKERD_CACHE": str(cache), **dict.fromkeys(LIBRARY_CACHES)}
+    env: dict[str, str | None] = {"SPEAKERD_CACHE": str(cache), **dict.fromkeys(START_CACHES)}
     segmentation = "segmentation-3.0" if checkpoint is not None else "the default segmentation model"
     first: tuple[float, str] | None = None  # the empty-cache start's seconds and command
     for run, what in (("empty", "with an empty cache"), ("cached", "from the first start's cache")):
