@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,18 +164,30 @@ class BuildCache:
                 os.unlink(temporary)
         return path
 
+    def holds_any(self, key: BuildKey, ignoring: Iterable[str] = ()) -> bool:
+        """Whether an entry's key equals `key` in every field but `ignoring`: a start that
+        does not know all of its key yet (its model not loaded) may find an entry once it
+        does."""
+        skip = set(ignoring)
+        wanted = {name: value for name, value in key.fields().items() if name not in skip}
+        return any(all(other.get(name) == value for name, value in wanted.items()) for other in self._keys())
+
+    def _keys(self) -> Iterator[dict[str, Any]]:
+        """The key of every readable entry (a corrupt one says nothing)."""
+        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
+            try:
+                other = json.loads(path.read_text())["key"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if isinstance(other, dict):
+                yield other
+
     def _closest(self, key: BuildKey) -> str:
         """Why no entry fits: none cached, or the fields in which the closest entry's key
         differs from this one (`driver 580.95 -> 580.159`)."""
         wanted = key.fields()
         best: dict[str, tuple[Any, Any]] | None = None
-        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
-            try:
-                other = json.loads(path.read_text())["key"]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # a corrupt entry says nothing of what changed
-            if not isinstance(other, dict):
-                continue
+        for other in self._keys():
             differ = {
                 name: (other.get(name), value) for name, value in wanted.items() if other.get(name) != value
             }

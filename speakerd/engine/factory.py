@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
-from speakerd.engine.base import Engine
+from speakerd.engine.base import Engine, check_engine_config
 from speakerd.engine.build_cache import BuildCache, build_cache_dir
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.numerics import Math
@@ -70,13 +71,15 @@ def create_engine(
     conv_kernels: str = "auto",
     cpu_threads: int | None = None,
     build_cache: bool = False,
+    tuning: Any = None,
 ) -> Engine:
     """Build, warm up and time an engine of `kind` (auto | cpu | gpu) for `model`;
     `conv_kernels` ("auto" | "cudnn" | "blocks") says whether the GPU engine may run our
     kernels, and (blocks) our one-kernel BasicBlocks too;
     `cpu_threads` caps the CPU engine's threads (None: every core); `build_cache`: the GPU
     engine uses and keeps its start-up choices in build_cache_dir() (build_cache.py;
-    the caller stores them once the self-check passed: Engine.keep_build)."""
+    the caller stores them once the self-check passed: Engine.keep_build); `tuning`: what
+    start_tuning began for it."""
     resolved = resolve_kind(kind)
     if resolved == "cpu":
         from speakerd.engine.cpu import CpuEngine
@@ -85,7 +88,29 @@ def create_engine(
     from speakerd.engine.gpu.engine import GpuEngine
 
     cache = BuildCache(build_cache_dir()) if build_cache else None
-    return GpuEngine(model, Math(math), plan_sizes, **gpu_kernel_options(conv_kernels), build_cache=cache)
+    return GpuEngine(model, Math(math), plan_sizes, **gpu_kernel_options(conv_kernels), build_cache=cache,
+                     tuning=tuning)  # fmt: skip
+
+
+def start_tuning(kind: str, math: Math | str, plan_sizes: tuple[int, ...], conv_kernels: str) -> Any:
+    """For a GPU engine of the resolved `kind` on the current device: its first start's cuDNN
+    plan timing begun now, in worker processes, before the model is loaded (a
+    tuning_pool.TuningPool for create_engine's `tuning`); None for the CPU engine, where
+    the build cache holds this engine's choices, or where the host has too few cores."""
+    if kind != "gpu":
+        return None
+    import cupy
+
+    from speakerd.engine.gpu.build_key import conv_kernels_option
+    from speakerd.engine.gpu.engine import GpuEngine
+    from speakerd.engine.gpu.maths import MATHS
+    from speakerd.engine.gpu.tuning_pool import start_before_the_model
+
+    math, sizes = check_engine_config(GpuEngine.name, math, tuple(MATHS), plan_sizes)
+    options = gpu_kernel_options(conv_kernels)
+    return start_before_the_model(int(cupy.cuda.Device().id), math, sizes,
+                                  conv_kernels_option(options["own_kernels"], options["fused_blocks"]),
+                                  BuildCache(build_cache_dir()))  # fmt: skip
 
 
 def gpu_kernel_options(conv_kernels: str) -> dict[str, bool]:

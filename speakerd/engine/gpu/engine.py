@@ -39,17 +39,17 @@ import numpy as np
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
 from speakerd.engine.build_cache import BUILD_CACHE_VARIABLE, BuildCache, Loaded
 from speakerd.engine.gpu import bitwise, held, kernels, maths, recording
-from speakerd.engine.gpu.autotune import Autotuner, graph_keys
+from speakerd.engine.gpu.autotune import Autotuner
 from speakerd.engine.gpu.build_key import conv_kernels_option, engine_build_key
 from speakerd.engine.gpu.capture import GraphCapture
 from speakerd.engine.gpu.context import DeviceContext, DeviceWeights, SplitScratch, Workspace
 from speakerd.engine.gpu.convs import ConvKey
 from speakerd.engine.gpu.cublas import Cublas
-from speakerd.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw, read_results, trunk_convs
+from speakerd.engine.gpu.plan import Plan, activation_elements, nhwc_to_nchw, read_results
 from speakerd.engine.gpu.recording import GpuRecordingFrames
 from speakerd.engine.gpu.staging import INPUT_SLOTS, InputSlot
 from speakerd.engine.gpu.timing import fill_random, gpu_ms, median_ms
-from speakerd.engine.gpu.tuning_pool import TuningPool, workers_for
+from speakerd.engine.gpu.tuning_pool import TuningPool, pool_for
 from speakerd.engine.gpu.waveform import WaveformFbank, WaveformRows
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, TAP_NAMES
 from speakerd.model.inputs import InputError
@@ -82,6 +82,7 @@ class GpuEngine(Engine):
         fused_blocks: bool = False,
         build_cache: BuildCache | None = None,
         tuning_workers: int | None = None,
+        tuning: TuningPool | None = None,
     ) -> None:
         import cudnn
         import cupy
@@ -138,8 +139,11 @@ class GpuEngine(Engine):
                 compute_capability=str(cupy.cuda.Device().compute_capability),
             )
             # nothing cached: the cuDNN graphs are timed in worker processes (tuning_pool.py)
-            # while this process finishes compiling
-            pool = None if self.build_loaded else self._tuning_pool(math, sizes, tuning_workers)
+            # while this process finishes compiling; `tuning`: a pool the start-up began
+            # before the model was loaded (closed unused when the cache held this model's)
+            if self.build_loaded and tuning is not None:
+                tuning.close()
+            pool = None if self.build_loaded else tuning or pool_for(self.device, math, sizes, tuning_workers)
             concurrent.futures.wait(compiling)  # a failed compile fails again where it is used
             comparing.join()
             #: what the tuning pool answered (None: no pool)
@@ -187,18 +191,6 @@ class GpuEngine(Engine):
             len(self.tuner.choice_entries),
             {size: round(ms, 3) for size, ms in self._times.items()},
         )  # fmt: skip
-
-    def _tuning_pool(self, math: Math, sizes: tuple[int, ...], workers: int | None) -> TuningPool | None:
-        """The worker processes timing a first start's cuDNN graphs (tuning_pool.py), or None
-        where this host has too few cores for them (`workers`: how many, None for
-        workers_for's choice, 0 for none)."""
-        fallback = self.table.fallback
-        keys = graph_keys(trunk_convs(), sizes, (math,) if fallback is None else (math, fallback))
-        count = workers_for(len(keys)) if workers is None else min(workers, len(keys))
-        if count <= 0:
-            return None
-        log.info("timing %d cuDNN graphs' plans in %d worker processes", len(keys), count)
-        return TuningPool(keys, self.device, count)
 
     def build_entries(self) -> dict:
         """What this build chose that the next start under the same key may use."""

@@ -29,9 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from speakerd.engine.build_cache import BuildCache
 from speakerd.engine.gpu import maths
+from speakerd.engine.gpu.autotune import graph_keys
+from speakerd.engine.gpu.build_key import engine_build_key
 from speakerd.engine.gpu.convs import ConvKey, graph_entry, time_plans
+from speakerd.engine.gpu.plan import trunk_convs
 from speakerd.engine.gpu.timing import fill_random
+from speakerd.model.numerics import Math
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,34 @@ def workers_for(graphs: int) -> int:
     return workers if workers >= 2 else 0
 
 
+def pool_for(
+    device: int, math: Math, sizes: tuple[int, ...], workers: int | None = None
+) -> TuningPool | None:
+    """The pool timing the graphs an engine of `math` and plan `sizes` (with its math's
+    fallback) asks for on `device`, started; None where this host has too few cores
+    (`workers`: how many, None for workers_for's choice, 0 for none)."""
+    fallback = maths.of(math).fallback
+    keys = graph_keys(trunk_convs(), sizes, (math,) if fallback is None else (math, fallback))
+    count = workers_for(len(keys)) if workers is None else min(workers, len(keys))
+    if count <= 0:
+        return None
+    log.info("timing %d cuDNN graphs' plans in %d worker processes", len(keys), count)
+    return TuningPool(keys, device, count)
+
+
+def start_before_the_model(
+    device: int, math: Math, sizes: tuple[int, ...], conv_kernels: str, cache: BuildCache | None
+) -> TuningPool | None:
+    """A start-up's pool begun before its model is loaded (made, downloaded or converted:
+    seconds the pool's workers need not wait): started unless the build cache holds an entry
+    for this device, its libraries, math, plans and kernels under any model, since one for
+    this model would make the pool idle (the engine then closes it unused: GpuEngine)."""
+    key = engine_build_key(device, "", math, sizes, conv_kernels)
+    if cache is not None and cache.holds_any(key, ignoring=("model_id",)):
+        return None
+    return pool_for(device, math, sizes)
+
+
 class TuningPool:
     """Worker processes timing `keys` on device `device`, started at once; `result` waits."""
 
@@ -82,6 +115,12 @@ class TuningPool:
         # the largest graphs first: the pool's last graph is then a short one
         order = sorted(self.keys, key=lambda k: (-k.batch, -k.flops))
         self._futures = {self._pool.submit(_time_graph, key): key for key in order}
+
+    @property
+    def gpu_lock(self):
+        """The workers' GPU lock: the starting process holds it around GPU work of its own
+        (the segmenter's build) so that no plan is timed beside it."""
+        return self._lock
 
     def result(self, deadline_s: float = DEADLINE_S) -> Tuned:
         """Every answer the workers gave within `deadline_s` of the start; the pool is shut."""

@@ -297,7 +297,11 @@ async def serve(settings: config.ServeConfig, prepared: Prepared) -> Outcome:
 
 
 def _build_engine(
-    settings: config.ServeConfig, prepared: Prepared, resolved: ResolvedModel, phases: Phases
+    settings: config.ServeConfig,
+    prepared: Prepared,
+    resolved: ResolvedModel,
+    phases: Phases,
+    tuning: object | None = None,
 ) -> Engine:
     """Load the weights, build and warm the engine, check it against the reference (blocking).
     A GPU engine built from cached start-up choices (engine/build_cache.py) that fails the
@@ -306,7 +310,7 @@ def _build_engine(
     from speakerd.model.weights import load_model
 
     model = prepared.model if prepared.model is not None else load_model(resolved.path)
-    engine = _engine(settings, prepared, model, resolved.path, phases)
+    engine = _engine(settings, prepared, model, resolved.path, phases, tuning)
     try:
         with phases.timed("self-check"):
             try:
@@ -342,16 +346,22 @@ def _build_engine(
 
 
 def _engine(
-    settings: config.ServeConfig, prepared: Prepared, model: FoldedModel, source: Path, phases: Phases
+    settings: config.ServeConfig,
+    prepared: Prepared,
+    model: FoldedModel,
+    source: Path,
+    phases: Phases,
+    tuning: object | None = None,
 ) -> Engine:
-    """The engine `settings` ask for, built and warmed (the "engine" phase)."""
+    """The engine `settings` ask for, built and warmed (the "engine" phase); `tuning`: its
+    plan timing begun earlier (factory.start_tuning)."""
     from speakerd.engine.factory import create_engine
 
     started = time.perf_counter()
     with phases.timed("engine"):
         engine = create_engine(prepared.engine_kind, model, settings.math, settings.plans,
                                settings.conv_kernels, cpu_threads=settings.cpu_threads or None,
-                               build_cache=True)  # fmt: skip
+                               build_cache=True, tuning=tuning)  # fmt: skip
     threads = f", {engine.threads} thread{'s' * (engine.threads != 1)}" if engine.threads else ""
     log.info("engine %s %s plans %s%s built in %.1f s from %s (model %s%s)", engine.name, engine.math,
              engine.plan_sizes, threads, time.perf_counter() - started, source, model.model_id[:12],
@@ -380,10 +390,16 @@ def build_all(
     """The models (the default ones made here on first use), the segmenter, the engine (or
     the device pool) with its self-check, and Diarize's linkage: what `serve` waits for
     before SERVING and `speakerd warm` builds to fill the caches (blocking)."""
+    from speakerd.engine.factory import start_tuning
     from speakerd.model.source import SEGMENTATION, resolve_model
 
     clustering = ClusteringCompile()  # numba's compile in a child process, beside all of this
     segmenter: Segmenter | None = None
+    # a GPU engine's first start times cuDNN's plans in worker processes from now on, while
+    # the models are made or loaded (engine/gpu/tuning_pool.py)
+    tuning = None
+    if prepared.devices is None:
+        tuning = start_tuning(prepared.engine_kind, settings.math, settings.plans, settings.conv_kernels)
     try:
         with phases.timed("models"):
             resolved = prepared.resolved or resolve_model(None)
@@ -394,10 +410,12 @@ def build_all(
                 weights = segmentation.load(found, None)
         # with --devices the GPUs belong to the worker processes: this one segments on its CPU
         kind = prepared.engine_kind if prepared.devices is None else "cpu"
-        with phases.timed("segmentation"):
+        # the segmenter's GPU work is never beside a plan being timed
+        beside = tuning.gpu_lock if tuning is not None else contextlib.nullcontext()
+        with phases.timed("segmentation"), beside:
             segmenter = segmentation.build(weights, found.path, kind)
         if prepared.devices is None:
-            engine = _build_engine(settings, prepared, resolved, phases)
+            engine = _build_engine(settings, prepared, resolved, phases, tuning)
         else:
             with phases.timed("devices"):
                 engine = _start_pool(settings, prepared, resolved, metrics, on_lost)
@@ -407,6 +425,8 @@ def build_all(
             compile_loops()
     except BaseException:
         clustering.close()
+        if tuning is not None:  # not yet handed to the engine, or closed by it already
+            tuning.close()
         if segmenter is not None:
             segmenter.close()
         raise
