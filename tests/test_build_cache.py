@@ -166,3 +166,17 @@ def test_the_cache_lives_where_serve_and_warm_point_it(tmp_path, monkeypatch) ->
     assert build_cache_dir() == tmp_path / "cache" / BUILDS_DIR
     monkeypatch.setenv(BUILD_CACHE_VARIABLE, str(tmp_path / "volume"))
     assert build_cache_dir() == tmp_path / "volume"
+
+
+def test_a_start_that_does_not_know_its_model_yet_asks_for_any_model(tmp_path) -> None:
+    """Before its model is loaded a start asks whether any entry fits all but the model
+    (tuning_pool.start_before_the_model): then it waits for the model instead of timing."""
+    cache = BuildCache(tmp_path)
+    unknown = dataclasses.replace(KEY, model_id="")
+    assert not cache.holds_any(unknown, ignoring=("model_id",)), "an empty cache holds nothing"
+    cache.store(dataclasses.replace(KEY, model_id="0123abcd"), ENTRIES)  # another model's
+    assert cache.holds_any(unknown, ignoring=("model_id",))
+    assert not cache.holds_any(unknown), "the model is part of the key unless ignored"
+    assert not cache.holds_any(dataclasses.replace(unknown, driver="590.1"), ignoring=("model_id",))
+    (tmp_path / "broken.json").write_text("{not json")  # a corrupt entry says nothing
+    assert cache.holds_any(unknown, ignoring=("model_id",))
