@@ -38,7 +38,7 @@ import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, check_engine_config
 from speakerd.engine.build_cache import BUILD_CACHE_VARIABLE, BuildCache, Loaded
-from speakerd.engine.gpu import bitwise, held, kernels, maths, recording
+from speakerd.engine.gpu import held, kernels, maths, recording
 from speakerd.engine.gpu.autotune import Autotuner
 from speakerd.engine.gpu.build_key import conv_kernels_option, engine_build_key
 from speakerd.engine.gpu.capture import GraphCapture
@@ -116,7 +116,6 @@ class GpuEngine(Engine):
         # first plan is timed, since a CUDA graph captured in global mode (convs.py) fails
         # when another thread loads a module or allocates meanwhile
         compiling = kernels.compile_in_background(self.device)
-        comparing = bitwise.compile_in_background(self.device)
         stream = cupy.cuda.Stream(non_blocking=True)
         handle = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=stream.ptr)
@@ -145,7 +144,6 @@ class GpuEngine(Engine):
                 tuning.close()
             pool = None if self.build_loaded else tuning or pool_for(self.device, math, sizes, tuning_workers)
             concurrent.futures.wait(compiling)  # a failed compile fails again where it is used
-            comparing.join()
             #: what the tuning pool answered (None: no pool)
             self.tuned = pool.result() if pool is not None else None
             if self.tuned is not None:
