@@ -2,9 +2,9 @@
 
 Two `serve` processes one after the other, with the flags the diarize suite serves with
 (FP16 on a GPU, segmentation-3.0 where it is found, else the default segmentation model),
-both with $SPEAKERD_CACHE a folder of this run that is empty before the first, and the
-libraries' caches inside it (CuPy's kernels, numba's loops: their variables unset, so serve
-points them there: serving/server/caches.py). The records:
+both with $SPEAKERD_CACHE a folder of this run that is empty before the first, and every
+start-up cache inside it (CuPy's kernels, numba's loops, the GPU engine's build cache: their
+variables unset, so serve points them there: serving/server/caches.py). The records:
 
 - seconds from the first server's process start to health SERVING (what a pod's startup
   probe waits for), with nothing cached: the models made or converted, every cuDNN plan
@@ -12,7 +12,8 @@ points them there: serving/server/caches.py). The records:
 - the same for the second server, on the first one's cache, against the first;
 
 each with the server's own SERVING line (its start-up seconds and each phase's), its
-engine's lines and the files each cache folder holds.
+engine's lines (what was timed, in how many worker processes, what came from the cache) and
+the files each cache folder holds.
 
 Budget: a fresh H100 took 139-185 s to SERVING with nothing cached and 41 s on a restart;
 two starts and two drains fit in 420 s.
@@ -33,7 +34,7 @@ from speakerd.tools.suite.run import Context
 from speakerd.tools.suite.steps import serving_math
 
 #: The server's lines about its engine's build, kept in a record's detail.
-ENGINE_LINES = re.compile(r"^.*(gpu engine |\bengine \S+ \S+ plans ).*$", re.M)
+ENGINE_LINES = re.compile(r"^.*(gpu engine |worker processes|build cache: |\bengine \S+ \S+ plans ).*$", re.M)
 #: The most of those lines a record keeps.
 LINES_KEPT = 8
 
