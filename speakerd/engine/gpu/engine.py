@@ -210,12 +210,11 @@ class GpuEngine(Engine):
     def forget_build(self) -> None:
         """Remove this key's cached choices (they built an engine that failed its self-check)."""
         if self.build_cache is not None:
+            path = self.build_cache.path(self.build_key)
             try:
-                self.build_cache.path(self.build_key).unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
             except OSError as error:
-                log.warning(
-                    "build cache: %s could not be removed (%s)", self.build_cache.path(self.build_key), error
-                )
+                log.warning("build cache: %s could not be removed (%s)", path, error)
 
     @property
     def built_from_cache(self) -> bool:
