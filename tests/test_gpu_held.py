@@ -25,6 +25,11 @@ needs_gpu = pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU for the Cu
 WATCH_SWITCH_S = 0.5
 #: Held calls made while watching.
 CALLS = 200
+#: How long the control keeps making CuPy copies: each lets the lock go for a few
+#: microseconds and the waiting thread runs only if it wakes inside one, so one copy alone is
+#: a coin toss; tens of thousands are not. Well inside WATCH_SWITCH_S, after which the waiting
+#: thread would be handed the lock whether or not a call let it go.
+CONTROL_S = WATCH_SWITCH_S / 5
 
 
 @pytest.mark.gpu
@@ -80,7 +85,8 @@ def test_a_graph_launched_through_the_driver_replays_it() -> None:
 
 
 def _steps_while(work) -> int:
-    """Steps a thread waiting for the interpreter lock makes while `work()` runs."""
+    """Steps a thread waiting for the interpreter lock makes while `work(steps)` runs (`steps`:
+    the waiting thread's count so far, one item)."""
     steps, stop = [0], threading.Event()
 
     def spin() -> None:
@@ -96,7 +102,7 @@ def _steps_while(work) -> int:
     time.sleep(0.01)  # the spinner runs; this thread gets the lock back after the interval
     try:
         before = steps[0]
-        work()
+        work(steps)
         return steps[0] - before
     finally:
         sys.setswitchinterval(interval)
@@ -121,15 +127,23 @@ def test_held_calls_keep_the_interpreter_lock(capsys) -> None:
             held.copy(b.data.ptr, a.data.ptr, a.nbytes, stream)
             held.record(event, stream)
 
-    def one_cupy_call() -> None:
-        runtime = cupy.cuda.runtime
-        runtime.memcpyAsync(b.data.ptr, a.data.ptr, a.nbytes, runtime.memcpyDefault, stream.ptr)
+    cupy_calls = [0]
 
-    held_steps = _steps_while(held_calls)
-    cupy_steps = _steps_while(one_cupy_call)
+    def cupy_calls_until_the_waiter_runs(steps: list[int]) -> None:
+        runtime = cupy.cuda.runtime
+        before, end = steps[0], time.perf_counter() + CONTROL_S
+        while steps[0] == before and time.perf_counter() < end:
+            runtime.memcpyAsync(b.data.ptr, a.data.ptr, a.nbytes, runtime.memcpyDefault, stream.ptr)
+            cupy_calls[0] += 1
+
+    held_steps = _steps_while(lambda steps: held_calls())
+    cupy_steps = _steps_while(cupy_calls_until_the_waiter_runs)
     stream.synchronize()
     with capsys.disabled():
         print(f"\nsteps of a thread waiting for the lock: {held_steps} during {2 * CALLS} held calls, "
-              f"{cupy_steps} during one CuPy call")  # fmt: skip
+              f"{cupy_steps} during {cupy_calls[0]} CuPy copies")  # fmt: skip
     assert held_steps == 0, f"a waiting thread ran {held_steps} steps during held calls: one let the lock go"
-    assert cupy_steps > 0, "control: a CuPy call lets the lock go, so the waiting thread must have run"
+    assert cupy_steps > 0, (
+        f"control: CuPy's copy lets the lock go, so the waiting thread must have run during "
+        f"{cupy_calls[0]} copies in {CONTROL_S} s"
+    )
