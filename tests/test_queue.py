@@ -259,3 +259,56 @@ def test_a_job_due_within_one_plan_run_leaves_before_the_next_batch() -> None:
     assert isinstance(removals[0].error, DeadlinePassed)
     assert "0.100 s away, less than one plan run (0.200 s)" in str(removals[0].error)
     assert batch is not None and batch.jobs == (later,)
+
+
+def test_a_batch_holds_jobs_bound_to_one_device_and_unbound_jobs_go_with_any() -> None:
+    """`serve --devices`: a recording's windows lie on the GPU its audio went to, so its job
+    is bound there; a batch never mixes two devices' jobs, and a job passed over keeps its
+    place at the front for the next batch."""
+    state = QueueState(capacity_chunks=64, max_batch=4)
+    on_0 = state.admit(2, F, 0.0, device=0)
+    on_1 = state.admit(3, F, 0.0, device=1)
+    free = state.admit(1, F, 0.0)
+    also_0 = state.admit(3, F, 0.0, device=0)
+    first, _ = state.next_batch(0.0)
+    assert first is not None and first.device == 0, first
+    assert [(p.job, p.start, p.stop) for p in first.pieces] == [(on_0, 0, 2), (free, 0, 1), (also_0, 0, 1)]
+    assert state.order() == [on_1, also_0], "device 1's job keeps the front; the split job queues behind"
+    second, _ = state.next_batch(0.0)
+    assert second is not None and second.device == 1
+    assert [(p.job, p.start, p.stop) for p in second.pieces] == [(on_1, 0, 3)], second.pieces
+    third, _ = state.next_batch(0.0)
+    assert third is not None and third.device == 0
+    assert [(p.job, p.start, p.stop) for p in third.pieces] == [(also_0, 1, 3)]
+    assert state.next_batch(0.0)[0] is None and state.queued_chunks == 0
+
+
+def test_unbound_jobs_batch_as_before_and_the_batch_names_no_device() -> None:
+    state = QueueState(capacity_chunks=64, max_batch=4)
+    jobs = [state.admit(n, F, 0.0) for n in (3, 2, 4)]
+    batches = []
+    while (batch := state.next_batch(0.0)[0]) is not None:
+        assert batch.device is None, batch
+        batches.append([(p.job, p.start, p.stop) for p in batch.pieces])
+    a, b, c = jobs
+    assert batches == [[(a, 0, 3), (b, 0, 1)], [(c, 0, 4)], [(b, 1, 2)]], batches
+
+
+def test_device_bound_jobs_are_each_served_within_their_devices_turns() -> None:
+    """Random arrivals over 3 devices and unbound jobs: every batch is of one device (or
+    none), and every chunk is taken exactly once, in each job's own order."""
+    rng = random.Random(54)
+    state = QueueState(capacity_chunks=10_000, max_batch=8)
+    bound: dict[int, int | None] = {}
+    for _ in range(200):
+        device = rng.choice([None, 0, 1, 2])
+        bound[state.admit(rng.randint(1, 20), F, 0.0, device=device)] = device
+    next_chunk = dict.fromkeys(bound, 0)
+    while (batch := state.next_batch(0.0)[0]) is not None:
+        devices = {bound[p.job] for p in batch.pieces} - {None}
+        assert len(devices) <= 1 and batch.device == (devices.pop() if devices else None), batch
+        assert batch.chunks <= 8
+        for piece in batch.pieces:
+            assert piece.start == next_chunk[piece.job], (piece, next_chunk[piece.job])
+            next_chunk[piece.job] = piece.stop
+    assert state.queued_chunks == 0 and len(state) == 0

@@ -39,6 +39,15 @@ class DeviceFbank(Protocol):
     def __array__(self, dtype=None, copy=None) -> np.ndarray: ...
 
 
+def device_of(rows: object) -> int | None:
+    """The device among several (`serve --devices`) whose memory holds DeviceFbank `rows`
+    (their `pool_device` attribute: not `device`, which NumPy's arrays have too), or None:
+    host rows, or rows of the one device in process. The batcher binds such a request's
+    chunks to that device (serving/batching/queue.py)."""
+    device = getattr(rows, "pool_device", None)
+    return None if device is None else int(device)
+
+
 #: One array, or the pieces of several requests in order (concatenated along axis 0 they
 #: are the batch): the batcher hands an engine its requests' arrays without joining them.
 #: An fbank piece may be DeviceFbank rows.

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from speakerd.engine.base import BatchRun, Engine, plan_for
+from speakerd.engine.base import BatchRun, Engine, device_of, plan_for
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.numerics import active_frames, resize_masks
 from speakerd.serving.batching.queue import (
@@ -281,7 +281,8 @@ class Batcher:
                 f"deadline {deadline - now:.3f} s away on arrival, less than one plan run ({lead:.3f} s): "
                 "it could not be answered in time"
             )
-        job = await self._admit(request.chunks, int(masks.shape[-1]), deadline, wait_for_room)
+        device = device_of(fbank)  # a recording's windows on one device of serve --devices
+        job = await self._admit(request.chunks, int(masks.shape[-1]), deadline, wait_for_room, device)
         self.metrics.windows_skipped.inc(skipped)
         self._requests[job] = request
         request.future.add_done_callback(lambda _: self._forget(job))
@@ -295,13 +296,16 @@ class Batcher:
             request.future.cancel()
             raise
 
-    async def _admit(self, chunks: int, frames: int, deadline: float | None, wait_for_room: bool) -> int:
-        """The queue's `admit`, retried after each change of the queue while it is full and
-        `wait_for_room`; DeadlinePassed once the deadline is nearer than one plan run."""
+    async def _admit(
+        self, chunks: int, frames: int, deadline: float | None, wait_for_room: bool, device: int | None
+    ) -> int:
+        """The queue's `admit` (bound to `device` when the rows lie there), retried after each
+        change of the queue while it is full and `wait_for_room`; DeadlinePassed once the
+        deadline is nearer than one plan run."""
         while True:
             now = time.monotonic()
             try:
-                return self._state.admit(chunks, frames, now, deadline)
+                return self._state.admit(chunks, frames, now, deadline, device)
             except QueueFull:
                 if not wait_for_room:
                     raise

@@ -18,6 +18,13 @@ waiting at that moment. So one large request cannot hold back smaller ones that 
 after it started: a job that has J jobs ahead of it in the queue enters one of the next
 J + 1 batches formed (each job ahead gets at most one turn before it, and every batch
 formed without it is full and holds at least one of those turns).
+
+Device affinity (`serve --devices`). A job whose rows already lie on one device (a
+recording's windows, computed on the GPU its audio went to) is bound to that device, and a
+batch holds jobs of at most one device: the first bound job a batch takes binds it, and
+later jobs bound elsewhere are passed over, keeping their place at the front of the queue
+for the next batch. Unbound jobs go with any batch. With every job unbound (one engine)
+nothing changes; a bound job has at most J + 1 batches of its own device ahead of it.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ class Job:
     enqueued: float  # the caller's clock (e.g. time.monotonic()), seconds
     deadline: float | None  # same clock; None: no deadline
     taken: int = 0
+    #: the device its rows lie on (module docstring); None: any device
+    device: int | None = None
 
     @property
     def waiting(self) -> int:
@@ -122,6 +131,8 @@ class Batch:
     resize: bool
     #: (job id, seconds queued before its first chunk entered a batch)
     started: tuple[tuple[int, float], ...]
+    #: the device every bound job in it is bound to; None: no job is bound
+    device: int | None = None
 
     @property
     def chunks(self) -> int:
@@ -205,8 +216,11 @@ class QueueState:
 
     # --- changes -----------------------------------------------------------------------
 
-    def admit(self, chunks: int, frames: int, now: float, deadline: float | None = None) -> int:
-        """Queue a job of `chunks` chunks with masks of `frames` frames; its id.
+    def admit(
+        self, chunks: int, frames: int, now: float, deadline: float | None = None, device: int | None = None
+    ) -> int:
+        """Queue a job of `chunks` chunks with masks of `frames` frames, bound to `device`
+        when its rows lie there (module docstring); its id.
 
         Raises Draining once closed, QueueFull when the chunks do not fit now,
         DeadlinePassed when `deadline` <= `now`, and ValueError for a job that could never
@@ -227,7 +241,7 @@ class QueueState:
             )
         if deadline is not None and deadline <= now:
             raise DeadlinePassed(LATE_MESSAGE)
-        job = Job(self._next_id, chunks, frames, now, deadline)
+        job = Job(self._next_id, chunks, frames, now, deadline, device=device)
         self._next_id += 1
         self._jobs[job.id] = job
         self._queued_chunks += chunks
@@ -262,8 +276,14 @@ class QueueState:
         started: list[tuple[int, float]] = []
         frames: set[int] = set()
         room = self.max_batch
-        while self._jobs and room > 0:
-            job = next(iter(self._jobs.values()))
+        device: int | None = None
+        for job in list(self._jobs.values()):  # a snapshot: a split job moves to the end
+            if room == 0:
+                break
+            if job.device is not None:
+                if device is not None and job.device != device:
+                    continue  # bound elsewhere: keeps its place for a batch of its device
+                device = job.device
             count = min(room, job.waiting)
             if job.taken == 0:
                 started.append((job.id, now - job.enqueued))
@@ -279,7 +299,7 @@ class QueueState:
         if not pieces:
             return None, removals
         mixed = len(frames) > 1
-        batch = Batch(tuple(pieces), TRUNK_FRAMES if mixed else frames.pop(), mixed, tuple(started))
+        batch = Batch(tuple(pieces), TRUNK_FRAMES if mixed else frames.pop(), mixed, tuple(started), device)
         return batch, removals
 
     def remove(self, job_id: int, error: BatcherError) -> Removal | None:
