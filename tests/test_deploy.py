@@ -31,8 +31,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.utils import floatToGoString
 
 from speakerd.model.source import REPO_ID
-from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE
-from speakerd.serving.devices.shared_slots import SlotLayout
+from speakerd.serving.devices.device_pool import shared_bytes_per_device
 from speakerd.serving.observability.metrics import METRIC_NAMES, Metrics
 from speakerd.serving.server import config
 from speakerd.serving.server.serve import STOP_GRACE_S, Prepared, SpeakerServer
@@ -417,7 +416,7 @@ def test_multi_gpu_overlay_serves_every_gpu_of_its_pod(monkeypatch: pytest.Monke
     shm = next(mount for mount in main["volumeMounts"] if mount["mountPath"] == "/dev/shm")
     volume = next(volume for volume in pod["volumes"] if volume["name"] == shm["name"])
     assert volume["emptyDir"]["medium"] == "Memory", volume
-    slots = gpus * SLOTS_PER_DEVICE * SlotLayout(config.MAX_PLAN_SIZE).nbytes
+    slots = gpus * shared_bytes_per_device(config.MAX_PLAN_SIZE)
     assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= slots, (volume, slots)
     assert quantity_bytes(main["resources"]["limits"]["memory"]) > quantity_bytes(
         container()["resources"]["limits"]["memory"]

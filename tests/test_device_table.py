@@ -56,3 +56,36 @@ def test_release_of_a_slot_not_held_is_an_error() -> None:
 def test_bad_tables_are_refused(devices: list[int], slots: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DeviceTable(devices, slots)
+
+
+def test_a_recordings_batch_waits_for_its_own_device() -> None:
+    """A recording's windows lie on its home device: `choose(device)` takes a slot there or
+    none, even when another device is idle."""
+    table = DeviceTable([0, 1], slots_per_device=2)
+    assert [table.choose(1), table.choose(1)] == [Lease(1, 0), Lease(1, 1)]
+    assert table.choose(1) is None, "device 1 is full: its recording's batch waits for it"
+    assert table.choose() == Lease(0, 0), "unbound batches still go to the idle device"
+    table.release(Lease(1, 0))
+    assert table.choose(1) == Lease(1, 0)
+    table.take_out(1)
+    assert table.choose(1) is None
+
+
+def test_recordings_are_spread_by_open_recordings_then_load() -> None:
+    table = DeviceTable([0, 1, 2], slots_per_device=3)
+    table.choose(0)  # device 0 has a batch in flight
+    homes = [table.home() for _ in range(4)]
+    assert homes == [1, 2, 0, 1], "fewest recordings first, ties to fewer batches, then index"
+    assert [table.recordings(d) for d in (0, 1, 2)] == [1, 2, 1]
+    table.leave(1)
+    table.leave(1)
+    assert table.home() == 1
+    table.leave(2)
+    with pytest.raises(ValueError, match="device 2: no recording open"):
+        table.leave(2)
+    table.take_out(0)
+    assert table.recordings(0) == 0 and table.home() == 2
+    table.leave(0)  # a recording of a device taken out ending: nothing to count
+    table.take_out(1)
+    table.take_out(2)
+    assert table.home() is None, "no device up: no home"

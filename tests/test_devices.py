@@ -32,8 +32,8 @@ from speakerd.client.client import NO_RETRY
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
 from speakerd.serving.batching.queue import NoDevice
-from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE, DevicePool, PoolConfig
-from speakerd.serving.devices.shared_slots import SlotLayout, shared_memory_free
+from speakerd.serving.devices.device_pool import DevicePool, PoolConfig, shared_bytes_per_device
+from speakerd.serving.devices.shared_slots import shared_memory_free
 from speakerd.serving.observability.metrics import Metrics
 from speakerd.serving.receivers.receiver_link import SLOT_BYTES, SLOTS_PER_RECEIVER
 from speakerd.serving.server import config as serve_config
@@ -219,7 +219,7 @@ def test_too_little_shared_memory_is_a_usage_error_before_start() -> None:
     free = shared_memory_free()
     if free is None:
         pytest.skip("no /dev/shm on this system")
-    per_device = SLOTS_PER_DEVICE * SlotLayout(serve_config.MAX_PLAN_SIZE).nbytes
+    per_device = shared_bytes_per_device(serve_config.MAX_PLAN_SIZE)
     per_receiver = SLOTS_PER_RECEIVER * SLOT_BYTES
     _check_shared_memory(1, serve_config.MAX_PLAN_SIZE, 0)  # one device's slots fit here
     too_much = r"\(\d+ MB\): need \d+ MB of shared memory in /dev/shm"

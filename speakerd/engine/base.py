@@ -78,9 +78,12 @@ class BatchInputs:
 
 
 def _as_pieces(value: Pieces, field: str) -> tuple[np.ndarray | DeviceFbank, ...]:
-    if isinstance(value, np.ndarray | DeviceFbank):
+    if isinstance(value, np.ndarray | DeviceFbank) or device_of(value) is not None:
         return (value,)
-    pieces = tuple(piece if isinstance(piece, DeviceFbank) else np.asarray(piece) for piece in value)
+    pieces = tuple(
+        piece if isinstance(piece, DeviceFbank) or device_of(piece) is not None else np.asarray(piece)
+        for piece in value
+    )
     if not pieces:
         raise InputError(field, "an empty list of pieces; a batch needs at least one chunk")
     return pieces

@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from speakerd.engine.gpu.device_rows import DeviceRows
+from speakerd.engine.device_rows import DeviceRows
 from speakerd.engine.gpu.fbank import DEFAULT_MAX_WINDOWS, GpuFbank, RecordingLayout
 from speakerd.engine.gpu.pcm import DevicePcm, GrowingBuffer
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS, SAMPLE_RATE

@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from speakerd.engine.gpu.device_rows import DeviceRows
+from speakerd.engine.device_rows import DeviceRows
 from speakerd.engine.gpu.fbank import DEFAULT_MAX_WINDOWS, GpuFbank
 from speakerd.engine.gpu.recording import WINDOW_BYTES
 from speakerd.model.architecture import CHUNK_SAMPLES, FRAMES, MEL_BINS

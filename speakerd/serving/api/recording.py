@@ -372,6 +372,16 @@ class _Call:
                 task.cancel()  # their batcher jobs leave the queue before any engine work
                 if task.done() and not task.cancelled():
                     task.exception()  # retrieved: a failure after the call ended is not logged twice
+            self._close_source()
+
+    def _close_source(self) -> None:
+        """Let the call's FbankSource go: one that holds its audio in a device worker
+        (serve --devices) drops it there now, not whenever it is collected."""
+        source = self.decoder.source if self.decoder is not None else None
+        inner = getattr(source, "inner", source)  # a segmenting call's wraps the fbank source
+        close = getattr(inner, "close", None)
+        if callable(close):
+            close()
 
     @property
     def silent(self) -> int:
@@ -398,6 +408,8 @@ class _Call:
             self._fail(_invalid(error))
         except Rejection as error:
             self._fail(error)
+        except BatcherError as error:  # e.g. serve --devices: the recording's device was lost
+            self._fail(batcher_rejection(error))
         except Exception as error:
             log.exception("%s %s: handling the call failed", METHOD, self.request_id)
             self._fail(Rejection(grpc.StatusCode.INTERNAL, "internal", f"server error: {error}"))

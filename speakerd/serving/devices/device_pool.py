@@ -17,8 +17,18 @@ on one device and raises again on another is the batch's fault, not the second d
 it fails (INTERNAL) and that device stays. With no device left every batch fails with
 NoDevice (UNAVAILABLE) and `on_lost` tells the server, which reports NOT_SERVING.
 
-What the pool does not do: a waveform chunk's or a recording's fbank is computed on the
-server's host (the Engine defaults), not on a device as the in-process GPU engine does.
+A recording (EmbedRecording, and the recordings Diarize embeds) has a home device, the one
+with the fewest recordings open: `fbank_source` gives the call a RemoteFrames
+(remote_recording.py) that sends its audio to that device's worker through the device's
+audio slots, where it is decoded and turned into fbank as the engine in process would
+(on the GPU for a GPU engine). Its windows stay there: the batcher binds their requests to
+the home device, and `run_batch` sends such a batch to that device with the windows named,
+not copied. When the home device is taken out, its recordings fail with RecordingFailed
+(UNAVAILABLE: their audio was there); other calls serve on.
+
+What the pool does not do: a waveform chunk's fbank (EmbedChunks' waveform input) is
+computed on the server's host (the Engine default), and a segmenting call's segmentation
+runs on the server's CPU segmenter (serving/server/serve.py).
 """
 
 from __future__ import annotations
@@ -36,15 +46,17 @@ from typing import Any
 
 import numpy as np
 
-from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs
+from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, device_of
 from speakerd.model.architecture import FRAMES, MEL_BINS, TRUNK_FRAMES
+from speakerd.model.inputs import InputError
 from speakerd.model.numerics import Math, resize_masks
 from speakerd.reference.self_check import SelfCheckFailed
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.batching.queue import NoDevice
 from speakerd.serving.devices.device_table import DeviceTable, Lease
 from speakerd.serving.devices.device_worker import WorkerInfo, WorkerSpec, visible_gpu, worker_main
-from speakerd.serving.devices.shared_slots import SharedSlot, SlotLayout
+from speakerd.serving.devices.remote_recording import RecordingFailed, RemoteFrames, RemoteWindows
+from speakerd.serving.devices.shared_slots import AUDIO_SLOT_BYTES, AudioSlot, SharedSlot, SlotLayout
 from speakerd.serving.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -52,6 +64,8 @@ log = logging.getLogger(__name__)
 #: Batches in flight per device, each in its own slot: the batcher's PIPELINE_DEPTH (one
 #: computing while two are staged) for every device.
 SLOTS_PER_DEVICE = PIPELINE_DEPTH
+#: Audio slots per device: one recording's piece is copied in while the worker decodes another's.
+AUDIO_SLOTS_PER_DEVICE = 2
 #: After "stop", how long a worker gets to exit before it is terminated: it only has to
 #: leave its loop (a batch inside the engine is not waited for).
 STOP_WAIT_S = 5.0
@@ -60,6 +74,11 @@ TERMINATE_WAIT_S = 2.0
 
 #: Called with (device taken out, devices left), from a pool thread.
 OnLost = Callable[[int, int], None]
+
+
+def shared_bytes_per_device(max_batch: int) -> int:
+    """Shared memory one device's worker is given: its batch slots and its audio slots."""
+    return SLOTS_PER_DEVICE * SlotLayout(max_batch).nbytes + AUDIO_SLOTS_PER_DEVICE * AUDIO_SLOT_BYTES
 
 
 class DeviceStartFailed(RuntimeError):
@@ -94,12 +113,18 @@ class _Worker:
     process: Any  # multiprocessing's SpawnProcess
     conn: Connection
     slots: list[SharedSlot]
+    audio: list[AudioSlot] = field(default_factory=list)
     info: WorkerInfo | None = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     pending: dict[int, Future[tuple[str, Any]]] = field(default_factory=dict)
+    #: audio slot numbers free; recording ops waiting for their answer, by sequence number
+    audio_free: list[int] = field(default_factory=list)
+    answers: dict[int, Future[tuple[Any, ...]]] = field(default_factory=dict)
 
 
-def worker_specs(config: PoolConfig, slot_names: dict[int, list[str]]) -> list[WorkerSpec]:
+def worker_specs(
+    config: PoolConfig, slot_names: dict[int, list[str]], audio_names: dict[int, list[str]] | None = None
+) -> list[WorkerSpec]:
     """One spec per device: a GPU worker sees only its GPU; CPU workers share the cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -120,6 +145,7 @@ def worker_specs(config: PoolConfig, slot_names: dict[int, list[str]]) -> list[W
                 cuda_visible=visible_gpu(device, inherited) if gpu else None,
                 cpu_threads=None if gpu else config.cpu_threads or max(1, cores // len(config.devices)),
                 fail_batches=config.fail_batches.get(device, ()),
+                audio_slot_names=tuple((audio_names or {}).get(device, ())),
             )
         )
     return specs
@@ -141,7 +167,11 @@ class DevicePool(Engine):
         self._changed = threading.Condition()
         self._workers: dict[int, _Worker] = {}
         self._slots: dict[int, list[SharedSlot]] = {}
+        self._audio: dict[int, list[AudioSlot]] = {}
         self._closing = False
+        self._sequence = 0  # numbers recording ops, for their answers
+        #: bytes one recording op carries (remote_recording.RecordingLink)
+        self.audio_bytes = AUDIO_SLOT_BYTES
 
     # --- start --------------------------------------------------------------------------
 
@@ -172,18 +202,27 @@ class DevicePool(Engine):
         layout = SlotLayout(self.config.plan_sizes[-1])
         context = multiprocessing.get_context("spawn")  # fork would copy the server's gRPC and CUDA state
         slots: dict[int, list[SharedSlot]] = {device: [] for device in self.config.devices}
-        self._slots = slots  # closed by close(), whatever start() got to
+        audio: dict[int, list[AudioSlot]] = {device: [] for device in self.config.devices}
+        self._slots, self._audio = slots, audio  # closed by close(), whatever start() got to
         try:
             for device_slots in slots.values():
                 device_slots.extend(SharedSlot(layout) for _ in range(SLOTS_PER_DEVICE))
+            for device_audio in audio.values():
+                device_audio.extend(AudioSlot(self.audio_bytes) for _ in range(AUDIO_SLOTS_PER_DEVICE))
             names = {device: [slot.name for slot in device_slots] for device, device_slots in slots.items()}
-            for spec in worker_specs(self.config, names):
+            audio_names = {
+                device: [slot.name for slot in device_audio] for device, device_audio in audio.items()
+            }
+            for spec in worker_specs(self.config, names, audio_names):
                 ours, theirs = context.Pipe(duplex=True)
                 name = f"speakerd-device-{spec.device}"
                 process = context.Process(target=worker_main, args=(spec, theirs), name=name, daemon=True)
                 process.start()
                 theirs.close()  # ours alone now: its recv sees EOF when the worker dies
-                self._workers[spec.device] = _Worker(spec.device, process, ours, slots[spec.device])
+                self._workers[spec.device] = _Worker(
+                    spec.device, process, ours, slots[spec.device], audio[spec.device],
+                    audio_free=list(range(AUDIO_SLOTS_PER_DEVICE)),
+                )  # fmt: skip
             for worker in self._workers.values():
                 worker.info = self._wait_ready(worker)
         except BaseException:
@@ -245,10 +284,14 @@ class DevicePool(Engine):
         return total
 
     def run_batch(self, fbank: Pieces, masks: Pieces) -> BatchRun:
-        """See Engine.run_batch: on the least-loaded device, re-run elsewhere when it fails."""
+        """See Engine.run_batch: on the least-loaded device, re-run elsewhere when it fails;
+        a batch of a recording's windows on the recording's home device alone."""
         inputs = batch_inputs(fbank, masks)
         if not 1 <= inputs.chunks <= self.max_batch:
             raise ValueError(f"fbank: {inputs.chunks} chunks, expected 1..{self.max_batch} per batch")
+        homes = {device for piece in inputs.fbank if (device := device_of(piece)) is not None}
+        if homes:
+            return self._run_at_home(inputs, homes)
         failed_on: int | None = None  # the device whose engine raised on this batch
         while True:
             lease = self._acquire()
@@ -258,6 +301,8 @@ class DevicePool(Engine):
                 continue  # taken out while this batch was on it: the next device runs it
             if kind == "done":
                 return payload
+            if kind == "gone":
+                raise RuntimeError(payload)
             if failed_on is not None:
                 raise RuntimeError(
                     f"engine error on device {failed_on} and again on device {lease.device}: {payload}"
@@ -265,8 +310,32 @@ class DevicePool(Engine):
             failed_on = lease.device
             self._take_out(lease.device, f"its engine raised {payload}")
 
-    def _acquire(self) -> Lease:
-        """A slot on the least-loaded device, waiting while every device is full."""
+    def _run_at_home(self, inputs: BatchInputs, homes: set[int]) -> BatchRun:
+        """A batch holding a recording's windows, on their home device (the batcher never
+        mixes two devices' windows in a batch: serving/batching/queue.py). Nowhere else can
+        run it: a device lost meanwhile fails it with RecordingFailed, and an engine error
+        fails it alone (the device stays: one batch cannot tell whose fault it was)."""
+        if len(homes) > 1:
+            raise RuntimeError(
+                f"a batch holds windows of recordings on devices {sorted(homes)}; expected one"
+            )
+        (device,) = homes
+        try:
+            lease = self._acquire(device)
+            kind, payload = self._run_on(lease, inputs)
+        except _DeviceLost:
+            raise RecordingFailed(self._lost_message(device)) from None
+        if kind == "done":
+            return payload
+        raise RuntimeError(f"device {device}: {payload}")
+
+    @staticmethod
+    def _lost_message(device: int) -> str:
+        return f"device {device}, which held this recording's audio, failed; retry the call"
+
+    def _acquire(self, device: int | None = None) -> Lease:
+        """A slot on the least-loaded device (or on `device` alone), waiting while every one
+        is full; _DeviceLost when `device` is out."""
         with self._changed:
             while True:
                 if self._closing:
@@ -276,7 +345,9 @@ class DevicePool(Engine):
                     raise NoDevice(
                         f"every device of --devices failed ({failed}); this replica is NOT_SERVING"
                     )
-                lease = self._table.choose()
+                if device is not None and not self._table.is_up(device):
+                    raise _DeviceLost
+                lease = self._table.choose(device)
                 if lease is not None:
                     self.metrics.device_inflight.labels(device=str(lease.device)).inc()
                     return lease
@@ -297,7 +368,7 @@ class DevicePool(Engine):
         slot = worker.slots[lease.slot]
         started = time.perf_counter()
         try:
-            write_batch(slot, inputs)
+            named = write_batch(slot, inputs)
             future: Future[tuple[str, Any]] = Future()
             with self._changed:
                 if not self._table.is_up(lease.device):
@@ -305,7 +376,7 @@ class DevicePool(Engine):
                 worker.pending[lease.slot] = future
             try:
                 with worker.send_lock:
-                    worker.conn.send(("run", lease.slot, inputs.chunks))
+                    worker.conn.send(("run", lease.slot, inputs.chunks, named))
             except OSError as error:  # the worker is gone; its reader takes the device out
                 raise _DeviceLost from error
             kind, payload = future.result()  # _DeviceLost when the reader saw the worker die
@@ -320,23 +391,96 @@ class DevicePool(Engine):
         return kind, replace(payload, embeddings=embeddings)
 
     def _read(self, worker: _Worker) -> None:
-        """A worker's replies, to the batch waiting for each; on EOF the worker is gone."""
+        """A worker's replies, to the batch or recording op waiting for each; on EOF the
+        worker is gone."""
         while True:
             try:
-                kind, slot, payload = worker.conn.recv()
+                kind, key, payload = worker.conn.recv()
             except (EOFError, OSError):
                 break
             with self._changed:
-                future = worker.pending.pop(slot, None)
+                waiting = worker.pending if kind != "rec" else worker.answers
+                future = waiting.pop(key, None)
             if future is not None:
-                future.set_result((kind, payload))
+                future.set_result((kind, payload) if kind != "rec" else payload)
         if not self._closing:
             worker.process.join(TERMINATE_WAIT_S)
             self._take_out(worker.device, f"its worker process exited (exit code {worker.process.exitcode})")
         with self._changed:
-            lost, worker.pending = list(worker.pending.values()), {}
+            lost = [*worker.pending.values(), *worker.answers.values()]
+            worker.pending, worker.answers = {}, {}
         for future in lost:
             future.set_exception(_DeviceLost())
+
+    # --- recordings (remote_recording.RecordingLink) ------------------------------------
+
+    def fbank_source(self, step: int) -> RemoteFrames:
+        """A recording's FbankSource on its home device (module docstring); NoDevice when
+        none is up."""
+        with self._changed:
+            home = None if self._closing else self._table.home()
+        if home is None:
+            raise NoDevice("no device of --devices is serving; this replica is NOT_SERVING")
+        return RemoteFrames(self, home, step)
+
+    def call(
+        self, device: int, op: str, recording: int, args: tuple[Any, ...], data: memoryview | None
+    ) -> Any:
+        """One recording op on `device`'s worker, `data` through one of its audio slots;
+        the answer (RemoteFrames says what each op answers). RecordingFailed when the device
+        is or goes out; InputError when the worker found the audio bad."""
+        worker = self._workers[device]
+        future: Future[tuple[Any, ...]] = Future()
+        with self._changed:
+            while True:
+                if self._closing or not self._table.is_up(device):
+                    raise RecordingFailed(self._lost_message(device))
+                if worker.audio_free:
+                    slot = worker.audio_free.pop()
+                    break
+                self._changed.wait()
+            self._sequence += 1
+            sequence = self._sequence
+            worker.answers[sequence] = future
+        try:
+            size = 0 if data is None else len(data)
+            if data is not None:
+                worker.audio[slot].buf[:size] = data
+            try:
+                with worker.send_lock:
+                    worker.conn.send(("rec", sequence, op, recording, args, slot, size))
+            except OSError:  # the worker is gone; its reader takes the device out
+                raise RecordingFailed(self._lost_message(device)) from None
+            try:
+                answer = future.result()
+            except _DeviceLost:
+                raise RecordingFailed(self._lost_message(device)) from None
+            if answer[0] == "ok" and op == "rows":
+                return bytes(worker.audio[slot].buf[: answer[1]])
+        finally:
+            with self._changed:
+                worker.answers.pop(sequence, None)
+                worker.audio_free.append(slot)
+                self._changed.notify_all()
+        if answer[0] == "ok":
+            return answer[1]
+        if answer[0] == "input":
+            raise InputError(answer[1], answer[2])
+        raise RuntimeError(f"device {device}: recording {op}: {answer[1]}")
+
+    def forget(self, device: int, recording: int) -> None:
+        """The recording ended: its home counts one fewer, its worker drops it."""
+        with self._changed:
+            self._table.leave(device)
+            self._changed.notify_all()
+        worker = self._workers.get(device)
+        if worker is None:
+            return
+        try:
+            with worker.send_lock:
+                worker.conn.send(("rec", None, "close", recording, (), None, 0))
+        except (OSError, ValueError):  # gone, or the pool closed: nothing left to drop
+            pass
 
     def _take_out(self, device: int, why: str) -> None:
         """Never use `device` again (once: later calls do nothing); its batches in flight
@@ -382,13 +526,23 @@ class DevicePool(Engine):
         for device_slots in self._slots.values():
             for slot in device_slots:
                 slot.close()
+        for device_audio in self._audio.values():
+            for audio in device_audio:
+                audio.close()
 
 
-def write_batch(slot: SharedSlot, inputs: BatchInputs) -> None:
+def write_batch(slot: SharedSlot, inputs: BatchInputs) -> tuple[tuple[int, int, int, int], ...]:
     """Copy a batch's pieces into a slot's fbank and masks rows (masks resized onto the
-    trunk's 125 frames: shared_slots.py says why that changes no embedding)."""
+    trunk's 125 frames: shared_slots.py says why that changes no embedding), except a
+    recording's windows, which lie in the worker already: those are named, as (row,
+    recording, first window, end window) each, what the "run" message carries."""
     row = 0
+    named = []
     for piece in inputs.fbank:
+        if isinstance(piece, RemoteWindows):
+            named.append((row, piece.recording, piece.start, piece.stop))
+            row += len(piece)
+            continue
         rows = np.asarray(piece)
         count = rows.size // (FRAMES * MEL_BINS)
         slot.fbank[row : row + count] = rows.reshape(count, FRAMES, MEL_BINS)
@@ -398,3 +552,4 @@ def write_batch(slot: SharedSlot, inputs: BatchInputs) -> None:
         count = piece.shape[0]
         slot.masks[row : row + count] = piece if piece.shape[2] == TRUNK_FRAMES else resize_masks(piece)
         row += count
+    return tuple(named)

@@ -8,7 +8,12 @@ Not thread-safe: the pool calls it under its own lock.
 The choice: the device with the fewest batches in flight, ties to the lowest index. Each
 device has a fixed number of slots (shared-memory buffers), so a device with every slot
 taken is never chosen, and a batch waits (`choose` returns None) only while every device
-that is up is full.
+that is up is full. A batch of a recording's windows, which lie on one device, waits for a
+slot of that device alone (`choose(device)`).
+
+A recording's home: the device up with the fewest recordings open, ties to the fewest
+batches in flight, then the lowest index (`home`). A recording stays on its home from its
+first byte to its last embedding; recordings, not their windows, are what is spread.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class _Device:
     free: list[int] = field(default_factory=list)  # slot numbers, lowest handed out first
     slots: int = 0
     up: bool = True
+    recordings: int = 0  # recordings open with this device as their home
 
     @property
     def in_flight(self) -> int:
@@ -68,14 +74,43 @@ class DeviceTable:
         state = self._devices[device]
         return state.in_flight if state.up else 0
 
-    def choose(self) -> Lease | None:
+    def choose(self, device: int | None = None) -> Lease | None:
         """Take a slot on the least-loaded device that is up and has one free (ties: lowest
-        index); None when every device up is full, or none is up."""
-        candidates = [device for device in self._devices.values() if device.up and device.free]
+        index), or on `device` alone when given; None when none of those is up with a slot
+        free."""
+        candidates = [
+            state
+            for state in self._devices.values()
+            if state.up and state.free and (device is None or state.index == device)
+        ]
         if not candidates:
             return None
-        device = min(candidates, key=lambda d: (d.in_flight, d.index))
-        return Lease(device.index, device.free.pop(0))
+        chosen = min(candidates, key=lambda d: (d.in_flight, d.index))
+        return Lease(chosen.index, chosen.free.pop(0))
+
+    def recordings(self, device: int) -> int:
+        """Recordings open with `device` as their home (0 once it is taken out)."""
+        state = self._devices[device]
+        return state.recordings if state.up else 0
+
+    def home(self) -> int | None:
+        """Open a recording on the device up with the fewest open (ties: fewest batches in
+        flight, then the lowest index) and return it; None when no device is up."""
+        live = [state for state in self._devices.values() if state.up]
+        if not live:
+            return None
+        chosen = min(live, key=lambda d: (d.recordings, d.in_flight, d.index))
+        chosen.recordings += 1
+        return chosen.index
+
+    def leave(self, device: int) -> None:
+        """A recording whose home was `device` ended (a no-op once the device is out)."""
+        state = self._devices[device]
+        if not state.up:
+            return
+        if state.recordings < 1:
+            raise ValueError(f"device {device}: no recording open to leave")
+        state.recordings -= 1
 
     def release(self, lease: Lease) -> None:
         """Give a lease's slot back (a no-op once its device is out: its slots are never reused,

@@ -15,12 +15,20 @@ share of the cores instead.
 The pipe protocol, small pickled tuples only:
 - worker -> server, once: ("ready", WorkerInfo) after the engine was built, warmed and
   passed its parity self-check, or ("failed", error type, message) and exit;
-- server -> worker: ("run", slot, chunks) with the batch's rows in the slot; ("stop",);
-- worker -> server: ("done", slot, BatchRun without embeddings) once `out` holds them, or
-  ("error", slot, message) when the engine raised.
+- server -> worker: ("run", slot, chunks, named) with the batch's rows in the slot, except
+  the rows `named` as (row, recording, first window, end window): a recording's windows this
+  worker holds (remote_recording.py); ("stop",);
+- worker -> server: ("done", slot, BatchRun without embeddings) once `out` holds them,
+  ("error", slot, message) when the engine raised, or ("gone", slot, message) when a named
+  recording is not open any more (its call ended; the device is fine);
+- server -> worker: ("rec", seq, op, recording, args, audio slot or None, bytes) for a
+  recording's audio (worker_recordings.py), answered ("rec", seq, ("ok", answer)),
+  ("rec", seq, ("input", field, message)) for bad audio, or ("rec", seq, ("error", message));
+  seq None: no answer wanted (closing a recording).
 Batches run on PIPELINE_DEPTH threads, as in one process: one computes while the next are
-staged. The worker exits when the server says stop, when the pipe closes, or when its
-parent process is gone (even in the middle of building its engine).
+staged. Recording ops run in order on a thread of their own, so a recording's decoding
+never holds up the batches. The worker exits when the server says stop, when the pipe
+closes, or when its parent process is gone (even in the middle of building its engine).
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchRun, Engine
-from speakerd.serving.devices.shared_slots import SharedSlot, SlotLayout
+from speakerd.model.inputs import InputError
+from speakerd.serving.devices.shared_slots import AudioSlot, SharedSlot, SlotLayout
+from speakerd.serving.devices.worker_recordings import RecordingGone, WorkerRecordings
 from speakerd.serving.memory import heap
 
 log = logging.getLogger(__name__)
@@ -74,6 +84,8 @@ class WorkerSpec:
     #: Tests only: raise InjectedFault instead of running these batches (1-based counts of
     #: the batches this worker was sent); empty: never.
     fail_batches: tuple[int, ...] = ()
+    #: the audio slots recordings whose home is this device send their bytes through
+    audio_slot_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         return
     layout = SlotLayout(spec.max_batch)
     slots = [SharedSlot(layout, name) for name in spec.slot_names]
+    audio = [AudioSlot(name=name) for name in spec.audio_slot_names]
     times = engine.plan_times_ms()
     report = getattr(engine, "memory_report", None)
     memory = {str(kind): int(size) for kind, size in dict(report() if callable(report) else {}).items()}
@@ -128,7 +141,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     )
     heap.freeze_long_lived()  # a full collection would stop this engine's threads too (heap.py)
     conn.send(("ready", info))
-    _serve(spec, engine, slots, conn)
+    _serve(spec, engine, slots, WorkerRecordings(engine, audio), conn)
     os._exit(0)  # batches still running are native code: do not join their threads
 
 
@@ -162,8 +175,27 @@ def _build(spec: WorkerSpec) -> Engine:
     return engine
 
 
-def _serve(spec: WorkerSpec, engine: Engine, slots: list[SharedSlot], conn: Connection) -> None:
-    """Run batches until told to stop or the pipe closes."""
+def batch_pieces(
+    fbank: np.ndarray, chunks: int, named: tuple[tuple[int, int, int, int], ...], recordings: WorkerRecordings
+) -> list[Any]:
+    """A batch's fbank as pieces in row order: the slot's rows, and for each named range
+    (row, recording, first, end) that recording's windows as its source holds them."""
+    pieces: list[Any] = []
+    row = 0
+    for at, recording, first, end in named:
+        if at > row:
+            pieces.append(fbank[row:at])
+        pieces.append(recordings.windows(recording, first, end))
+        row = at + end - first
+    if row < chunks:
+        pieces.append(fbank[row:chunks])
+    return pieces
+
+
+def _serve(
+    spec: WorkerSpec, engine: Engine, slots: list[SharedSlot], recordings: WorkerRecordings, conn: Connection
+) -> None:
+    """Run batches and recording ops until told to stop or the pipe closes."""
     send_lock = threading.Lock()
     received = 0
 
@@ -171,22 +203,40 @@ def _serve(spec: WorkerSpec, engine: Engine, slots: list[SharedSlot], conn: Conn
         with send_lock:
             conn.send(message)
 
-    def run(slot_index: int, chunks: int, fail: bool) -> None:
+    def run(slot_index: int, chunks: int, named: tuple[tuple[int, int, int, int], ...], fail: bool) -> None:
         slot = slots[slot_index]
         try:
             if fail:
                 raise InjectedFault(f"injected engine fault on device {spec.device}")
-            result = engine.run_batch(slot.fbank[:chunks], slot.masks[:chunks])
+            fbank = batch_pieces(slot.fbank, chunks, named, recordings) if named else slot.fbank[:chunks]
+            result = engine.run_batch(fbank, slot.masks[:chunks])
             slot.out[:chunks] = result.embeddings
             counters: BatchRun = dataclasses.replace(result, embeddings=_NO_ROWS)
             reply(("done", slot_index, counters))
+        except RecordingGone as error:
+            reply(("gone", slot_index, str(error)))
         except Exception as error:  # the server decides what an engine error means
             log.exception("device %d: engine error on a batch of %d chunks", spec.device, chunks)
             reply(("error", slot_index, f"{type(error).__name__}: {error}"))
 
+    def recording_op(seq: int | None, op: str, recording: int, args: tuple[Any, ...], slot: int | None,
+                     nbytes: int) -> None:  # fmt: skip
+        if op == "close":
+            recordings.close(recording)
+            return
+        try:
+            answer: tuple[Any, ...] = ("ok", recordings.apply(op, recording, args, slot, nbytes))
+        except InputError as error:
+            answer = ("input", error.field, error.message)
+        except Exception as error:  # reported to the call, which answers it; the device serves on
+            log.exception("device %d: recording %d: %s failed", spec.device, recording, op)
+            answer = ("error", f"{type(error).__name__}: {error}")
+        reply(("rec", seq, answer))
+
     # not a `with`: leaving it would join a batch still inside the engine (the caller exits
     # the process without waiting instead)
     pool = ThreadPoolExecutor(len(slots), thread_name_prefix=f"device-{spec.device}")
+    audio = ThreadPoolExecutor(1, thread_name_prefix=f"device-{spec.device}-audio")  # ops in order
     while True:
         try:
             message = conn.recv()
@@ -194,7 +244,11 @@ def _serve(spec: WorkerSpec, engine: Engine, slots: list[SharedSlot], conn: Conn
             break
         if message[0] == "stop":
             break
-        _, slot_index, chunks = message
+        if message[0] == "rec":
+            audio.submit(recording_op, *message[1:])
+            continue
+        _, slot_index, chunks, named = message
         received += 1
-        pool.submit(run, slot_index, chunks, received in spec.fail_batches)
+        pool.submit(run, slot_index, chunks, named, received in spec.fail_batches)
     pool.shutdown(wait=False, cancel_futures=True)
+    audio.shutdown(wait=False, cancel_futures=True)

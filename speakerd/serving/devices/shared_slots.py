@@ -112,3 +112,38 @@ def shared_memory_free() -> int | None:
         return shutil.disk_usage(SHM_DIR).free
     except OSError:
         return None
+
+
+#: Bytes of one audio slot: a recording's PCM or samples travel to its device's worker a slot
+#: at a time (remote_recording.py), 4 MiB = 131 s of 16 kHz 16-bit mono, 22 s of 48 kHz
+#: stereo float32, or 13 windows' fbank rows coming back.
+AUDIO_SLOT_BYTES = 4 << 20
+
+
+class AudioSlot:
+    """Bytes in shared memory: created (and finally unlinked) by the server, attached by name
+    in a worker; `buf` is the whole slot."""
+
+    def __init__(self, nbytes: int = AUDIO_SLOT_BYTES, name: str | None = None) -> None:
+        self.owner = name is None
+        self._memory = shared_memory.SharedMemory(name=name, create=self.owner, size=nbytes)
+        self.nbytes = nbytes if self.owner else min(nbytes, self._memory.size)
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._memory.name
+
+    @property
+    def buf(self) -> memoryview:
+        return self._memory.buf
+
+    def close(self) -> None:
+        """Drop the mapping; the owner also removes the segment (idempotent). Views of `buf`
+        must be released first."""
+        if self._closed:
+            return
+        self._closed = True
+        self._memory.close()
+        if self.owner:
+            self._memory.unlink()

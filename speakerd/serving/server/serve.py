@@ -72,8 +72,8 @@ from speakerd.serving.api.service import (
     register,
 )
 from speakerd.serving.batching.batcher import Batcher, DrainReport
-from speakerd.serving.devices.device_pool import SLOTS_PER_DEVICE, DevicePool, OnLost, PoolConfig
-from speakerd.serving.devices.shared_slots import SHM_DIR, SlotLayout, shared_memory_free
+from speakerd.serving.devices.device_pool import DevicePool, OnLost, PoolConfig, shared_bytes_per_device
+from speakerd.serving.devices.shared_slots import SHM_DIR, shared_memory_free
 from speakerd.serving.diarization.service import SERVICE_NAME as DIARIZATION_SERVICE
 from speakerd.serving.diarization.service import DiarizationService
 from speakerd.serving.diarization.service import register as register_diarization
@@ -210,11 +210,11 @@ def preflight(settings: config.ServeConfig) -> Prepared:
 
 
 def _check_shared_memory(devices: int, max_batch: int, receivers: int) -> None:
-    """The batch slots of `devices` workers and the request slots of `receivers` must fit in
+    """The batch and audio slots of `devices` workers and the request slots of `receivers` must fit in
     /dev/shm: past its end a write is a SIGBUS that kills the writer mid-batch, so a small
     one is a usage error now."""
     needs = {
-        "--devices": devices * SLOTS_PER_DEVICE * SlotLayout(max_batch).nbytes,
+        "--devices": devices * shared_bytes_per_device(max_batch),
         "--receivers": receivers * SLOTS_PER_RECEIVER * SLOT_BYTES,
     }
     needed = sum(needs.values())

@@ -1,0 +1,97 @@
+"""The worker's side of remote recordings (remote_recording.py): the recordings whose home is
+this device, each a decoder over its engine's own FbankSource.
+
+A GPU engine's source takes raw PCM and decodes, resamples and computes the fbank on the
+GPU (engine/gpu/recording.py); a CPU engine's (the stand-in in tests) decodes on this
+process's host. Either way the decoding is `RecordingDecoder`'s, as in the server with one
+engine, so a recording's windows are the same bits whichever process computed them.
+
+Ops arrive in order on one thread (`apply`); batches read windows from other threads
+(`windows`). An op for a recording not open (the call ended and its `close` overtook a
+batch) raises RecordingGone: the batch's requests have left, and the device is fine.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from speakerd.engine.base import Engine
+from speakerd.model.recording import Encoding, FbankSource, RecordingDecoder
+from speakerd.serving.devices.shared_slots import AudioSlot
+
+
+class RecordingGone(LookupError):
+    """An op or a batch named a recording this worker does not hold (any more)."""
+
+
+@dataclass
+class _Recording:
+    source: FbankSource
+    decoder: RecordingDecoder | None  # None: 16 kHz samples pushed as they are
+
+
+class WorkerRecordings:
+    """Recordings open on this worker's engine, by the server's recording number."""
+
+    def __init__(self, engine: Engine, audio: list[AudioSlot]) -> None:
+        self.engine = engine
+        self.audio = audio
+        self._open: dict[int, _Recording] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def apply(self, op: str, recording: int, args: tuple[Any, ...], slot: int | None, nbytes: int) -> Any:
+        """One op of remote_recording.py's protocol; its answer (InputError for bad audio)."""
+        if op == "open":
+            step, pcm = args
+            source = self.engine.fbank_source(step)
+            decoder = None
+            if pcm is not None:
+                decoder = RecordingDecoder(
+                    pcm.sample_rate, pcm.channels, Encoding[pcm.encoding], source=source, step=step
+                )
+            with self._lock:
+                self._open[recording] = _Recording(source, decoder)
+            return None
+        entry = self._get(recording)
+        if op == "pcm":
+            assert entry.decoder is not None and slot is not None, "pcm before open with a format"
+            entry.decoder.push(self.audio[slot].buf[:nbytes])
+            return entry.source.ready()
+        if op == "samples":
+            assert slot is not None
+            samples = np.frombuffer(self.audio[slot].buf[:nbytes], dtype=np.float32).copy()
+            entry.source.push(samples)
+            return entry.source.ready()
+        if op == "finish":
+            return entry.decoder.finish() if entry.decoder is not None else entry.source.finish()
+        if op == "rows":
+            assert slot is not None
+            first, last = args
+            rows = np.ascontiguousarray(np.asarray(entry.source.windows(first, last)), dtype=np.float32)
+            view = np.frombuffer(self.audio[slot].buf, dtype=np.uint8, count=rows.nbytes)
+            view[:] = rows.reshape(-1).view(np.uint8)
+            return rows.nbytes
+        raise ValueError(f"recording op {op!r}: expected open, pcm, samples, finish or rows")
+
+    def windows(self, recording: int, start: int, stop: int) -> Any:
+        """Windows [start, stop) of an open recording, as its source gives them (device rows
+        on a GPU, host rows on a CPU engine), for a batch."""
+        return self._get(recording).source.windows(start, stop)
+
+    def close(self, recording: int) -> None:
+        with self._lock:
+            self._open.pop(recording, None)
+
+    def _get(self, recording: int) -> _Recording:
+        with self._lock:
+            entry = self._open.get(recording)
+        if entry is None:
+            raise RecordingGone(f"recording {recording} is not open on this device (its call ended)")
+        return entry
