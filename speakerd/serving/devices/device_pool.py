@@ -55,7 +55,7 @@ from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.batching.queue import NoDevice
 from speakerd.serving.devices.device_table import DeviceTable, Lease
 from speakerd.serving.devices.device_worker import WorkerInfo, WorkerSpec, visible_gpu, worker_main
-from speakerd.serving.devices.remote_recording import RecordingFailed, RemoteFrames, RemoteWindows
+from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed, RemoteFrames, RemoteWindows
 from speakerd.serving.devices.shared_slots import AUDIO_SLOT_BYTES, AudioSlot, SharedSlot, SlotLayout
 from speakerd.serving.observability.metrics import Metrics
 
@@ -155,7 +155,13 @@ class DevicePool(Engine):
     """An Engine over one worker process per device (module docstring). `start` builds every
     device's engine (blocking, seconds to a minute); then `run_batch` is thread-safe."""
 
-    def __init__(self, config: PoolConfig, metrics: Metrics, on_lost: OnLost | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        metrics: Metrics,
+        on_lost: OnLost | None = None,
+        audio_bytes: int = AUDIO_SLOT_BYTES,
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.on_lost = on_lost
@@ -170,8 +176,11 @@ class DevicePool(Engine):
         self._audio: dict[int, list[AudioSlot]] = {}
         self._closing = False
         self._sequence = 0  # numbers recording ops, for their answers
-        #: bytes one recording op carries (remote_recording.RecordingLink)
-        self.audio_bytes = AUDIO_SLOT_BYTES
+        #: bytes one recording op carries (remote_recording.RecordingLink): at least one
+        #: window's fbank row, the unit a host copy of windows comes back in
+        self.audio_bytes = audio_bytes
+        if audio_bytes < ROW_BYTES:
+            raise ValueError(f"audio_bytes: {audio_bytes}, expected at least one fbank row ({ROW_BYTES})")
 
     # --- start --------------------------------------------------------------------------
 
@@ -191,6 +200,11 @@ class DevicePool(Engine):
     def in_flight(self, device: int) -> int:
         with self._changed:
             return self._table.in_flight(device)
+
+    def recordings(self, device: int) -> int:
+        """Recordings open with `device` as their home."""
+        with self._changed:
+            return self._table.recordings(device)
 
     def pid(self, device: int) -> int:
         """The worker process of `device` (for operators' logs and the tests)."""
@@ -216,7 +230,10 @@ class DevicePool(Engine):
             for spec in worker_specs(self.config, names, audio_names):
                 ours, theirs = context.Pipe(duplex=True)
                 name = f"speakerd-device-{spec.device}"
-                process = context.Process(target=worker_main, args=(spec, theirs), name=name, daemon=True)
+                # not a daemon: a GPU engine's first start times cuDNN plans in processes of
+                # its own (engine/gpu/tuning_pool.py), which a daemonic process may not start;
+                # a worker still ends with the server (close(), or its parent watch)
+                process = context.Process(target=worker_main, args=(spec, theirs), name=name, daemon=False)
                 process.start()
                 theirs.close()  # ours alone now: its recv sees EOF when the worker dies
                 self._workers[spec.device] = _Worker(

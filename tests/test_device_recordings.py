@@ -1,0 +1,189 @@
+"""A recording's audio on its home device with `serve --devices` (serving/devices/
+remote_recording.py, worker_recordings.py), on two CPU worker processes standing in for GPUs.
+
+What is checked, on real workers, shared memory and pipes:
+- recordings are spread by the recordings each device holds, and each closes its place;
+- samples and raw PCM sent in audio slots of a few hundred KiB give the windows the host
+  computes from the same audio, bit for bit, copied back through the slots;
+- a batch naming a recording's windows runs on its home device and gives the rows the same
+  windows give from the host;
+- bad audio is the worker's InputError naming `audio`, and the device serves on;
+- a home device killed: its recordings fail with RecordingFailed (UNAVAILABLE, retry), the
+  next recording goes to the device left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from speakerd.model.fbank import STEP_SAMPLES
+from speakerd.model.inputs import InputError
+from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
+from speakerd.model.recording import Encoding, RecordingDecoder, SharedFrames
+from speakerd.serving.devices.device_pool import DevicePool, PoolConfig
+from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed
+from speakerd.serving.observability.metrics import Metrics
+
+pytestmark = pytest.mark.slow  # two CPU worker processes: seconds of 2 cores
+
+#: Audio slots of two fbank rows: a 25 s recording's samples take 4 slots, its PCM at
+#: 48 kHz stereo 19, and a host copy of its windows 10: every op is split, as an hour's are.
+AUDIO_BYTES = 2 * ROW_BYTES
+#: 25.3 s of audio: 17 windows at 1 s steps, the last one (from 16 s) zero-padded.
+SECONDS = 25.3
+WINDOWS = 17
+PLAN = 2
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def pool(weights_path):
+    config = PoolConfig("cpu", str(weights_path), Math.FP32, (PLAN,), (0, 1))
+    pool = DevicePool(config, Metrics(), audio_bytes=AUDIO_BYTES)
+    pool.start()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def audio() -> np.ndarray:
+    rng = np.random.default_rng(54)
+    t = np.arange(int(SECONDS * 16_000)) / 16_000
+    tone = 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 0.3 * t))
+    return (tone + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
+
+
+def host_windows(audio: np.ndarray) -> np.ndarray:
+    source = SharedFrames(STEP_SAMPLES)
+    source.push(audio)
+    return source.windows(0, source.finish())
+
+
+def test_workers_may_start_processes_of_their_own(pool: DevicePool) -> None:
+    """A GPU worker's engine times its first start's cuDNN plans in processes it starts
+    (engine/gpu/tuning_pool.py); a daemonic worker may not, and failed its start on an H100
+    ("daemonic processes are not allowed to have children")."""
+    daemonic = {device: worker.process.daemon for device, worker in pool._workers.items()}
+    assert daemonic == {0: False, 1: False}, daemonic
+
+
+def test_recordings_are_spread_and_each_closes_its_place(pool: DevicePool) -> None:
+    first, second, third = (pool.fbank_source(STEP_SAMPLES) for _ in range(3))
+    assert [first.pool_device, second.pool_device, third.pool_device] == [0, 1, 0]
+    assert [pool.recordings(0), pool.recordings(1)] == [2, 1]
+    first.close()
+    first.close()  # idempotent: the place is given back once
+    third.close()
+    second.close()
+    assert [pool.recordings(0), pool.recordings(1)] == [0, 0]
+
+
+def test_samples_in_slots_give_the_hosts_windows_bit_for_bit(pool: DevicePool, audio: np.ndarray) -> None:
+    source = pool.fbank_source(STEP_SAMPLES)
+    try:
+        for piece in np.array_split(audio, 7):  # pieces that cut windows and slots anywhere
+            source.push(piece)
+        windows = source.finish()
+        expected = host_windows(audio)
+        assert windows == expected.shape[0] == WINDOWS, (windows, expected.shape)
+        served = np.asarray(source.windows(0, windows))  # back through the slots, 2 rows a time
+        assert served.dtype == np.float32 and np.array_equal(served, expected), np.abs(
+            served - expected
+        ).max()
+        assert np.array_equal(np.asarray(source.windows(3, 8)[1:4]), expected[4:7]), "slices name their rows"
+    finally:
+        source.close()
+
+
+def test_raw_pcm_is_decoded_in_the_worker_as_on_the_host(pool: DevicePool, audio: np.ndarray) -> None:
+    rate, channels = 48_000, 2
+    stereo = np.repeat(np.interp(np.arange(len(audio) * 3) / 3, np.arange(len(audio)), audio), channels)
+    pcm = (stereo * 32767).astype("<i2").tobytes()
+    frame = 2 * channels
+    local = RecordingDecoder(rate, channels, Encoding.S16, SharedFrames(STEP_SAMPLES))
+    source = pool.fbank_source(STEP_SAMPLES)
+    remote = RecordingDecoder(rate, channels, Encoding.S16, source)  # hands it raw PCM (begin_pcm)
+    try:
+        for start in range(0, len(pcm), 123_457 * frame):  # the server's decoder keeps whole frames
+            piece = pcm[start : start + 123_457 * frame]
+            local.push(piece)
+            remote.push(piece)
+        assert source.ready() >= 1, "windows become ready while the audio arrives"
+        windows = remote.finish()
+        assert windows == local.finish()
+        assert np.array_equal(np.asarray(source.windows(0, windows)), local.source.windows(0, windows))
+    finally:
+        source.close()
+
+
+def test_a_batch_of_a_recordings_windows_runs_on_its_home(
+    pool: DevicePool, audio: np.ndarray, reference_cases
+) -> None:
+    masks = pad_speakers(reference_cases[-1].masks[:PLAN])
+    holder = pool.fbank_source(STEP_SAMPLES)  # device 0: the recording below goes to device 1
+    source = pool.fbank_source(STEP_SAMPLES)
+    try:
+        source.push(audio)
+        source.finish()
+        before = [pool.metrics.device_batches.labels(device=str(d))._value.get() for d in (0, 1)]
+        served = pool.run_batch([source.windows(5, 6), source.windows(6, 7)], [masks[:1], masks[1:]])
+        after = [pool.metrics.device_batches.labels(device=str(d))._value.get() for d in (0, 1)]
+        assert source.pool_device == 1 and [b - a for a, b in zip(before, after, strict=True)] == [0, 1]
+        from_host = pool.run_batch(host_windows(audio)[5:7], masks)
+        parity = compare(served.embeddings, from_host.embeddings)
+        print(f"\nrecording's windows named vs copied from the host: {parity}")
+        assert parity.within(BOUNDS[Math.FP32]), parity
+    finally:
+        source.close()
+        holder.close()
+
+
+def test_bad_audio_is_the_workers_input_error(pool: DevicePool) -> None:
+    source = pool.fbank_source(STEP_SAMPLES)
+    try:
+        decoder = RecordingDecoder(16_000, 1, Encoding.F32, source)
+        samples = np.zeros(16_000, dtype="<f4")
+        samples[100] = np.nan
+        with pytest.raises(InputError, match="audio") as raised:
+            decoder.push(samples.tobytes())
+        assert raised.value.field == "audio", raised.value
+    finally:
+        source.close()
+    again = pool.fbank_source(STEP_SAMPLES)
+    try:
+        again.push(np.zeros(16_000, dtype=np.float32))
+        assert again.finish() == 1, "the device serves the next recording"
+    finally:
+        again.close()
+
+
+def test_a_recordings_home_lost_fails_it_and_the_next_goes_elsewhere(
+    pool: DevicePool, audio: np.ndarray
+) -> None:
+    """Last in this module: it kills device 0's worker."""
+    source = pool.fbank_source(STEP_SAMPLES)
+    assert source.pool_device == 0
+    source.push(audio[:160_000])
+    masks = np.ones((1, 3, 589), dtype=np.float32)
+    os.kill(pool.pid(0), signal.SIGKILL)
+    deadline = time.monotonic() + WAIT_S
+    while 0 in pool.live_devices and time.monotonic() < deadline:
+        time.sleep(0.02)
+    message = "device 0, which held this recording's audio, failed; retry the call"
+    with pytest.raises(RecordingFailed, match=message):
+        source.push(audio[160_000:])
+    with pytest.raises(RecordingFailed, match=message):
+        pool.run_batch(source.windows(0, 1), masks)
+    source.close()
+    after = pool.fbank_source(STEP_SAMPLES)
+    try:
+        assert after.pool_device == 1
+        after.push(audio)
+        assert after.finish() == WINDOWS
+    finally:
+        after.close()
