@@ -187,3 +187,12 @@ def test_a_recordings_home_lost_fails_it_and_the_next_goes_elsewhere(
         assert after.finish() == WINDOWS
     finally:
         after.close()
+
+
+def test_a_lost_home_is_answered_unavailable_for_the_client_to_retry() -> None:
+    import grpc
+
+    from speakerd.serving.api.errors import batcher_rejection
+
+    rejection = batcher_rejection(RecordingFailed("device 1, which held this recording's audio, failed"))
+    assert (rejection.code, rejection.reason) == (grpc.StatusCode.UNAVAILABLE, "no_device"), rejection

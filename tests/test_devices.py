@@ -5,6 +5,7 @@ as GPUs, less the CUDA_VISIBLE_DEVICES each GPU worker sets).
 What is checked, on real worker processes, shared memory and pipes:
 - SERVING only after every device's engine passed its self-check;
 - a request spread over both devices gets its rows back in its own order;
+- a recording's batches all run on its home device, with the rows of its windows as chunks;
 - a worker killed mid-load: every request still gets correct embeddings (its batches in
   flight re-ran on the other device), the failure is counted and logged, and the server
   keeps SERVING; with the last device gone, NOT_SERVING and UNAVAILABLE;
@@ -29,7 +30,10 @@ import pytest
 
 from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY
-from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS
+from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, SAMPLE_RATE
+from speakerd.model.audio import speaker_masks, synthetic_recording
+from speakerd.model.fbank import chunk_recording
+from speakerd.model.fbank import fbank as fbank_of
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
 from speakerd.serving.batching.queue import NoDevice
 from speakerd.serving.devices.device_pool import DevicePool, PoolConfig, shared_bytes_per_device
@@ -137,6 +141,24 @@ def test_load_reports_batches_per_device(server: ServerProcess, capsys) -> None:
     report = json.loads(capsys.readouterr().out)
     batches = report["device_batches"]
     assert sorted(batches) == ["0", "1"] and min(batches.values()) > 0, report
+
+
+def test_a_recording_runs_on_its_home_device_as_its_chunks_would(server: ServerProcess) -> None:
+    """EmbedRecording through `--devices`: the audio goes to one worker, which computes the
+    fbank, and every batch of the recording runs there; the rows are those of the same
+    windows sent as fbank chunks (EmbedChunks, the client's own fbank)."""
+    recording = synthetic_recording(seconds=14.0, seed=14)
+    chunks = chunk_recording(recording.samples)
+    masks = speaker_masks(recording, chunks.starts)
+    before = scrape(server)
+    with server.client() as client:
+        served = client.embed_recording(recording.samples, SAMPLE_RATE, masks, timeout_s=WAIT_S)
+        after = scrape(server)
+        as_chunks = client.embed(fbank_of(chunks.waveforms), masks, timeout_s=WAIT_S)
+    ran = {d: after[f"speakerd_device_batches_total{{device={d}}}"] - before.get(
+        f"speakerd_device_batches_total{{device={d}}}", 0.0) for d in (0, 1)}  # fmt: skip
+    assert sorted(ran.values())[0] == 0 and sorted(ran.values())[1] > 0, f"one home device: {ran}"
+    assert_within_fp32(served.embeddings, as_chunks.embeddings)
 
 
 def test_a_worker_killed_mid_load_loses_no_request(server: ServerProcess, expected) -> None:

@@ -127,8 +127,10 @@ BATCHER_CODES: dict[type[queue.BatcherError], grpc.StatusCode] = {
 
 
 def batcher_rejection(error: queue.BatcherError, prefix: str = "") -> Rejection:
-    """The answer to a request the batcher could not serve; `prefix` places it (windows)."""
-    code = BATCHER_CODES.get(type(error), grpc.StatusCode.INTERNAL)
+    """The answer to a request the batcher could not serve; `prefix` places it (windows).
+    A subclass is answered as its nearest listed base (a recording's lost device, NoDevice's)."""
+    listed = (BATCHER_CODES[kind] for kind in type(error).__mro__ if kind in BATCHER_CODES)
+    code = next(listed, grpc.StatusCode.INTERNAL)
     return Rejection(code, error.reason, prefix + str(error))
 
 
