@@ -8,8 +8,10 @@ What is checked, on real workers, shared memory and pipes:
 - a batch naming a recording's windows runs on its home device and gives the rows the same
   windows give from the host;
 - bad audio is the worker's InputError naming `audio`, and the device serves on;
+- the workers' segmentation gives the host's multilabel rows; a linkage a device cannot take
+  is MemoryError (the caller links on the host);
 - a home device killed: its recordings fail with RecordingFailed (UNAVAILABLE, retry), the
-  next recording goes to the device left.
+  next recording and the next segmentation go to the device left.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import time
 import numpy as np
 import pytest
 
+from speakerd.engine.cpu_segmenter import CpuSegmenter
 from speakerd.model.fbank import STEP_SAMPLES
 from speakerd.model.inputs import InputError
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
 from speakerd.model.recording import Encoding, RecordingDecoder, SharedFrames
+from speakerd.model.segmentation.weights import load_model
 from speakerd.serving.devices.device_pool import DevicePool, PoolConfig
+from speakerd.serving.devices.remote_compute import RemoteLinkage, RemoteSegmenter
 from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed
 from speakerd.serving.observability.metrics import Metrics
 
@@ -42,8 +47,10 @@ WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def pool(weights_path):
-    config = PoolConfig("cpu", str(weights_path), Math.FP32, (PLAN,), (0, 1))
+def pool(weights_path, segmentation_path):
+    config = PoolConfig(
+        "cpu", str(weights_path), Math.FP32, (PLAN,), (0, 1), segmentation=str(segmentation_path)
+    )
     pool = DevicePool(config, Metrics(), audio_bytes=AUDIO_BYTES)
     pool.start()
     yield pool
@@ -162,6 +169,29 @@ def test_bad_audio_is_the_workers_input_error(pool: DevicePool) -> None:
         again.close()
 
 
+def test_the_workers_segment_as_the_host_does(pool: DevicePool, audio: np.ndarray, segmentation_path) -> None:
+    """A segmenting call's groups of windows go to the workers' segmentation engines, the
+    least busy first; the multilabel rows are those of the same engine on the host."""
+    segmenter = pool.segmenter()
+    assert isinstance(segmenter, RemoteSegmenter) and segmenter.name == "devices/cpu-numpy", segmenter
+    host = CpuSegmenter(load_model(segmentation_path))
+    assert (segmenter.model_id, segmenter.max_windows) == (host.model_id, host.max_windows)
+    starts = np.arange(0, 4) * STEP_SAMPLES
+    served = segmenter.segment(audio, starts)
+    expected = host.segment(audio, starts)
+    assert served.multilabel.shape == (4, 589, 3) and served.multilabel.dtype == np.uint8
+    assert np.array_equal(served.multilabel, expected.multilabel)
+
+
+def test_a_linkage_a_device_cannot_take_is_linked_on_the_host(pool: DevicePool) -> None:
+    """CPU workers have no device linkage: the pool offers none, and a call sent anyway is
+    answered MemoryError, what a GPU without the memory answers, so the caller links on
+    the host."""
+    assert pool.centroid_linkage() is None
+    with pytest.raises(MemoryError, match="linkage does not take 10 rows"):
+        RemoteLinkage(pool, max_rows=100)(np.ones((10, 4)))
+
+
 def test_a_recordings_home_lost_fails_it_and_the_next_goes_elsewhere(
     pool: DevicePool, audio: np.ndarray
 ) -> None:
@@ -187,6 +217,11 @@ def test_a_recordings_home_lost_fails_it_and_the_next_goes_elsewhere(
         assert after.finish() == WINDOWS
     finally:
         after.close()
+    segmenter = pool.segmenter()
+    assert segmenter is not None
+    assert segmenter.segment(audio, np.zeros(1, dtype=np.int64)).multilabel.shape == (1, 589, 3), (
+        "segmentation holds no state: it goes to the device left"
+    )
 
 
 def test_a_lost_home_is_answered_unavailable_for_the_client_to_retry() -> None:

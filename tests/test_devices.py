@@ -6,6 +6,7 @@ What is checked, on real worker processes, shared memory and pipes:
 - SERVING only after every device's engine passed its self-check;
 - a request spread over both devices gets its rows back in its own order;
 - a recording's batches all run on its home device, with the rows of its windows as chunks;
+- a segmenting recording is segmented by the workers' segmentation engines;
 - a worker killed mid-load: every request still gets correct embeddings (its batches in
   flight re-ran on the other device), the failure is counted and logged, and the server
   keeps SERVING; with the last device gone, NOT_SERVING and UNAVAILABLE;
@@ -155,10 +156,26 @@ def test_a_recording_runs_on_its_home_device_as_its_chunks_would(server: ServerP
         served = client.embed_recording(recording.samples, SAMPLE_RATE, masks, timeout_s=WAIT_S)
         after = scrape(server)
         as_chunks = client.embed(fbank_of(chunks.waveforms), masks, timeout_s=WAIT_S)
-    ran = {d: after[f"speakerd_device_batches_total{{device={d}}}"] - before.get(
-        f"speakerd_device_batches_total{{device={d}}}", 0.0) for d in (0, 1)}  # fmt: skip
+    counter = "speakerd_device_batches_total{{device={}}}"
+    ran = {d: after.get(counter.format(d), 0.0) - before.get(counter.format(d), 0.0) for d in (0, 1)}
     assert sorted(ran.values())[0] == 0 and sorted(ran.values())[1] > 0, f"one home device: {ran}"
     assert_within_fp32(served.embeddings, as_chunks.embeddings)
+
+
+def test_a_segmenting_recording_is_segmented_by_the_workers(server: ServerProcess) -> None:
+    """`segment` through `--devices`: each worker built the segmentation model beside its
+    engine and the server's segmentation calls go to them; the rows pooled under the served
+    segmentation are those the same masks give when the client sends them."""
+    for device in (0, 1):
+        built = f"device {device} speakerd.serving.devices.device_worker: segmentation model"
+        assert server.index_of(built) >= 0, server.log()
+    recording = synthetic_recording(seconds=14.0, seed=15)
+    with server.client() as client:
+        segmented = client.embed_recording(recording.samples, SAMPLE_RATE, None, timeout_s=WAIT_S)
+        masks = np.ascontiguousarray(segmented.segmentation.transpose(0, 2, 1), dtype=np.float32)
+        given = client.embed_recording(recording.samples, SAMPLE_RATE, masks, timeout_s=WAIT_S)
+    assert segmented.segmentation.shape == (5, 589, 3), segmented.segmentation.shape
+    assert_within_fp32(segmented.embeddings, given.embeddings)
 
 
 def test_a_worker_killed_mid_load_loses_no_request(server: ServerProcess, expected) -> None:

@@ -26,9 +26,13 @@ the home device, and `run_batch` sends such a batch to that device with the wind
 not copied. When the home device is taken out, its recordings fail with RecordingFailed
 (UNAVAILABLE: their audio was there); other calls serve on.
 
+The segmentation (a call with `segment`, Diarize) and Diarize's centroid linkage run on the
+workers too (remote_compute.py: `segmenter`, `centroid_linkage`), each call on the device
+with the fewest waiting, again elsewhere if that one is lost.
+
 What the pool does not do: a waveform chunk's fbank (EmbedChunks' waveform input) is
-computed on the server's host (the Engine default), and a segmenting call's segmentation
-runs on the server's CPU segmenter (serving/server/serve.py).
+computed on the server's host (the Engine default), and a segmenting call's audio is decoded
+on the server's host, as with one engine in process (the segmentation needs its samples).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, device_of
+from speakerd.engine.segmenter import Segmenter
 from speakerd.model.architecture import FRAMES, MEL_BINS, TRUNK_FRAMES
 from speakerd.model.inputs import InputError
 from speakerd.model.numerics import Math, resize_masks
@@ -55,6 +60,7 @@ from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.batching.queue import NoDevice
 from speakerd.serving.devices.device_table import DeviceTable, Lease
 from speakerd.serving.devices.device_worker import WorkerInfo, WorkerSpec, visible_gpu, worker_main
+from speakerd.serving.devices.remote_compute import RemoteLinkage, RemoteSegmenter
 from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed, RemoteFrames, RemoteWindows
 from speakerd.serving.devices.shared_slots import AUDIO_SLOT_BYTES, AudioSlot, SharedSlot, SlotLayout
 from speakerd.serving.observability.metrics import Metrics
@@ -102,6 +108,9 @@ class PoolConfig:
     log_level: str = "INFO"
     #: --cpu-threads: each CPU worker's threads; 0 splits the cores between the workers
     cpu_threads: int = 0
+    #: the segmentation model's safetensors: every worker builds it beside its engine and
+    #: the server's segmenter is theirs (remote_compute.py); None: no worker segments
+    segmentation: str | None = None
     #: Tests only: device -> the batches (1-based, as its worker counts them) on which its
     #: engine raises (WorkerSpec.fail_batches).
     fail_batches: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -117,7 +126,7 @@ class _Worker:
     info: WorkerInfo | None = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     pending: dict[int, Future[tuple[str, Any]]] = field(default_factory=dict)
-    #: audio slot numbers free; recording ops waiting for their answer, by sequence number
+    #: audio slot numbers free; ops waiting for their answer, by sequence number
     audio_free: list[int] = field(default_factory=list)
     answers: dict[int, Future[tuple[Any, ...]]] = field(default_factory=dict)
 
@@ -146,6 +155,7 @@ def worker_specs(
                 cpu_threads=None if gpu else config.cpu_threads or max(1, cores // len(config.devices)),
                 fail_batches=config.fail_batches.get(device, ()),
                 audio_slot_names=tuple((audio_names or {}).get(device, ())),
+                segmentation=config.segmentation,
             )
         )
     return specs
@@ -408,18 +418,17 @@ class DevicePool(Engine):
         return kind, replace(payload, embeddings=embeddings)
 
     def _read(self, worker: _Worker) -> None:
-        """A worker's replies, to the batch or recording op waiting for each; on EOF the
-        worker is gone."""
+        """A worker's replies, to the batch or op waiting for each; on EOF the worker is gone."""
         while True:
             try:
                 kind, key, payload = worker.conn.recv()
             except (EOFError, OSError):
                 break
             with self._changed:
-                waiting = worker.pending if kind != "rec" else worker.answers
+                waiting = worker.pending if kind != "op" else worker.answers
                 future = waiting.pop(key, None)
             if future is not None:
-                future.set_result((kind, payload) if kind != "rec" else payload)
+                future.set_result((kind, payload) if kind != "op" else payload)
         if not self._closing:
             worker.process.join(TERMINATE_WAIT_S)
             self._take_out(worker.device, f"its worker process exited (exit code {worker.process.exitcode})")
@@ -447,7 +456,6 @@ class DevicePool(Engine):
         the answer (RemoteFrames says what each op answers). RecordingFailed when the device
         is or goes out; InputError when the worker found the audio bad."""
         worker = self._workers[device]
-        future: Future[tuple[Any, ...]] = Future()
         with self._changed:
             while True:
                 if self._closing or not self._table.is_up(device):
@@ -456,34 +464,77 @@ class DevicePool(Engine):
                     slot = worker.audio_free.pop()
                     break
                 self._changed.wait()
-            self._sequence += 1
-            sequence = self._sequence
-            worker.answers[sequence] = future
         try:
             size = 0 if data is None else len(data)
             if data is not None:
                 worker.audio[slot].buf[:size] = data
             try:
-                with worker.send_lock:
-                    worker.conn.send(("rec", sequence, op, recording, args, slot, size))
-            except OSError:  # the worker is gone; its reader takes the device out
-                raise RecordingFailed(self._lost_message(device)) from None
-            try:
-                answer = future.result()
+                answer = self._exchange(worker, op, recording, args, slot, size)
             except _DeviceLost:
                 raise RecordingFailed(self._lost_message(device)) from None
             if answer[0] == "ok" and op == "rows":
                 return bytes(worker.audio[slot].buf[: answer[1]])
         finally:
             with self._changed:
-                worker.answers.pop(sequence, None)
                 worker.audio_free.append(slot)
                 self._changed.notify_all()
-        if answer[0] == "ok":
-            return answer[1]
-        if answer[0] == "input":
-            raise InputError(answer[1], answer[2])
-        raise RuntimeError(f"device {device}: recording {op}: {answer[1]}")
+        return _answered(device, op, answer)
+
+    def _exchange(
+        self, worker: _Worker, op: str, recording: int, args: tuple[Any, ...], slot: int | None, size: int
+    ) -> tuple[Any, ...]:
+        """Send one op to `worker` and wait for its answer; _DeviceLost when it is gone."""
+        future: Future[tuple[Any, ...]] = Future()
+        with self._changed:
+            if self._closing or not self._table.is_up(worker.device):
+                raise _DeviceLost
+            self._sequence += 1
+            sequence = self._sequence
+            worker.answers[sequence] = future
+        try:
+            try:
+                with worker.send_lock:
+                    worker.conn.send(("op", sequence, op, recording, args, slot, size))
+            except OSError:  # the worker is gone; its reader takes the device out
+                raise _DeviceLost from None
+            return future.result()
+        finally:
+            with self._changed:
+                worker.answers.pop(sequence, None)
+
+    # --- segmentation and linkage (remote_compute.ComputeLink) --------------------------
+
+    def ask(self, op: str, args: tuple[Any, ...]) -> Any:
+        """`op` on the live device with the fewest ops waiting (ties: the lowest index),
+        again on another when that one is lost; NoDevice when none is left."""
+        while True:
+            with self._changed:
+                live = [self._workers[device] for device in self._table.live]
+                if self._closing or not live:
+                    raise NoDevice("every device of --devices failed; this replica is NOT_SERVING")
+                worker = min(live, key=lambda w: (len(w.answers), w.device))
+            try:
+                answer = self._exchange(worker, op, 0, args, None, 0)
+            except _DeviceLost:
+                continue
+            return _answered(worker.device, op, answer)
+
+    def segmenter(self) -> Segmenter | None:
+        """The workers' segmentation engine (remote_compute.py), when they built one."""
+        infos = [worker.info for worker in self._workers.values() if worker.info is not None]
+        if not infos or any(info.segmenter is None for info in infos):
+            return None
+        built = [info.segmenter for info in infos if info.segmenter is not None]
+        name, model_id, _ = built[0]
+        return RemoteSegmenter(self, name, model_id, min(windows for _, _, windows in built))
+
+    def centroid_linkage(self) -> RemoteLinkage | None:
+        """The clustering's linkage on the workers' GPUs, when every one has it (the CPU
+        engine's workers have none: the server merges on its host)."""
+        rows = [worker.info.linkage_rows for worker in self._workers.values() if worker.info is not None]
+        if not rows or min(rows) < 2:
+            return None
+        return RemoteLinkage(self, min(rows))
 
     def forget(self, device: int, recording: int) -> None:
         """The recording ended: its home counts one fewer, its worker drops it."""
@@ -495,7 +546,7 @@ class DevicePool(Engine):
             return
         try:
             with worker.send_lock:
-                worker.conn.send(("rec", None, "close", recording, (), None, 0))
+                worker.conn.send(("op", None, "close", recording, (), None, 0))
         except (OSError, ValueError):  # gone, or the pool closed: nothing left to drop
             pass
 
@@ -546,6 +597,21 @@ class DevicePool(Engine):
         for device_audio in self._audio.values():
             for audio in device_audio:
                 audio.close()
+
+
+def _answered(device: int, op: str, answer: tuple[Any, ...]) -> Any:
+    """A worker's answer to an op: its value, or the error it stands for (device_worker.py
+    lists them: bad audio, a linkage without the memory or with non-finite rows)."""
+    kind = answer[0]
+    if kind == "ok":
+        return answer[1]
+    if kind == "input":
+        raise InputError(answer[1], answer[2])
+    if kind == "memory":
+        raise MemoryError(f"device {device}: {answer[1]}")
+    if kind == "value":
+        raise ValueError(answer[1])
+    raise RuntimeError(f"device {device}: {op}: {answer[1]}")
 
 
 def write_batch(slot: SharedSlot, inputs: BatchInputs) -> tuple[tuple[int, int, int, int], ...]:

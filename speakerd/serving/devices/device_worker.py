@@ -21,14 +21,18 @@ The pipe protocol, small pickled tuples only:
 - worker -> server: ("done", slot, BatchRun without embeddings) once `out` holds them,
   ("error", slot, message) when the engine raised, or ("gone", slot, message) when a named
   recording is not open any more (its call ended; the device is fine);
-- server -> worker: ("rec", seq, op, recording, args, audio slot or None, bytes) for a
-  recording's audio (worker_recordings.py), answered ("rec", seq, ("ok", answer)),
-  ("rec", seq, ("input", field, message)) for bad audio, or ("rec", seq, ("error", message));
-  seq None: no answer wanted (closing a recording).
+- server -> worker: ("op", seq, op, recording, args, audio slot or None, bytes): a
+  recording's audio (worker_recordings.py: open, pcm, samples, finish, rows, close), or
+  "segment" (args: samples, starts) and "link" (args: points) for remote_compute.py;
+  answered ("op", seq, ("ok", answer)), ("op", seq, ("input", field, message)) for bad
+  audio, ("op", seq, ("memory", message)) for a linkage the device has not the memory for,
+  ("op", seq, ("value", message)) for SciPy's ValueError (non-finite distances), or
+  ("op", seq, ("error", message)); seq None: no answer wanted (closing a recording).
 Batches run on PIPELINE_DEPTH threads, as in one process: one computes while the next are
 staged. Recording ops run in order on a thread of their own, so a recording's decoding
-never holds up the batches. The worker exits when the server says stop, when the pipe
-closes, or when its parent process is gone (even in the middle of building its engine).
+never holds up the batches; segmentation and linkage on COMPUTE_THREADS more. The worker
+exits when the server says stop, when the pipe closes, or when its parent process is gone
+(even in the middle of building its engine).
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from speakerd.engine.base import BatchRun, Engine
+from speakerd.engine.segmenter import Segmenter
 from speakerd.model.inputs import InputError
 from speakerd.serving.devices.shared_slots import AudioSlot, SharedSlot, SlotLayout
 from speakerd.serving.devices.worker_recordings import RecordingGone, WorkerRecordings
@@ -57,6 +63,9 @@ log = logging.getLogger(__name__)
 #: How often a worker checks that its server is still there: a server killed with SIGKILL
 #: cannot stop its workers, and a worker building an engine reads no pipe for half a minute.
 PARENT_CHECK_S = 1.0
+#: Threads for segmentation and linkage calls: two calls at once keep the device busy
+#: through each other's host steps, as the server's own segmentation threads do.
+COMPUTE_THREADS = 2
 _NO_ROWS = np.empty((0,), dtype=np.float32)
 
 
@@ -86,6 +95,9 @@ class WorkerSpec:
     fail_batches: tuple[int, ...] = ()
     #: the audio slots recordings whose home is this device send their bytes through
     audio_slot_names: tuple[str, ...] = ()
+    #: the segmentation model's safetensors (--segmentation-model, resolved), built beside
+    #: the engine on the same kind of device; None: this worker segments nothing
+    segmentation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,10 @@ class WorkerInfo:
     plan_times_ms: dict[int, float]
     memory: dict[str, int]
     pid: int
+    #: the segmentation engine built: (name, model id, most windows a call); None: none
+    segmenter: tuple[str, str, int] | None = None
+    #: the most rows its engine's centroid linkage takes (0: the engine has none)
+    linkage_rows: int = 0
 
 
 def visible_gpu(device: int, inherited: str | None) -> str:
@@ -126,10 +142,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     _exit_with_parent(os.getppid())
     try:
         engine = _build(spec)
+        segmenter = _build_segmenter(spec)
     except BaseException as error:  # reported to the server, which names the device
         log.exception("device %d: start-up failed", spec.device)
         conn.send(("failed", type(error).__name__, str(error)))
         return
+    linkage = engine.centroid_linkage()
     layout = SlotLayout(spec.max_batch)
     slots = [SharedSlot(layout, name) for name in spec.slot_names]
     audio = [AudioSlot(name=name) for name in spec.audio_slot_names]
@@ -137,11 +155,20 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     report = getattr(engine, "memory_report", None)
     memory = {str(kind): int(size) for kind, size in dict(report() if callable(report) else {}).items()}
     info = WorkerInfo(
-        engine.name, engine.model_id, str(engine.math), engine.plan_sizes, times, memory, os.getpid()
+        engine.name,
+        engine.model_id,
+        str(engine.math),
+        engine.plan_sizes,
+        times,
+        memory,
+        os.getpid(),
+        None if segmenter is None else (segmenter.name, segmenter.model_id, segmenter.max_windows),
+        0 if linkage is None else int(linkage.max_rows),
     )
     heap.freeze_long_lived()  # a full collection would stop this engine's threads too (heap.py)
     conn.send(("ready", info))
-    _serve(spec, engine, slots, WorkerRecordings(engine, audio), conn)
+    compute = _Compute(segmenter, linkage)
+    _serve(spec, engine, slots, WorkerRecordings(engine, audio), compute, conn)
     os._exit(0)  # batches still running are native code: do not join their threads
 
 
@@ -192,8 +219,52 @@ def batch_pieces(
     return pieces
 
 
+def _build_segmenter(spec: WorkerSpec) -> Segmenter | None:
+    """The segmentation engine beside the embedding engine (its kind), when asked for."""
+    if spec.segmentation is None:
+        return None
+    from speakerd.engine.factory import create_segmenter
+    from speakerd.model.segmentation.weights import load_model
+
+    segmenter = create_segmenter(load_model(spec.segmentation), Path(spec.segmentation), spec.kind)
+    log.info("segmentation model %s on %s, %d windows a run", segmenter.model_id[:16], segmenter.name,
+             segmenter.max_windows)  # fmt: skip
+    return segmenter
+
+
+@dataclass
+class _Compute:
+    """The worker's segmentation and linkage calls (remote_compute.py)."""
+
+    segmenter: Segmenter | None
+    linkage: Any  # the engine's DeviceLinkage, or None
+
+    def apply(self, op: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if op == "segment":
+            if self.segmenter is None:
+                return ("error", "this device was started without a segmentation model")
+            done = self.segmenter.segment(*args)
+            return ("ok", (done.multilabel, done.compute_s))
+        if op == "link":
+            (points,) = args
+            if self.linkage is None or not self.linkage.can_implement(int(points.shape[0])):
+                return ("memory", f"this device's linkage does not take {points.shape[0]} rows")
+            try:
+                return ("ok", self.linkage(points))
+            except MemoryError as error:
+                return ("memory", str(error))
+            except ValueError as error:  # SciPy's own message, which the caller re-raises
+                return ("value", str(error))
+        return ("error", f"op {op!r}: expected segment or link")
+
+
 def _serve(
-    spec: WorkerSpec, engine: Engine, slots: list[SharedSlot], recordings: WorkerRecordings, conn: Connection
+    spec: WorkerSpec,
+    engine: Engine,
+    slots: list[SharedSlot],
+    recordings: WorkerRecordings,
+    compute: _Compute,
+    conn: Connection,
 ) -> None:
     """Run batches and recording ops until told to stop or the pipe closes."""
     send_lock = threading.Lock()
@@ -219,24 +290,28 @@ def _serve(
             log.exception("device %d: engine error on a batch of %d chunks", spec.device, chunks)
             reply(("error", slot_index, f"{type(error).__name__}: {error}"))
 
-    def recording_op(seq: int | None, op: str, recording: int, args: tuple[Any, ...], slot: int | None,
-                     nbytes: int) -> None:  # fmt: skip
+    def operation(seq: int | None, op: str, recording: int, args: tuple[Any, ...], slot: int | None,
+                  nbytes: int) -> None:  # fmt: skip
         if op == "close":
             recordings.close(recording)
             return
         try:
-            answer: tuple[Any, ...] = ("ok", recordings.apply(op, recording, args, slot, nbytes))
+            if op in ("segment", "link"):
+                answer = compute.apply(op, args)
+            else:
+                answer = ("ok", recordings.apply(op, recording, args, slot, nbytes))
         except InputError as error:
             answer = ("input", error.field, error.message)
         except Exception as error:  # reported to the call, which answers it; the device serves on
-            log.exception("device %d: recording %d: %s failed", spec.device, recording, op)
+            log.exception("device %d: %s (recording %d) failed", spec.device, op, recording)
             answer = ("error", f"{type(error).__name__}: {error}")
-        reply(("rec", seq, answer))
+        reply(("op", seq, answer))
 
     # not a `with`: leaving it would join a batch still inside the engine (the caller exits
     # the process without waiting instead)
     pool = ThreadPoolExecutor(len(slots), thread_name_prefix=f"device-{spec.device}")
     audio = ThreadPoolExecutor(1, thread_name_prefix=f"device-{spec.device}-audio")  # ops in order
+    computing = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix=f"device-{spec.device}-compute")
     while True:
         try:
             message = conn.recv()
@@ -244,11 +319,12 @@ def _serve(
             break
         if message[0] == "stop":
             break
-        if message[0] == "rec":
-            audio.submit(recording_op, *message[1:])
+        if message[0] == "op":
+            executor = computing if message[2] in ("segment", "link") else audio
+            executor.submit(operation, *message[1:])
             continue
         _, slot_index, chunks, named = message
         received += 1
         pool.submit(run, slot_index, chunks, named, received in spec.fail_batches)
-    pool.shutdown(wait=False, cancel_futures=True)
-    audio.shutdown(wait=False, cancel_futures=True)
+    for executor in (pool, audio, computing):
+        executor.shutdown(wait=False, cancel_futures=True)

@@ -408,17 +408,19 @@ def build_all(
             else:
                 found = resolve_model(None, kind=SEGMENTATION)
                 weights = segmentation.load(found, None)
-        # with --devices the GPUs belong to the worker processes: this one segments on its CPU
-        kind = prepared.engine_kind if prepared.devices is None else "cpu"
-        # the segmenter's GPU work is never beside a plan being timed
-        beside = tuning.gpu_lock if tuning is not None else contextlib.nullcontext()
-        with phases.timed("segmentation"), beside:
-            segmenter = segmentation.build(weights, found.path, kind)
         if prepared.devices is None:
+            # the segmenter's GPU work is never beside a plan being timed
+            beside = tuning.gpu_lock if tuning is not None else contextlib.nullcontext()
+            with phases.timed("segmentation"), beside:
+                segmenter = segmentation.build(weights, found.path, prepared.engine_kind)
             engine = _build_engine(settings, prepared, resolved, phases, tuning)
         else:
+            # the GPUs belong to the worker processes: each builds the segmenter beside its
+            # engine, and this process's segmenter and linkage are theirs (remote_compute.py)
             with phases.timed("devices"):
-                engine = _start_pool(settings, prepared, resolved, metrics, on_lost)
+                pool = _start_pool(settings, prepared, resolved, found.path, metrics, on_lost)
+            engine, segmenter = pool, pool.segmenter()
+            assert segmenter is not None, "every worker was given the segmentation model"
         with phases.timed("clustering check"):
             clustering.wait()  # then the linkage and the frame loops load what the child compiled
             linker = diarization_linker(settings.linkage, engine)
@@ -437,9 +439,10 @@ def _start_pool(
     settings: config.ServeConfig,
     prepared: Prepared,
     resolved: ResolvedModel,
+    segmentation_path: Path,
     metrics: Metrics,
     on_lost: OnLost,
-) -> Engine:
+) -> DevicePool:
     """`--devices`: one worker process per device, each building its engine and passing the
     self-check; blocking until all have (DeviceStartFailed or SelfCheckFailed otherwise)."""
     assert prepared.devices is not None
@@ -453,6 +456,7 @@ def _start_pool(
         conv_kernels=settings.conv_kernels,
         log_level=settings.log_level,
         cpu_threads=settings.cpu_threads,
+        segmentation=str(segmentation_path),
     )
     pool = DevicePool(pool_config, metrics, on_lost)
     pool.start()
