@@ -65,7 +65,7 @@ def test_list_names_every_suite_with_its_budget_inside_a_device_call():
         ([], "name at least one suite"),
         (
             ["engine", "--engine", "cpu"],
-            "--engine cpu: only these suites run on the CPU engine: service, pyannote, startup",
+            "--engine cpu: only these suites run on the CPU engine: service, pyannote, startup, devices",
         ),
         (["service", "--runs", "0"], "--runs, --seconds and --budget-s must be positive"),
         (["service", "--math", "fp16,tf32"], "--math fp16,tf32: only the engine suite takes several maths"),
@@ -356,6 +356,30 @@ def test_startup_suite_starts_twice_on_one_cache_and_records_both(tmp_path):
     assert empty["cache_files"].get("numba", 0) > 0, empty["cache_files"]
     assert records[1]["anchors"][0]["value"] == records[0]["figure"]["value"]
     assert records[1]["anchors"][0]["command"] == records[0]["command"]
+
+
+@pytest.mark.slow
+def test_devices_suite_measures_a_worker_against_plain_serve_and_kills_it_under_load(tmp_path):
+    """On CPU workers: verify through the worker, the 32-chunk and recording loads each
+    against the plain server, then the worker SIGKILLed under load, every check in the
+    record (CI's 2 cores: the figures are not the point, the rows and the checks are)."""
+    out = tmp_path / "out"
+    done = suite("devices", "--engine", "cpu", "--out", str(out), timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = {r["name"]: r for r in map(json.loads, (out / "records.jsonl").read_text().splitlines())}
+    assert all(schema.validate(r) == [] for r in records.values()), records
+    assert records["verify fp32 devices=0"]["figure"]["value"] == 7, records["verify fp32 devices=0"]
+    for name in ("32-chunk requests, chunks/s fp32, --devices 0",
+                 "12 s of 16 kHz audio under the client's masks, p50 fp32, --devices 0"):  # fmt: skip
+        anchor = records[name]["anchors"][0]
+        assert anchor["name"] == "the same on plain serve (no --devices)" and anchor["ratio"] > 0, records[
+            name
+        ]
+        assert "--devices 0" in records[name]["detail"]["server"], records[name]["detail"]["server"]
+    killed = next(r for name, r in records.items() if "worker SIGKILLed under load" in name)
+    assert killed["ok"] and killed["figure"]["value"] == 0, killed["detail"]
+    assert all(killed["detail"]["checks"].values()) and killed["detail"]["errors"].get("UNAVAILABLE", 0) > 0
+    assert "device 0 taken out: its worker process exited" in killed["detail"]["log_line"]
 
 
 def test_diarize_suite_links_the_hours_rows_and_3_hours_worth_checked_against_scipy(tmp_path):

@@ -1,16 +1,12 @@
-"""The `service` and `devices` suites: servers verified and loaded with 32-chunk requests and
-hour-long recordings, each load against the engine's own speed (or one device's) in the same run."""
+"""The `service` suite: a server verified and loaded with 32-chunk requests and hour-long
+recordings, each load against the engine's own speed in the same run."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from speakerd.tools.suite.record import anchor, figure
 from speakerd.tools.suite.run import Context
 from speakerd.tools.suite.steps import (
     HOUR_S,
     engine_speed,
-    load,
     load_record,
     references,
     serving_math,
@@ -51,49 +47,3 @@ def service(ctx: Context) -> None:
             return
         name = f"load recording 2x{HOUR_S}s {math} receivers={receivers}"
         load_record(ctx, "load-recording", server, RECORDING_LOAD, 170, name, "windows/s", ceiling)
-
-
-def devices(ctx: Context) -> None:
-    if ctx.env.gpu_count < 2:
-        ctx.skip("devices", f"needs 2 GPUs or more, nvidia-smi lists {ctx.env.gpu_count}")
-        return
-    math = serving_math(ctx)
-    refs = references(ctx)
-    shape = f"--streams {LOAD_STREAMS} --chunks {LOAD_CHUNKS} --processes {LOAD_PROCESSES}"
-    flags = f"{shape} --seconds {ctx.options.seconds:g}".split()
-    speeds: dict[str, list[dict[str, Any]]] = {}
-    for devices_flag in ("0", "all"):
-        with ctx.server(
-            f"devices-{devices_flag}", ["--engine", "gpu", "--math", math, "--devices", devices_flag]
-        ) as server:
-            if devices_flag == "all":
-                verify_record(ctx, server, refs, math)
-            speeds[devices_flag] = [
-                load(ctx, f"load-devices-{devices_flag}-{run}", server, flags, ctx.options.seconds + 120)
-                for run in range(1, ctx.options.runs + 1)
-            ]
-            for result in speeds[devices_flag]:
-                result["server"] = server["command"]
-    one = speeds["0"]
-    baseline = sum(result["chunks_per_s"] for result in one) / len(one)
-    for index, result in enumerate(speeds["all"]):
-        fig = figure(result["chunks_per_s"], "chunks/s", "higher")
-        anchors = [
-            anchor(
-                "the same load on --devices 0 (mean)",
-                round(baseline, 1),
-                "chunks/s",
-                "higher",
-                fig,
-                one[0]["_command"],
-            )
-        ]
-        ctx.record(
-            f"load {LOAD_STREAMS}x{LOAD_CHUNKS} {math} devices=all ({ctx.env.gpu_count} GPUs)",
-            result.pop("_command"),
-            fig,
-            anchors,
-            detail={**result, "devices_0": [r["chunks_per_s"] for r in one]},
-            ok=bool(result.get("ok")),
-            headline=index == 0,
-        )

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from speakerd.tools.suite.devices import devices
 from speakerd.tools.suite.diarize import diarize
 from speakerd.tools.suite.engine import engine
 from speakerd.tools.suite.pyannote import pyannote
 from speakerd.tools.suite.recording import recording
 from speakerd.tools.suite.run import Context
-from speakerd.tools.suite.service import devices, service
+from speakerd.tools.suite.service import service
 from speakerd.tools.suite.startup import startup
 from speakerd.tools.suite.tests_gpu import tests_gpu
 
@@ -88,9 +89,12 @@ SUITES: dict[str, Suite] = {
         ),
         Suite(
             "devices",
-            "32-chunk load on `serve --devices all` against `--devices 0` (2 GPUs or more)",
+            "`serve --devices 0` against plain `serve` on one GPU: verify, 32-chunk load, an hour's "
+            "recording, its segmentation and Diarize, the worker killed under load; with 2 GPUs or "
+            "more `--devices all` against `--devices 0` (--engine cpu: CPU workers, no hour)",
             480,
             devices,
+            cpu_engine=True,
         ),
     )
 }
