@@ -1,8 +1,10 @@
 """fbank rows that stay on the device until an engine stages them (engine.base.DeviceFbank).
 
-Shared by a recording's windows (recording.py) and EmbedChunks' waveform chunks
-(waveform.py): an array-like of [rows, 998, 80] float32 that slices along its rows, writes
-itself into a device buffer (`write_device`) and copies to the host through `np.asarray`.
+Shared by a recording's windows (engine/gpu/recording.py) and EmbedChunks' waveform chunks
+(engine/gpu/waveform.py), and by `serve --devices`' windows that lie in a device worker
+(serving/devices/remote_recording.py): an array-like of [rows, 998, 80] float32 that slices
+along its rows and copies to the host through `np.asarray` (a GPU's rows also write
+themselves into a device buffer, `write_device`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ and the clustering has an hour of clean embeddings to link. The records:
   host's merges, and on the host, each checked equal to SciPy's linkage where SciPy ran
   (the hour) or to each other (3 h).
 
-Budget: a fresh H100's or H200's server start took 138-221 s (cuDNN's graphs built, not yet
-cached), the steps after it about 140 s, speakrs' two modes before it about 25 s.
+Budget: a fresh H100's server start took 36 s (nothing cached: cuDNN's plans timed in worker
+processes, docs/deployment.md), the steps after it about 100 s, speakrs' two modes before it
+about 25 s.
 """
 
 from __future__ import annotations
