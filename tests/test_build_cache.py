@@ -180,3 +180,72 @@ def test_a_start_that_does_not_know_its_model_yet_asks_for_any_model(tmp_path) -
     assert not cache.holds_any(dataclasses.replace(unknown, driver="590.1"), ignoring=("model_id",))
     (tmp_path / "broken.json").write_text("{not json")  # a corrupt entry says nothing
     assert cache.holds_any(unknown, ignoring=("model_id",))
+
+
+@pytest.mark.slow  # two CPU engines built and self-checked
+def test_a_cached_build_failing_the_self_check_is_dropped_and_built_afresh_once(
+    monkeypatch, folded_model, caplog
+) -> None:
+    """serve's engine start (serving/server/serve.py `_build_engine`): an engine built from
+    cached choices that fails the parity self-check has its cache entry removed and is built
+    again, without the cache, then checked; the new build's choices are kept. Here the cached
+    build is a CPU engine whose rows are all zeros (what a wrong cached plan could give)."""
+    import types
+
+    import numpy as np
+
+    from speakerd.engine.factory import create_engine
+    from speakerd.serving.server import serve
+    from speakerd.serving.server.phases import Phases
+
+    events: list[str] = []
+
+    class CachedAndWrong:
+        """A CPU engine built from 'cached choices' whose embeddings are wrong."""
+
+        def __init__(self, inner) -> None:
+            self.inner, self.built_from_cache = inner, True
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def run_batch(self, fbank, masks):
+            run = self.inner.run_batch(fbank, masks)
+            return dataclasses.replace(run, embeddings=np.zeros_like(run.embeddings))
+
+        def embed(self, fbank, masks):
+            result = self.inner.embed(fbank, masks)
+            return dataclasses.replace(result, embeddings=np.zeros_like(result.embeddings))
+
+        def forget_build(self) -> None:
+            events.append("forget cached")
+
+        def close(self) -> None:
+            events.append("close cached")
+
+    class Afresh:
+        def __init__(self, inner) -> None:
+            self.inner, self.built_from_cache = inner, False
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def keep_build(self) -> None:
+            events.append("keep afresh")
+
+    builds = iter([CachedAndWrong, Afresh])
+
+    def engine(settings, prepared, model, path, phases, tuning=None):
+        kind = next(builds)
+        events.append(f"build {kind.__name__}")
+        return kind(create_engine("cpu", model, "fp32", (1,)))
+
+    monkeypatch.setattr(serve, "_engine", engine)
+    prepared = types.SimpleNamespace(model=folded_model, engine_kind="cpu")
+    with caplog.at_level(logging.WARNING):
+        resolved = types.SimpleNamespace(path=None)
+        built = serve._build_engine(None, prepared, resolved, Phases())  # type: ignore[arg-type]
+    assert isinstance(built, Afresh), built
+    expected = ["build CachedAndWrong", "forget cached", "close cached", "build Afresh", "keep afresh"]
+    assert events == expected, events
+    assert "self-check failed on cached start-up choices" in caplog.text and "building afresh" in caplog.text
