@@ -185,9 +185,10 @@ class DevicePool(Engine):
         self._slots: dict[int, list[SharedSlot]] = {}
         self._audio: dict[int, list[AudioSlot]] = {}
         self._closing = False
-        self._sequence = 0  # numbers recording ops, for their answers
-        #: bytes one recording op carries (remote_recording.RecordingLink): at least one
-        #: window's fbank row, the unit a host copy of windows comes back in
+        self._sequence = 0  # numbers the ops sent to workers, for their answers
+        #: bytes of each audio slot, what one recording op carries (remote_recording.py's
+        #: RecordingLink; smaller in tests, to split every op): at least one window's fbank
+        #: row, the unit a host copy of windows comes back in
         self.audio_bytes = audio_bytes
         if audio_bytes < ROW_BYTES:
             raise ValueError(f"audio_bytes: {audio_bytes}, expected at least one fbank row ({ROW_BYTES})")
