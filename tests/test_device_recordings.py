@@ -83,11 +83,14 @@ def test_recordings_are_spread_and_each_closes_its_place(pool: DevicePool) -> No
     first, second, third = (pool.fbank_source(STEP_SAMPLES) for _ in range(3))
     assert [first.pool_device, second.pool_device, third.pool_device] == [0, 1, 0]
     assert [pool.recordings(0), pool.recordings(1)] == [2, 1]
+    gauge = [pool.metrics.device_recordings.labels(device=str(d))._value.get() for d in (0, 1)]
+    assert gauge == [2, 1], gauge
     first.close()
     first.close()  # idempotent: the place is given back once
     third.close()
     second.close()
     assert [pool.recordings(0), pool.recordings(1)] == [0, 0]
+    assert [pool.metrics.device_recordings.labels(device=str(d))._value.get() for d in (0, 1)] == [0, 0]
 
 
 def test_samples_in_slots_give_the_hosts_windows_bit_for_bit(pool: DevicePool, audio: np.ndarray) -> None:

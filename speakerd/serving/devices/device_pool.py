@@ -260,6 +260,7 @@ class DevicePool(Engine):
         for worker in self._workers.values():
             self.metrics.device_up.labels(device=str(worker.device)).set(1)
             self.metrics.device_inflight.labels(device=str(worker.device)).set(0)
+            self.metrics.device_recordings.labels(device=str(worker.device)).set(0)
             self.metrics.device_failures.labels(device=str(worker.device))  # a zero series from the start
             threading.Thread(target=self._read, args=(worker,), name=f"device-{worker.device}-replies",
                              daemon=True).start()  # fmt: skip
@@ -446,6 +447,8 @@ class DevicePool(Engine):
         none is up."""
         with self._changed:
             home = None if self._closing else self._table.home()
+            if home is not None:
+                self.metrics.device_recordings.labels(device=str(home)).set(self._table.recordings(home))
         if home is None:
             raise NoDevice("no device of --devices is serving; this replica is NOT_SERVING")
         return RemoteFrames(self, home, step)
@@ -541,6 +544,7 @@ class DevicePool(Engine):
         """The recording ended: its home counts one fewer, its worker drops it."""
         with self._changed:
             self._table.leave(device)
+            self.metrics.device_recordings.labels(device=str(device)).set(self._table.recordings(device))
             self._changed.notify_all()
         worker = self._workers.get(device)
         if worker is None:
@@ -563,6 +567,7 @@ class DevicePool(Engine):
         self.metrics.device_failures.labels(device=label).inc()
         self.metrics.device_up.labels(device=label).set(0)
         self.metrics.device_inflight.labels(device=label).set(0)
+        self.metrics.device_recordings.labels(device=label).set(0)
         log.error("device %d taken out: %s; its batches in flight re-run on the others; serving on %s",
                   device, why, f"devices {list(left)}" if left else "none: NOT_SERVING")  # fmt: skip
         process = self._workers[device].process

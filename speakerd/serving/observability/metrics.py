@@ -62,6 +62,7 @@ METRIC_NAMES = (
     "speakerd_gpu_memory_bytes",
     "speakerd_device_up",
     "speakerd_device_inflight_batches",
+    "speakerd_device_recordings",
     "speakerd_device_batches_total",
     "speakerd_device_batch_seconds",
     "speakerd_device_failures_total",
@@ -239,6 +240,9 @@ class Metrics:
         )
         self.device_inflight = per_device(
             Gauge, "speakerd_device_inflight_batches", "Plan runs handed to the device and not yet answered"
+        )
+        self.device_recordings = per_device(
+            Gauge, "speakerd_device_recordings", "Recordings whose audio and windows the device holds"
         )
         self.device_batches = per_device(
             Counter, "speakerd_device_batches_total", "Plan runs the device answered"
