@@ -153,6 +153,32 @@ def test_a_batch_of_a_recordings_windows_runs_on_its_home(
         holder.close()
 
 
+def test_a_batch_of_a_recording_that_ended_fails_alone(pool: DevicePool, audio: np.ndarray) -> None:
+    """A call that ended (its source closed) while one of its batches was still on the way:
+    the worker no longer holds the windows, so that batch fails, and only it: the device is
+    not taken out and the next recording is served."""
+    source = pool.fbank_source(STEP_SAMPLES)
+    source.push(audio[:160_000])
+    windows = source.windows(0, 1)
+    source.close()
+    # the close is applied in order with the device's other recording ops, and answers
+    # nothing: an op of another recording on the same device, answered, comes after it
+    flush = pool.fbank_source(STEP_SAMPLES)
+    assert flush.pool_device == source.pool_device
+    flush.push(audio[:16_000])
+    flush.close()
+    live = pool.live_devices
+    with pytest.raises(RuntimeError, match="is not open on this device"):
+        pool.run_batch(windows, np.ones((1, 3, 589), dtype=np.float32))
+    assert pool.live_devices == live
+    again = pool.fbank_source(STEP_SAMPLES)
+    try:
+        again.push(audio)
+        assert again.finish() == WINDOWS
+    finally:
+        again.close()
+
+
 def test_bad_audio_is_the_workers_input_error(pool: DevicePool) -> None:
     source = pool.fbank_source(STEP_SAMPLES)
     try:
