@@ -8,7 +8,9 @@ What is checked, on real workers, shared memory and pipes:
 - a batch naming a recording's windows runs on its home device and gives the rows the same
   windows give from the host;
 - bad audio is the worker's InputError naming `audio`, and the device serves on;
-- the workers' segmentation gives the host's multilabel rows; a linkage a device cannot take
+- the workers' segmentation gives the host's multilabel rows, from samples sent or (a
+  recording the server segments) from the samples its worker decoded and kept; a linkage a
+  device cannot take
   is MemoryError (the caller links on the host);
 - a home device killed: its recordings fail with RecordingFailed (UNAVAILABLE, retry), the
   next recording and the next segmentation go to the device left.
@@ -28,6 +30,7 @@ from speakerd.model.fbank import STEP_SAMPLES
 from speakerd.model.inputs import InputError
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
 from speakerd.model.recording import Encoding, RecordingDecoder, SharedFrames
+from speakerd.model.segmentation.samples import Segmentable, SegmentingSource
 from speakerd.model.segmentation.weights import load_model
 from speakerd.serving.devices.device_pool import DevicePool, PoolConfig
 from speakerd.serving.devices.remote_compute import RemoteLinkage, RemoteSegmenter
@@ -210,6 +213,46 @@ def test_the_workers_segment_as_the_host_does(pool: DevicePool, audio: np.ndarra
     expected = host.segment(audio, starts)
     assert served.multilabel.shape == (4, 589, 3) and served.multilabel.dtype == np.uint8
     assert np.array_equal(served.multilabel, expected.multilabel)
+
+
+def test_a_segmenting_recording_is_decoded_kept_and_segmented_in_its_worker(
+    pool: DevicePool, audio: np.ndarray, segmentation_path
+) -> None:
+    """A recording the server segments: its raw PCM goes to the worker, which decodes it,
+    keeps its samples for the segmenter and segments each group there; the windows, the
+    multilabel rows and the samples kept are those of the same audio on the host."""
+    pcm = (audio * 32767).astype("<i2").tobytes()
+    host_source = SegmentingSource(SharedFrames(STEP_SAMPLES), STEP_SAMPLES)
+    local = RecordingDecoder(16_000, 1, Encoding.S16, host_source)
+    source = pool.segmenting_source(STEP_SAMPLES)
+    remote = RecordingDecoder(16_000, 1, Encoding.S16, source)
+    segmenter, host = pool.segmenter(), CpuSegmenter(load_model(segmentation_path))
+    assert isinstance(source, Segmentable) and segmenter is not None
+    try:
+        for start in range(0, len(pcm), 2 * 70_001):
+            local.push(pcm[start : start + 2 * 70_001])
+            remote.push(pcm[start : start + 2 * 70_001])
+        assert source.segmentable() == host_source.segmentable() > 0
+        assert source.kept_samples == host_source.kept_samples > 0, "the worker keeps what the host would"
+        first, kept, starts = source.take(4)
+        _, samples, host_starts = host_source.take(4)
+        assert first == 0 and np.array_equal(starts, host_starts), (starts, host_starts)
+        served = segmenter.segment(kept, starts).multilabel
+        assert np.array_equal(served, host.segment(samples, host_starts).multilabel)
+        assert source.kept_samples == host_source.kept_samples, "the samples of segmented windows are let go"
+        windows = remote.finish()
+        assert windows == local.finish() == source.segmentable() == WINDOWS
+        rest = windows - 4
+        first, kept, starts = source.take(rest)
+        _, samples, host_starts = host_source.take(rest)
+        assert first == 4 and np.array_equal(starts[: rest - 1], host_starts[: rest - 1])
+        assert np.array_equal(
+            segmenter.segment(kept, starts).multilabel, host.segment(samples, host_starts).multilabel
+        )
+        assert np.array_equal(np.asarray(source.windows(0, windows)), host_source.windows(0, windows))
+        assert source.kept_samples == 0 == host_source.kept_samples
+    finally:
+        source.close()
 
 
 def test_a_linkage_a_device_cannot_take_is_linked_on_the_host(pool: DevicePool) -> None:

@@ -23,6 +23,7 @@ from speakerd.model.recording import FbankSource, SharedFrames
 
 if TYPE_CHECKING:  # the clustering's types; importing them would import numba and SciPy
     from speakerd.model.diarization.linkage import DeviceLinkage, SquareDistances
+    from speakerd.model.segmentation.samples import Segmentable
 
 
 @runtime_checkable
@@ -245,6 +246,13 @@ class Engine(abc.ABC):
         """Where a recording's fbank is computed for this engine (EmbedRecording): on the
         host by default; an engine with a device returns a source whose windows stay there."""
         return SharedFrames(step)
+
+    def segmenting_source(self, step: int) -> Segmentable | None:
+        """Where a recording the server segments keeps its samples and its fbank, when not
+        in the server's memory: None by default (the recording path wraps `fbank_source` in
+        a SegmentingSource); `serve --devices` keeps both in the recording's device worker,
+        which decodes the audio and segments it there."""
+        return None
 
     def plan_times_ms(self) -> dict[int, float]:
         """Measured wall time of one run of each plan, for the batcher's cost model."""

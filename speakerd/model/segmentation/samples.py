@@ -17,12 +17,28 @@ zero-padded to 10 s when the regular ones do not end at the last sample.
 from __future__ import annotations
 
 import threading
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from speakerd.model.fbank import chunk_starts
 from speakerd.model.recording import FbankSource, complete_windows
 from speakerd.model.segmentation.architecture import WINDOW_SAMPLES
+
+
+@runtime_checkable
+class Segmentable(Protocol):
+    """An FbankSource that keeps its recording's samples for the segmenter: this module's
+    SegmentingSource in the server's memory, or (`serve --devices`) one that keeps them in
+    the worker of the recording's device, whose `take` hands out what that device's
+    segmenter reads there (serving/devices/remote_recording.py)."""
+
+    @property
+    def kept_samples(self) -> int: ...
+
+    def segmentable(self) -> int: ...
+
+    def take(self, count: int) -> tuple[int, Any, np.ndarray]: ...
 
 
 class SegmentingSource:

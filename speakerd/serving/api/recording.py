@@ -80,7 +80,7 @@ from speakerd.model.recording import (
     window_starts_s,
 )
 from speakerd.model.resample import output_length
-from speakerd.model.segmentation.samples import SegmentingSource
+from speakerd.model.segmentation.samples import Segmentable, SegmentingSource
 from speakerd.serving.api.errors import Rejection, abort, batcher_rejection, cancellation, decode_stream
 from speakerd.serving.api.request_ids import RequestIdError, check_request_id, fresh_request_id
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH, Batcher, BatcherError, silent_windows
@@ -225,6 +225,15 @@ class RecordingService:
             return self.fbank_source(step)
         engine = self.host.engine
         return engine.fbank_source(step) if engine is not None else SharedFrames(step)
+
+    def segmenting_source_for(self, step: int) -> Segmentable | None:
+        """The engine's own source for a recording it segments (Engine.segmenting_source:
+        `serve --devices` keeps its samples in a device worker); None: a SegmentingSource
+        keeps them here."""
+        engine = self.host.engine
+        if self.fbank_source is not None or engine is None:
+            return None
+        return engine.segmenting_source(step)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -481,8 +490,12 @@ class _Call:
             raise Rejection(grpc.StatusCode.UNAVAILABLE, "not_ready", "the engine is still warming up")
 
         def source() -> FbankSource:
-            inner = self.service.source_for(self.step)
-            return SegmentingSource(inner, self.step) if self.segmenting else inner
+            if not self.segmenting:
+                return self.service.source_for(self.step)
+            kept = self.service.segmenting_source_for(self.step)  # where the engine segments
+            if kept is not None:
+                return kept
+            return SegmentingSource(self.service.source_for(self.step), self.step)
 
         # the source and decoder allocate device buffers: off the event loop
         self.decoder = await asyncio.get_running_loop().run_in_executor(
@@ -640,7 +653,7 @@ class _Call:
             return
         segmenter = self.host.segmenter
         source = self.decoder.source if self.decoder is not None else None
-        assert segmenter is not None and isinstance(source, SegmentingSource)
+        assert segmenter is not None and isinstance(source, Segmentable)
         loop = asyncio.get_running_loop()
         metrics = self.host.metrics
         while True:
@@ -671,7 +684,7 @@ class _Call:
         """Back-pressure: hold the reader while more than MAX_KEPT_WINDOW_GROUPS groups of
         windows' samples wait for the segmenter (it takes them as fast as it can)."""
         source, segmenter = self.decoder.source if self.decoder else None, self.host.segmenter
-        assert isinstance(source, SegmentingSource) and segmenter is not None
+        assert isinstance(source, Segmentable) and segmenter is not None
         bound = CHUNK_SAMPLES + MAX_KEPT_WINDOW_GROUPS * segmenter.max_windows * self.step
         while source.kept_samples > bound:
             self.segment_progress.clear()

@@ -445,44 +445,58 @@ class DevicePool(Engine):
     def fbank_source(self, step: int) -> RemoteFrames:
         """A recording's FbankSource on its home device (module docstring); NoDevice when
         none is up."""
+        return self._home_source(step, segmenting=False)
+
+    def segmenting_source(self, step: int) -> RemoteFrames:
+        """The same for a recording the server segments: decoded and kept in the worker,
+        segmented there (remote_recording.py)."""
+        return self._home_source(step, segmenting=True)
+
+    def _home_source(self, step: int, segmenting: bool) -> RemoteFrames:
         with self._changed:
             home = None if self._closing else self._table.home()
             if home is not None:
                 self.metrics.device_recordings.labels(device=str(home)).set(self._table.recordings(home))
         if home is None:
             raise NoDevice("no device of --devices is serving; this replica is NOT_SERVING")
-        return RemoteFrames(self, home, step)
+        return RemoteFrames(self, home, step, segmenting)
 
     def call(
         self, device: int, op: str, recording: int, args: tuple[Any, ...], data: memoryview | None
     ) -> Any:
-        """One recording op on `device`'s worker, `data` through one of its audio slots;
-        the answer (RemoteFrames says what each op answers). RecordingFailed when the device
-        is or goes out; InputError when the worker found the audio bad."""
+        """One recording op on `device`'s worker, `data` (or the rows it answers) through one
+        of its audio slots; the answer (RemoteFrames says what each op answers).
+        RecordingFailed when the device is or goes out; InputError when the worker found the
+        audio bad."""
         worker = self._workers[device]
-        with self._changed:
-            while True:
-                if self._closing or not self._table.is_up(device):
-                    raise RecordingFailed(self._lost_message(device))
-                if worker.audio_free:
-                    slot = worker.audio_free.pop()
-                    break
-                self._changed.wait()
+        slot = self._audio_slot(worker) if data is not None or op == "rows" else None
         try:
             size = 0 if data is None else len(data)
-            if data is not None:
+            if data is not None and slot is not None:
                 worker.audio[slot].buf[:size] = data
             try:
                 answer = self._exchange(worker, op, recording, args, slot, size)
             except _DeviceLost:
                 raise RecordingFailed(self._lost_message(device)) from None
-            if answer[0] == "ok" and op == "rows":
+            if answer[0] == "ok" and op == "rows" and slot is not None:
                 return bytes(worker.audio[slot].buf[: answer[1]])
         finally:
-            with self._changed:
-                worker.audio_free.append(slot)
-                self._changed.notify_all()
+            if slot is not None:
+                with self._changed:
+                    worker.audio_free.append(slot)
+                    self._changed.notify_all()
         return _answered(device, op, answer)
+
+    def _audio_slot(self, worker: _Worker) -> int:
+        """A free audio slot of `worker`'s device, waiting while both are in use;
+        RecordingFailed when the device is or goes out."""
+        with self._changed:
+            while True:
+                if self._closing or not self._table.is_up(worker.device):
+                    raise RecordingFailed(self._lost_message(worker.device))
+                if worker.audio_free:
+                    return worker.audio_free.pop()
+                self._changed.wait()
 
     def _exchange(
         self, worker: _Worker, op: str, recording: int, args: tuple[Any, ...], slot: int | None, size: int

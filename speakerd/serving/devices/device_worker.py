@@ -22,8 +22,9 @@ The pipe protocol, small pickled tuples only:
   ("error", slot, message) when the engine raised, or ("gone", slot, message) when a named
   recording is not open any more (its call ended; the device is fine);
 - server -> worker: ("op", seq, op, recording, args, audio slot or None, bytes): a
-  recording's audio (worker_recordings.py: open, pcm, samples, finish, rows, close), or
-  "segment" (args: samples, starts) and "link" (args: points) for remote_compute.py;
+  recording's audio (worker_recordings.py: open, pcm, samples, finish, rows, close;
+  segment_kept, a segmenting recording's next windows), or "segment" (args: samples,
+  starts) and "link" (args: points) for remote_compute.py;
   answered ("op", seq, ("ok", answer)), ("op", seq, ("input", field, message)) for bad
   audio, ("op", seq, ("memory", message)) for a linkage the device has not the memory for,
   ("op", seq, ("value", message)) for SciPy's ValueError (non-finite distances), or
@@ -66,6 +67,9 @@ PARENT_CHECK_S = 1.0
 #: Threads for segmentation and linkage calls: two calls at once keep the device busy
 #: through each other's host steps, as the server's own segmentation threads do.
 COMPUTE_THREADS = 2
+#: The ops run on those threads: a segmenting recording's group of kept windows, a group of
+#: samples sent, a linkage.
+COMPUTE_OPS = ("segment_kept", "segment", "link")
 _NO_ROWS = np.empty((0,), dtype=np.float32)
 
 
@@ -296,7 +300,11 @@ def _serve(
             recordings.close(recording)
             return
         try:
-            if op in ("segment", "link"):
+            if op == "segment_kept":
+                if compute.segmenter is None:
+                    raise RuntimeError("this device was started without a segmentation model")
+                answer = ("ok", recordings.segment(recording, *args, compute.segmenter))
+            elif op in COMPUTE_OPS:
                 answer = compute.apply(op, args)
             else:
                 answer = ("ok", recordings.apply(op, recording, args, slot, nbytes))
@@ -320,7 +328,7 @@ def _serve(
         if message[0] == "stop":
             break
         if message[0] == "op":
-            executor = computing if message[2] in ("segment", "link") else audio
+            executor = computing if message[2] in COMPUTE_OPS else audio
             executor.submit(operation, *message[1:])
             continue
         _, slot_index, chunks, named = message

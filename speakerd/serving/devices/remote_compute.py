@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from speakerd.engine.segmenter import Segmentation, Segmenter
+from speakerd.serving.devices.remote_recording import KeptWindows
 
 
 class ComputeLink(Protocol):
@@ -43,11 +44,16 @@ class RemoteSegmenter(Segmenter):
         self.model_id = model_id
         self.max_windows = max_windows
 
-    def segment(self, samples: np.ndarray, starts: np.ndarray) -> Segmentation:
+    def segment(self, samples: np.ndarray | KeptWindows, starts: np.ndarray) -> Segmentation:
+        """Samples sent to the least busy device; or a recording's windows whose samples its
+        worker keeps (remote_recording.KeptWindows), segmented there."""
         started = time.perf_counter()
-        samples = np.ascontiguousarray(samples, dtype=np.float32)
-        starts = np.ascontiguousarray(starts, dtype=np.int64)
-        multilabel, _ = self.link.ask("segment", (samples, starts))
+        if isinstance(samples, KeptWindows):
+            multilabel, _ = samples.segment()
+        else:
+            samples = np.ascontiguousarray(samples, dtype=np.float32)
+            starts = np.ascontiguousarray(starts, dtype=np.int64)
+            multilabel, _ = self.link.ask("segment", (samples, starts))
         # the round trip, pipe included: what the call waited for
         return Segmentation(multilabel, time.perf_counter() - started)
 

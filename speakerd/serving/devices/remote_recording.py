@@ -11,6 +11,12 @@ engine) or, when the server segments the recording itself and so decodes it on t
 the 16 kHz samples. Bytes travel through the device's audio slots in shared memory, a slot
 at a time; each push returns once the worker has taken it, with the windows now ready.
 
+A recording the server segments (`segmenting`) is decoded in the worker too, which keeps
+its samples there for the segmenter (model/segmentation/samples.py's SegmentingSource,
+around its fbank): the server then holds none of its audio. `take` hands out
+`KeptWindows`, a group of windows named by number, which the server's segmenter
+(remote_compute.py) has that worker segment from the samples it keeps.
+
 `windows(start, stop)` gives `RemoteWindows`: rows that lie in the worker, named by the
 recording and the window range. The batcher binds their requests to the home device
 (`pool_device`, serving/batching/queue.py) and the pool sends their batches there with the
@@ -87,12 +93,15 @@ class RemoteFrames:
     finish on the call's decode thread; `windows` from any thread; `close` once, at the
     call's end (also run when it is collected)."""
 
-    def __init__(self, link: RecordingLink, device: int, step: int) -> None:
+    def __init__(self, link: RecordingLink, device: int, step: int, segmenting: bool = False) -> None:
         self.link, self.pool_device, self.step = link, device, step
+        self.segmenting = segmenting
         self.recording = next(_ids)
         self._format: PcmFormat | None = None
         self._opened = False
-        self._ready = 0
+        # what the worker's last answer said: windows ready, windows segmentable, samples kept
+        self._ready = self._segmentable = self._kept = 0
+        self._taken = 0  # windows handed out by take
         self._windows: int | None = None
         self._lock = threading.Lock()
         self._closer = weakref.finalize(self, link.forget, device, self.recording)
@@ -121,8 +130,8 @@ class RemoteFrames:
     def finish(self) -> int:
         if self._windows is None:
             self._open()
-            self._windows = int(self._call("finish", (), None))
-            self._ready = self._windows
+            self._answered(self._call("finish", (), None))
+            self._windows = self._ready
         return self._windows
 
     def windows(self, start: int, stop: int) -> RemoteWindows:
@@ -133,6 +142,38 @@ class RemoteFrames:
     def close(self) -> None:
         """The call ended: the worker drops the recording (idempotent)."""
         self._closer()
+
+    # -- Segmentable (model/segmentation/samples.py), when `segmenting` -------------------
+    @property
+    def kept_samples(self) -> int:
+        """Samples the worker keeps for windows not segmented yet (the reader's back-pressure)."""
+        return self._kept
+
+    def segmentable(self) -> int:
+        return self._segmentable
+
+    def take(self, count: int) -> tuple[int, KeptWindows, np.ndarray]:
+        """The next `count` segmentable windows, as a group the worker segments from the
+        samples it keeps; `starts` is the windows' starts from the first one's (the worker
+        computes the same)."""
+        assert self.segmenting, "take on a recording not opened to be segmented"
+        if not 1 <= count <= self._segmentable - self._taken:
+            raise IndexError(
+                f"{count} windows from {self._taken}, {self._segmentable - self._taken} segmentable"
+            )
+        first = self._taken
+        self._taken += count
+        return first, KeptWindows(self, first, count), np.arange(count, dtype=np.int64) * self.step
+
+    def segment_kept(self, first: int, count: int) -> tuple[np.ndarray, float]:
+        """Windows [first, first + count) segmented in the worker: ([count, 589, 3] uint8, the
+        worker's compute seconds). Not ordered with the pushes (no lock): the windows are
+        segmentable already, and the worker's source takes concurrent pushes."""
+        multilabel, compute_s, kept = self.link.call(
+            self.pool_device, "segment_kept", self.recording, (first, count), None
+        )
+        self._kept = int(kept)
+        return multilabel, float(compute_s)
 
     # -- the link ------------------------------------------------------------------------
     def to_host(self, start: int, stop: int) -> np.ndarray:
@@ -148,15 +189,20 @@ class RemoteFrames:
         return out
 
     def _send(self, op: str, data: memoryview, unit: int) -> None:
-        """`data` in slot-sized parts of whole `unit`s (frames, samples); the ready windows."""
+        """`data` in slot-sized parts of whole `unit`s (frames, samples)."""
         self._open()
         part = max(unit, self.link.audio_bytes - self.link.audio_bytes % unit)
         for offset in range(0, len(data), part):
-            self._ready = int(self._call(op, (), data[offset : offset + part]))
+            self._answered(self._call(op, (), data[offset : offset + part]))
+
+    def _answered(self, state: tuple[int, int, int]) -> None:
+        """A push's or finish's answer: (windows ready, windows segmentable, samples kept)."""
+        ready, segmentable, kept = state
+        self._ready, self._segmentable, self._kept = int(ready), int(segmentable), int(kept)
 
     def _open(self) -> None:
         if not self._opened:
-            self._call("open", (self.step, self._format), None)
+            self._call("open", (self.step, self._format, self.segmenting), None)
             self._opened = True
 
     def _call(self, op: str, args: tuple[Any, ...], data: memoryview | None) -> Any:
@@ -188,3 +234,16 @@ class RemoteWindows(DeviceRows):
 
     def _to_host(self) -> np.ndarray:
         return self.source.to_host(self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class KeptWindows:
+    """A group of a segmenting recording's windows whose samples its worker keeps: what the
+    server's segmenter is handed instead of samples (remote_compute.RemoteSegmenter)."""
+
+    source: RemoteFrames
+    first: int
+    count: int
+
+    def segment(self) -> tuple[np.ndarray, float]:
+        return self.source.segment_kept(self.first, self.count)

@@ -6,9 +6,12 @@ GPU (engine/gpu/recording.py); a CPU engine's (the stand-in in tests) decodes on
 process's host. Either way the decoding is `RecordingDecoder`'s, as in the server with one
 engine, so a recording's windows are the same bits whichever process computed them.
 
-Ops arrive in order on one thread (`apply`); batches read windows from other threads
-(`windows`). An op for a recording not open (the call ended and its `close` overtook a
-batch) raises RecordingGone: the batch's requests have left, and the device is fine.
+A recording the server segments is decoded here too (its source a SegmentingSource around
+the engine's: the samples kept for the segmenter), and `segment` takes each group of its
+windows from them. Ops arrive in order on one thread (`apply`); batches read windows and
+segmentation calls take samples from other threads (`windows`, `segment`). An op for a
+recording not open (the call ended and its `close` overtook a batch) raises RecordingGone:
+the batch's requests have left, and the device is fine.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import Engine
+from speakerd.engine.segmenter import Segmenter
 from speakerd.model.recording import Encoding, FbankSource, RecordingDecoder
+from speakerd.model.segmentation.samples import SegmentingSource
 from speakerd.serving.devices.shared_slots import AudioSlot
 
 
@@ -30,8 +35,15 @@ class RecordingGone(LookupError):
 
 @dataclass
 class _Recording:
-    source: FbankSource
+    source: FbankSource  # a SegmentingSource around the engine's, for a segmenting recording
     decoder: RecordingDecoder | None  # None: 16 kHz samples pushed as they are
+
+    def state(self) -> tuple[int, int, int]:
+        """(windows ready, windows segmentable, samples kept): what a push or finish answers."""
+        source = self.source
+        if isinstance(source, SegmentingSource):
+            return source.ready(), source.segmentable(), source.kept_samples
+        return source.ready(), 0, 0
 
 
 class WorkerRecordings:
@@ -49,8 +61,10 @@ class WorkerRecordings:
     def apply(self, op: str, recording: int, args: tuple[Any, ...], slot: int | None, nbytes: int) -> Any:
         """One op of remote_recording.py's protocol; its answer (InputError for bad audio)."""
         if op == "open":
-            step, pcm = args
+            step, pcm, segmenting = args
             source = self.engine.fbank_source(step)
+            if segmenting:  # the samples kept here for the segmenter; decoded on this host
+                source = SegmentingSource(source, step)
             decoder = None
             if pcm is not None:
                 decoder = RecordingDecoder(
@@ -63,14 +77,18 @@ class WorkerRecordings:
         if op == "pcm":
             assert entry.decoder is not None and slot is not None, "pcm before open with a format"
             entry.decoder.push(self.audio[slot].buf[:nbytes])
-            return entry.source.ready()
+            return entry.state()
         if op == "samples":
             assert slot is not None
             samples = np.frombuffer(self.audio[slot].buf[:nbytes], dtype=np.float32).copy()
             entry.source.push(samples)
-            return entry.source.ready()
+            return entry.state()
         if op == "finish":
-            return entry.decoder.finish() if entry.decoder is not None else entry.source.finish()
+            if entry.decoder is not None:
+                entry.decoder.finish()
+            else:
+                entry.source.finish()
+            return entry.state()
         if op == "rows":
             assert slot is not None
             first, last = args
@@ -79,6 +97,17 @@ class WorkerRecordings:
             view[:] = rows.reshape(-1).view(np.uint8)
             return rows.nbytes
         raise ValueError(f"recording op {op!r}: expected open, pcm, samples, finish or rows")
+
+    def segment(self, recording: int, first: int, count: int, segmenter: Segmenter) -> tuple[Any, ...]:
+        """Windows [first, first + count) of a segmenting recording, segmented from the
+        samples kept here: (multilabel [count, 589, 3] uint8, compute seconds, samples still
+        kept)."""
+        source = self._get(recording).source
+        assert isinstance(source, SegmentingSource), f"recording {recording} was not opened to be segmented"
+        taken, samples, starts = source.take(count)
+        assert taken == first, f"recording {recording}: windows from {first} asked, {taken} next"
+        done = segmenter.segment(samples, starts)
+        return done.multilabel, done.compute_s, source.kept_samples
 
     def windows(self, recording: int, start: int, stop: int) -> Any:
         """Windows [start, stop) of an open recording, as its source gives them (device rows
