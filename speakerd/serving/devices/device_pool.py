@@ -26,13 +26,14 @@ the home device, and `run_batch` sends such a batch to that device with the wind
 not copied. When the home device is taken out, its recordings fail with RecordingFailed
 (UNAVAILABLE: their audio was there); other calls serve on.
 
-The segmentation (a call with `segment`, Diarize) and Diarize's centroid linkage run on the
-workers too (remote_compute.py: `segmenter`, `centroid_linkage`), each call on the device
-with the fewest waiting, again elsewhere if that one is lost.
+A recording the server segments (a call with `segment`, Diarize) is decoded in its home
+worker too, which keeps its samples and segments each group of its windows there
+(`segmenting_source`, remote_recording.py); Diarize's centroid linkage runs on the workers
+as well (remote_compute.py: `segmenter`, `centroid_linkage`), each call on the device with
+the fewest waiting, again elsewhere if that one is lost.
 
 What the pool does not do: a waveform chunk's fbank (EmbedChunks' waveform input) is
-computed on the server's host (the Engine default), and a segmenting call's audio is decoded
-on the server's host, as with one engine in process (the segmentation needs its samples).
+computed on the server's host (the Engine default).
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@ Why: with one GPU in process, a segmenting call's windows are segmented on the G
 with `--devices` the GPUs belong to the workers, and the server's CPU would take minutes to
 segment an hour and ~0.3 s more to link it. So each worker builds the segmentation engine
 beside its embedding engine, and the server's segmenter and device linkage are these
-proxies: each call goes to the device with the fewest such calls waiting (ties: the lowest
-index), its inputs and answer pickled through the worker's pipe (a group of 32 windows'
-samples is 2.6 MB; an hour's clean rows 5.4 MB of float32; a linkage matrix 170 KB).
-
-Neither keeps state between calls, so a call whose device is lost meanwhile runs again on
-another; with none left it fails with NoDevice (UNAVAILABLE). A device that cannot link a
-call's rows (its memory) answers so, and the caller links on the host, as in process.
+proxies. A recording's group of windows is segmented by its home worker from the samples it
+keeps (remote_recording.KeptWindows). Samples handed in (any other caller) and a linkage's
+rows go to the device with the fewest such calls waiting (ties: the lowest index), pickled
+through the worker's pipe (an hour's clean rows are 5.4 MB of float32, a linkage matrix
+170 KB); those keep no state between calls, so a call whose device is lost meanwhile runs
+again on another; with none left it fails with NoDevice (UNAVAILABLE). A device that cannot
+link a call's rows (its memory) answers so, and the caller links on the host, as in process.
 """
 
 from __future__ import annotations
