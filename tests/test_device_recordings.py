@@ -34,7 +34,7 @@ from speakerd.model.segmentation.samples import Segmentable, SegmentingSource
 from speakerd.model.segmentation.weights import load_model
 from speakerd.serving.devices.device_pool import DevicePool, PoolConfig
 from speakerd.serving.devices.remote_compute import RemoteLinkage, RemoteSegmenter
-from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed
+from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed, RemoteFrames
 from speakerd.serving.observability.metrics import Metrics
 
 pytestmark = pytest.mark.slow  # two CPU worker processes: seconds of 2 cores
@@ -303,3 +303,22 @@ def test_a_lost_home_is_answered_unavailable_for_the_client_to_retry() -> None:
 
     rejection = batcher_rejection(RecordingFailed("device 1, which held this recording's audio, failed"))
     assert (rejection.code, rejection.reason) == (grpc.StatusCode.UNAVAILABLE, "no_device"), rejection
+
+
+def test_a_stale_state_never_overwrites_a_later_one() -> None:
+    """A push's answer and a segmentation's may cross on their way back: the state read later
+    in the worker (the higher version) stands, or a stale count of kept samples could hold
+    the call's reader back for good."""
+
+    class Link:
+        audio_bytes = AUDIO_BYTES
+
+        def forget(self, device: int, recording: int) -> None:
+            pass
+
+    frames = RemoteFrames(Link(), 0, STEP_SAMPLES, segmenting=True)  # type: ignore[arg-type]
+    frames._answered((2, 5, 5, 48_000))  # after a segmentation let samples go
+    frames._answered((1, 5, 5, 900_000))  # a push's answer, read before it, arriving after
+    assert (frames.ready(), frames.segmentable(), frames.kept_samples) == (5, 5, 48_000)
+    frames._answered((3, 6, 6, 64_000))
+    assert (frames.ready(), frames.kept_samples) == (6, 64_000)

@@ -99,8 +99,10 @@ class RemoteFrames:
         self.recording = next(_ids)
         self._format: PcmFormat | None = None
         self._opened = False
-        # what the worker's last answer said: windows ready, windows segmentable, samples kept
-        self._ready = self._segmentable = self._kept = 0
+        # what the worker's latest state said (`_answered`): windows ready, windows
+        # segmentable, samples kept, and that state's version
+        self._ready = self._segmentable = self._kept = self._version = 0
+        self._state_lock = threading.Lock()
         self._taken = 0  # windows handed out by take
         self._windows: int | None = None
         self._lock = threading.Lock()
@@ -169,10 +171,10 @@ class RemoteFrames:
         """Windows [first, first + count) segmented in the worker: ([count, 589, 3] uint8, the
         worker's compute seconds). Not ordered with the pushes (no lock): the windows are
         segmentable already, and the worker's source takes concurrent pushes."""
-        multilabel, compute_s, kept = self.link.call(
+        multilabel, compute_s, state = self.link.call(
             self.pool_device, "segment_kept", self.recording, (first, count), None
         )
-        self._kept = int(kept)
+        self._answered(state)
         return multilabel, float(compute_s)
 
     # -- the link ------------------------------------------------------------------------
@@ -195,10 +197,14 @@ class RemoteFrames:
         for offset in range(0, len(data), part):
             self._answered(self._call(op, (), data[offset : offset + part]))
 
-    def _answered(self, state: tuple[int, int, int]) -> None:
-        """A push's or finish's answer: (windows ready, windows segmentable, samples kept)."""
-        ready, segmentable, kept = state
-        self._ready, self._segmentable, self._kept = int(ready), int(segmentable), int(kept)
+    def _answered(self, state: tuple[int, int, int, int]) -> None:
+        """A state the worker answered (version, windows ready, windows segmentable, samples
+        kept; worker_recordings.py), kept unless a later one came first: a push's answer
+        and a segmentation's may cross."""
+        version, ready, segmentable, kept = (int(value) for value in state)
+        with self._state_lock:
+            if version > self._version:
+                self._version, self._ready, self._segmentable, self._kept = version, ready, segmentable, kept
 
     def _open(self) -> None:
         if not self._opened:

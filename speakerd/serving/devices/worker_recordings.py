@@ -17,7 +17,7 @@ the batch's requests have left, and the device is fine.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,13 +37,20 @@ class RecordingGone(LookupError):
 class _Recording:
     source: FbankSource  # a SegmentingSource around the engine's, for a segmenting recording
     decoder: RecordingDecoder | None  # None: 16 kHz samples pushed as they are
+    version: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def state(self) -> tuple[int, int, int]:
-        """(windows ready, windows segmentable, samples kept): what a push or finish answers."""
+    def state(self) -> tuple[int, int, int, int]:
+        """(version, windows ready, windows segmentable, samples kept): what a push, a finish
+        and a segmentation answer. Pushes and segmentations run on different threads and
+        their answers may cross on the way: the version, counted as each state is read, lets
+        the server keep only the latest (a stale `kept` could hold its reader back forever)."""
         source = self.source
-        if isinstance(source, SegmentingSource):
-            return source.ready(), source.segmentable(), source.kept_samples
-        return source.ready(), 0, 0
+        with self.lock:
+            self.version += 1
+            if isinstance(source, SegmentingSource):
+                return self.version, source.ready(), source.segmentable(), source.kept_samples
+            return self.version, source.ready(), 0, 0
 
 
 class WorkerRecordings:
@@ -100,14 +107,16 @@ class WorkerRecordings:
 
     def segment(self, recording: int, first: int, count: int, segmenter: Segmenter) -> tuple[Any, ...]:
         """Windows [first, first + count) of a segmenting recording, segmented from the
-        samples kept here: (multilabel [count, 589, 3] uint8, compute seconds, samples still
-        kept)."""
-        source = self._get(recording).source
+        samples kept here: (multilabel [count, 589, 3] uint8, compute seconds, the state
+        after: `_Recording.state`)."""
+        entry = self._get(recording)
+        source = entry.source
         assert isinstance(source, SegmentingSource), f"recording {recording} was not opened to be segmented"
         taken, samples, starts = source.take(count)
         assert taken == first, f"recording {recording}: windows from {first} asked, {taken} next"
+        state = entry.state()  # the samples taken are let go already
         done = segmenter.segment(samples, starts)
-        return done.multilabel, done.compute_s, source.kept_samples
+        return done.multilabel, done.compute_s, state
 
     def windows(self, recording: int, start: int, stop: int) -> Any:
         """Windows [start, stop) of an open recording, as its source gives them (device rows
