@@ -31,6 +31,7 @@ import pytest
 
 from speakerd.client.cli import main as client_main
 from speakerd.client.client import NO_RETRY
+from speakerd.client.diarize import DiarizationClient
 from speakerd.model.architecture import EMBEDDING_DIM, MAX_SPEAKERS, SAMPLE_RATE
 from speakerd.model.audio import speaker_masks, synthetic_recording
 from speakerd.model.fbank import chunk_recording
@@ -176,6 +177,9 @@ def test_a_segmenting_recording_is_segmented_by_the_workers(server: ServerProces
         given = client.embed_recording(recording.samples, SAMPLE_RATE, masks, timeout_s=WAIT_S)
     assert segmented.segmentation.shape == (5, 589, 3), segmented.segmentation.shape
     assert_within_fp32(segmented.embeddings, given.embeddings)
+    with DiarizationClient(server.target, timeout_s=WAIT_S) as client:
+        diarized = client.diarize(recording.samples, SAMPLE_RATE)  # the same path, then the clustering
+    assert diarized.windows == 5 and diarized.turns, diarized
 
 
 def test_a_worker_killed_mid_load_loses_no_request(server: ServerProcess, expected) -> None:
