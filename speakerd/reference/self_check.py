@@ -20,7 +20,10 @@ which still proves the plan dispatch and the row order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -121,3 +124,36 @@ def check_engine(engine: Engine, model: FoldedModel) -> dict[int, Parity]:
                 f"(bound < {bound.max_relative_abs}) on case {SELF_CHECK_CASE}"
             )
     return results
+
+
+def checked_engine(
+    engine: Engine,
+    model: FoldedModel,
+    rebuild: Callable[[], Engine],
+    timed: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+) -> Engine:
+    """`engine` once it passed `check_engine`, its start-up choices kept for the next start
+    (Engine.keep_build). An engine built from cached choices (engine/build_cache.py) that
+    fails is built again by `rebuild` (nothing cached), its cached choices removed, and
+    that one checked instead: a cached choice is proven on every start, and one that fails
+    is dropped and every candidate timed again. Whatever fails is closed before raising.
+    `timed`: the context each check runs in (the start-up's "self-check" phase)."""
+    try:
+        try:
+            with timed():
+                check_engine(engine, model)
+        except SelfCheckFailed as failure:
+            if not engine.built_from_cache:
+                raise
+            log.warning("self-check failed on cached start-up choices (%s); removing them, building afresh",
+                        failure)  # fmt: skip
+            engine.forget_build()
+            engine.close()
+            engine = rebuild()
+            with timed():
+                check_engine(engine, model)
+        engine.keep_build()
+    except BaseException:
+        engine.close()
+        raise
+    return engine

@@ -186,23 +186,31 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _build(spec: WorkerSpec) -> Engine:
-    """Load the weights, build and warm the engine, and pass the parity self-check."""
-    from speakerd.engine.factory import create_engine
+    """Load the weights, build and warm the engine, and pass the parity self-check. A GPU
+    engine starts as serve's does: its first start times cuDNN's plans in processes of its
+    own from the start (engine/gpu/tuning_pool.py), and its choices are kept in the build
+    cache for the next start, which builds only those (reference/self_check.checked_engine
+    drops cached choices that fail the check)."""
+    from speakerd.engine.factory import create_engine, start_tuning
     from speakerd.model.weights import load_model
-    from speakerd.reference.self_check import check_engine
+    from speakerd.reference.self_check import checked_engine
 
     started = time.perf_counter()
-    model = load_model(spec.weights)
-    engine = create_engine(
-        spec.kind, model, spec.math, spec.plan_sizes, spec.conv_kernels, cpu_threads=spec.cpu_threads
-    )
+    tuning = start_tuning(spec.kind, spec.math, spec.plan_sizes, spec.conv_kernels)
     try:
-        check_engine(engine, model)
-    except BaseException:
-        engine.close()
-        raise
-    log.info("engine %s %s built and self-checked in %.1f s", engine.name, engine.math,
-             time.perf_counter() - started)  # fmt: skip
+        model = load_model(spec.weights)
+
+        def build(begun: Any = None) -> Engine:
+            return create_engine(spec.kind, model, spec.math, spec.plan_sizes, spec.conv_kernels,
+                                 cpu_threads=spec.cpu_threads, build_cache=True, tuning=begun)  # fmt: skip
+
+        engine = checked_engine(build(tuning), model, rebuild=build)
+    finally:
+        if tuning is not None:  # handed to the engine (which closed it), or not: closed
+            tuning.close()
+    cached = ", cached start-up choices" if engine.built_from_cache else ""
+    log.info("engine %s %s built and self-checked in %.1f s%s", engine.name, engine.math,
+             time.perf_counter() - started, cached)  # fmt: skip
     return engine
 
 

@@ -60,7 +60,7 @@ from speakerd.model.numerics import Math
 from speakerd.model.segmentation.weights import SegmentationModel
 from speakerd.model.source import ModelSource, ResolvedModel, ResolvedPlda
 from speakerd.model.weights import FoldedModel
-from speakerd.reference.self_check import SelfCheckFailed, check_engine
+from speakerd.reference.self_check import SelfCheckFailed, checked_engine
 from speakerd.serving.access.auth import TokenAuthInterceptor, TokenFile
 from speakerd.serving.access.security import TlsFileError, TlsFiles, add_port, server_credentials
 from speakerd.serving.api.http2 import stream_options
@@ -311,26 +311,13 @@ def _build_engine(
 
     model = prepared.model if prepared.model is not None else load_model(resolved.path)
     engine = _engine(settings, prepared, model, resolved.path, phases, tuning)
+    engine = checked_engine(
+        engine,
+        model,
+        rebuild=lambda: _engine(settings, prepared, model, resolved.path, phases),
+        timed=lambda: phases.timed("self-check"),
+    )
     try:
-        with phases.timed("self-check"):
-            try:
-                check_engine(engine, model)
-                failure = None
-            except SelfCheckFailed as error:
-                if not engine.built_from_cache:
-                    raise
-                failure = error
-        if failure is not None:
-            # a cached choice is proven on every start; one that fails is dropped and every
-            # candidate timed again
-            log.warning("self-check failed on cached start-up choices (%s); removing them, building "
-                        "afresh", failure)  # fmt: skip
-            engine.forget_build()
-            engine.close()
-            engine = _engine(settings, prepared, model, resolved.path, phases)
-            with phases.timed("self-check"):
-                check_engine(engine, model)
-        engine.keep_build()
         log.info("self-check passed for every plan; timing plans for the batcher's cost model")
         # measured here, off the event loop (the batcher reads them when it is made): on a
         # CPU engine this runs every plan once, seconds in which health must still answer;
