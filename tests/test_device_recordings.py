@@ -26,7 +26,9 @@ import numpy as np
 import pytest
 
 from speakerd.engine.cpu_segmenter import CpuSegmenter
+from speakerd.model.architecture import CHUNK_SAMPLES
 from speakerd.model.fbank import STEP_SAMPLES
+from speakerd.model.fbank import fbank as fbank_of
 from speakerd.model.inputs import InputError
 from speakerd.model.numerics import BOUNDS, Math, compare, pad_speakers
 from speakerd.model.recording import Encoding, RecordingDecoder, SharedFrames
@@ -34,14 +36,16 @@ from speakerd.model.segmentation.samples import Segmentable, SegmentingSource
 from speakerd.model.segmentation.weights import load_model
 from speakerd.serving.devices.device_pool import DevicePool, PoolConfig
 from speakerd.serving.devices.remote_compute import RemoteLinkage, RemoteSegmenter
-from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed, RemoteFrames
+from speakerd.serving.devices.remote_recording import RecordingFailed, RemoteFrames
+from speakerd.serving.devices.waveforms import CHUNK_BYTES, HostWaveforms
 from speakerd.serving.observability.metrics import Metrics
 
 pytestmark = pytest.mark.slow  # two CPU worker processes: seconds of 2 cores
 
-#: Audio slots of two fbank rows: a 25 s recording's samples take 4 slots, its PCM at
-#: 48 kHz stereo 19, and a host copy of its windows 10: every op is split, as an hour's are.
-AUDIO_BYTES = 2 * ROW_BYTES
+#: Audio slots of one waveform chunk (the least a pool takes), two fbank rows: a 25 s
+#: recording's samples take 3 slots, its PCM at 48 kHz stereo 8, a host copy of its windows
+#: 9, and 2 waveform chunks 2: every op is split, as an hour's are.
+AUDIO_BYTES = CHUNK_BYTES
 #: 25.3 s of audio: 17 windows at 1 s steps, the last one (from 16 s) zero-padded.
 SECONDS = 25.3
 WINDOWS = 17
@@ -180,6 +184,27 @@ def test_a_batch_of_a_recording_that_ended_fails_alone(pool: DevicePool, audio: 
         assert again.finish() == WINDOWS
     finally:
         again.close()
+
+
+def test_waveform_chunks_get_their_fbank_in_the_worker(
+    pool: DevicePool, audio: np.ndarray, reference_cases, monkeypatch
+) -> None:
+    """EmbedChunks' waveform input: the pool keeps the waveforms (HostWaveforms) and the
+    worker running their batch makes their fbank, here one chunk an audio slot; the rows
+    are those of the host's fbank of the same chunks, beside a plain fbank piece."""
+    masks = pad_speakers(reference_cases[-1].masks[:PLAN])
+    waveforms = np.stack([audio[:CHUNK_SAMPLES], audio[STEP_SAMPLES : STEP_SAMPLES + CHUNK_SAMPLES]])
+    kept = pool.waveform_fbank(waveforms)
+    assert isinstance(kept, HostWaveforms) and kept.shape == (2, 998, 80)
+    with monkeypatch.context() as patched:  # no fbank of theirs is made on this host
+        patched.setattr(HostWaveforms, "_to_host", lambda rows: pytest.fail("fbank made on the host"))
+        both = pool.run_batch([kept], [masks])
+        mixed = pool.run_batch([fbank_of(waveforms[:1]), kept[1:]], [masks[:1], masks[1:]])
+    from_host = pool.run_batch(fbank_of(waveforms), masks)
+    for served in (both, mixed):
+        parity = compare(served.embeddings, from_host.embeddings)
+        assert parity.within(BOUNDS[Math.FP32]) and parity.max_abs == 0.0, parity
+    assert np.array_equal(np.asarray(kept), fbank_of(waveforms)), "a host copy is the host's fbank"
 
 
 def test_bad_audio_is_the_workers_input_error(pool: DevicePool) -> None:

@@ -7,6 +7,7 @@ What is checked, on real worker processes, shared memory and pipes:
 - a request spread over both devices gets its rows back in its own order;
 - a recording's batches all run on its home device, with the rows of its windows as chunks;
 - a segmenting recording is segmented by the workers' segmentation engines;
+- waveform chunks get their fbank in the worker that runs their batch;
 - a worker killed mid-load: every request still gets correct embeddings (its batches in
   flight re-ran on the other device), the failure is counted and logged, and the server
   keeps SERVING; with the last device gone, NOT_SERVING and UNAVAILABLE;
@@ -161,6 +162,18 @@ def test_a_recording_runs_on_its_home_device_as_its_chunks_would(server: ServerP
     ran = {d: after.get(counter.format(d), 0.0) - before.get(counter.format(d), 0.0) for d in (0, 1)}
     assert sorted(ran.values())[0] == 0 and sorted(ran.values())[1] > 0, f"one home device: {ran}"
     assert_within_fp32(served.embeddings, as_chunks.embeddings)
+
+
+def test_waveform_chunks_get_their_fbank_in_a_worker(server: ServerProcess) -> None:
+    """EmbedChunks' waveform input through `--devices`: the worker running each batch makes
+    the fbank; the rows are those of the same chunks sent as the client's fbank."""
+    recording = synthetic_recording(seconds=12.0, seed=16)
+    chunks = chunk_recording(recording.samples)
+    masks = speaker_masks(recording, chunks.starts)
+    with server.client() as client:
+        served = client.embed_waveform(chunks.waveforms, masks, timeout_s=WAIT_S)
+        as_fbank = client.embed(fbank_of(chunks.waveforms), masks, timeout_s=WAIT_S)
+    assert_within_fp32(served.embeddings, as_fbank.embeddings)
 
 
 def test_a_segmenting_recording_is_segmented_by_the_workers(server: ServerProcess) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from speakerd.engine.device_rows import DeviceRows
 from speakerd.model.architecture import EMBEDDING_DIM, FRAMES, MAX_SPEAKERS, MEL_BINS, TRUNK_FRAMES
 from speakerd.model.fbank import fbank as fbank_of
 from speakerd.model.inputs import MAX_MASK_FRAMES, InputError, InputLengthError, check_fbank, check_masks
@@ -79,11 +80,10 @@ class BatchInputs:
 
 
 def _as_pieces(value: Pieces, field: str) -> tuple[np.ndarray | DeviceFbank, ...]:
-    if isinstance(value, np.ndarray | DeviceFbank) or device_of(value) is not None:
+    if isinstance(value, np.ndarray | DeviceFbank | DeviceRows):  # rows the engine reads as they are
         return (value,)
     pieces = tuple(
-        piece if isinstance(piece, DeviceFbank) or device_of(piece) is not None else np.asarray(piece)
-        for piece in value
+        piece if isinstance(piece, DeviceFbank | DeviceRows) else np.asarray(piece) for piece in value
     )
     if not pieces:
         raise InputError(field, "an empty list of pieces; a batch needs at least one chunk")

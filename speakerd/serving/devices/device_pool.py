@@ -32,8 +32,8 @@ worker too, which keeps its samples and segments each group of its windows there
 as well (remote_compute.py: `segmenter`, `centroid_linkage`), each call on the device with
 the fewest waiting, again elsewhere if that one is lost.
 
-What the pool does not do: a waveform chunk's fbank (EmbedChunks' waveform input) is
-computed on the server's host (the Engine default).
+EmbedChunks' waveform chunks go to the device that runs their batch too: `waveform_fbank`
+keeps them as waveforms, and the worker makes their fbank (waveforms.py).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, device_of
+from speakerd.engine.device_rows import DeviceRows
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.architecture import FRAMES, MEL_BINS, TRUNK_FRAMES
 from speakerd.model.inputs import InputError
@@ -60,10 +61,11 @@ from speakerd.reference.self_check import SelfCheckFailed
 from speakerd.serving.batching.batcher import PIPELINE_DEPTH
 from speakerd.serving.batching.queue import NoDevice
 from speakerd.serving.devices.device_table import DeviceTable, Lease
-from speakerd.serving.devices.device_worker import WorkerInfo, WorkerSpec, visible_gpu, worker_main
+from speakerd.serving.devices.device_worker import STAGED, WorkerInfo, WorkerSpec, visible_gpu, worker_main
 from speakerd.serving.devices.remote_compute import RemoteLinkage, RemoteSegmenter
 from speakerd.serving.devices.remote_recording import ROW_BYTES, RecordingFailed, RemoteFrames, RemoteWindows
 from speakerd.serving.devices.shared_slots import AUDIO_SLOT_BYTES, AudioSlot, SharedSlot, SlotLayout
+from speakerd.serving.devices.waveforms import CHUNK_BYTES, HostWaveforms, waveforms_per_slot
 from speakerd.serving.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ log = logging.getLogger(__name__)
 #: Batches in flight per device, each in its own slot: the batcher's PIPELINE_DEPTH (one
 #: computing while two are staged) for every device.
 SLOTS_PER_DEVICE = PIPELINE_DEPTH
+#: Values of one fbank row (a window): 998 frames x 80 mel bins.
+ROW_VALUES = FRAMES * MEL_BINS
 #: Audio slots per device: one recording's piece is copied in while the worker decodes another's.
 AUDIO_SLOTS_PER_DEVICE = 2
 #: After "stop", how long a worker gets to exit before it is terminated: it only has to
@@ -187,12 +191,15 @@ class DevicePool(Engine):
         self._audio: dict[int, list[AudioSlot]] = {}
         self._closing = False
         self._sequence = 0  # numbers the ops sent to workers, for their answers
-        #: bytes of each audio slot, what one recording op carries (remote_recording.py's
-        #: RecordingLink; smaller in tests, to split every op): at least one window's fbank
-        #: row, the unit a host copy of windows comes back in
+        #: bytes of each audio slot, what one recording or waveform op carries
+        #: (remote_recording.py's RecordingLink, waveforms.py; smaller in tests, to split
+        #: every op): at least one waveform chunk, the unit waveforms are sent in, and so
+        #: one window's fbank row, the unit a host copy of windows comes back in
         self.audio_bytes = audio_bytes
-        if audio_bytes < ROW_BYTES:
-            raise ValueError(f"audio_bytes: {audio_bytes}, expected at least one fbank row ({ROW_BYTES})")
+        if audio_bytes < max(CHUNK_BYTES, ROW_BYTES):
+            raise ValueError(
+                f"audio_bytes: {audio_bytes}, expected at least one waveform chunk ({CHUNK_BYTES})"
+            )
 
     # --- start --------------------------------------------------------------------------
 
@@ -399,6 +406,7 @@ class DevicePool(Engine):
         started = time.perf_counter()
         try:
             named = write_batch(slot, inputs)
+            named += self._stage_waveforms(worker, lease.slot, inputs)
             future: Future[tuple[str, Any]] = Future()
             with self._changed:
                 if not self._table.is_up(lease.device):
@@ -419,6 +427,30 @@ class DevicePool(Engine):
         self.metrics.device_batches.labels(device=device).inc()
         self.metrics.device_batch.labels(device=device).observe(time.perf_counter() - started)
         return kind, replace(payload, embeddings=embeddings)
+
+    def _stage_waveforms(
+        self, worker: _Worker, slot: int, inputs: BatchInputs
+    ) -> tuple[tuple[int, int, int, int], ...]:
+        """Each HostWaveforms piece of the batch sent to the worker in parts an audio slot
+        holds, turned into fbank rows there for batch slot `slot` (waveforms.py); the named
+        ranges (row, STAGED, 0, count) the "run" message gives them. _DeviceLost when the
+        device goes meanwhile (the batch then runs elsewhere)."""
+        named = []
+        per_slot = waveforms_per_slot(self.audio_bytes)
+        row = 0
+        for piece in inputs.fbank:
+            count = len(piece) if isinstance(piece, DeviceRows) else int(np.asarray(piece).size) // ROW_VALUES
+            if isinstance(piece, HostWaveforms):
+                for first in range(0, count, per_slot):
+                    part = piece.waveform[first : first + per_slot]
+                    try:
+                        self.call(worker.device, "waveform", STAGED, (slot, row + first, len(part)),
+                                  memoryview(part).cast("B"))  # fmt: skip
+                    except RecordingFailed:
+                        raise _DeviceLost from None
+                    named.append((row + first, STAGED, 0, len(part)))
+            row += count
+        return tuple(named)
 
     def _read(self, worker: _Worker) -> None:
         """A worker's replies, to the batch or op waiting for each; on EOF the worker is gone."""
@@ -442,6 +474,11 @@ class DevicePool(Engine):
             future.set_exception(_DeviceLost())
 
     # --- recordings (remote_recording.RecordingLink) ------------------------------------
+
+    def waveform_fbank(self, waveform: np.ndarray) -> HostWaveforms:
+        """EmbedChunks' checked waveforms, whose fbank the device running their batch makes
+        (waveforms.py), not this host."""
+        return HostWaveforms(waveform)
 
     def fbank_source(self, step: int) -> RemoteFrames:
         """A recording's FbankSource on its home device (module docstring); NoDevice when
@@ -639,12 +676,16 @@ def write_batch(slot: SharedSlot, inputs: BatchInputs) -> tuple[tuple[int, int, 
     """Copy a batch's pieces into a slot's fbank and masks rows (masks resized onto the
     trunk's 125 frames: shared_slots.py says why that changes no embedding), except a
     recording's windows, which lie in the worker already: those are named, as (row,
-    recording, first window, end window) each, what the "run" message carries."""
+    recording, first window, end window) each, what the "run" message carries; and
+    waveform chunks, whose fbank the worker makes (DevicePool._stage_waveforms)."""
     row = 0
     named = []
     for piece in inputs.fbank:
         if isinstance(piece, RemoteWindows):
             named.append((row, piece.recording, piece.start, piece.stop))
+            row += len(piece)
+            continue
+        if isinstance(piece, HostWaveforms):  # its fbank is made in the worker: _stage_waveforms
             row += len(piece)
             continue
         rows = np.asarray(piece)

@@ -18,6 +18,9 @@ The pipe protocol, small pickled tuples only:
 - server -> worker: ("run", slot, chunks, named) with the batch's rows in the slot, except
   the rows `named` as (row, recording, first window, end window): a recording's windows this
   worker holds (remote_recording.py); ("stop",);
+  A named range whose recording is STAGED (0) is the fbank of waveforms a "waveform" op
+  (args: slot, row, count; the waveforms in an audio slot) staged for that batch, computed
+  by this engine (waveforms.py);
 - worker -> server: ("done", slot, BatchRun without embeddings) once `out` holds them,
   ("error", slot, message) when the engine raised, or ("gone", slot, message) when a named
   recording is not open any more (its call ended; the device is fine);
@@ -54,6 +57,7 @@ import numpy as np
 
 from speakerd.engine.base import BatchRun, Engine
 from speakerd.engine.segmenter import Segmenter
+from speakerd.model.architecture import CHUNK_SAMPLES
 from speakerd.model.inputs import InputError
 from speakerd.serving.devices.shared_slots import AudioSlot, SharedSlot, SlotLayout
 from speakerd.serving.devices.worker_recordings import RecordingGone, WorkerRecordings
@@ -70,6 +74,9 @@ COMPUTE_THREADS = 2
 #: The ops run on those threads: a segmenting recording's group of kept windows, a group of
 #: samples sent, a linkage.
 COMPUTE_OPS = ("segment_kept", "segment", "link")
+#: The "recording" of a named range that is a batch's staged waveform rows ("waveform" ops):
+#: the server numbers recordings from 1.
+STAGED = 0
 _NO_ROWS = np.empty((0,), dtype=np.float32)
 
 
@@ -215,16 +222,21 @@ def _build(spec: WorkerSpec) -> Engine:
 
 
 def batch_pieces(
-    fbank: np.ndarray, chunks: int, named: tuple[tuple[int, int, int, int], ...], recordings: WorkerRecordings
+    fbank: np.ndarray,
+    chunks: int,
+    named: tuple[tuple[int, int, int, int], ...],
+    recordings: WorkerRecordings,
+    staged: dict[int, Any],
 ) -> list[Any]:
     """A batch's fbank as pieces in row order: the slot's rows, and for each named range
-    (row, recording, first, end) that recording's windows as its source holds them."""
+    (row, recording, first, end) that recording's windows as its source holds them, or
+    (row, STAGED, 0, count) the fbank rows of waveforms staged for this batch at `row`."""
     pieces: list[Any] = []
     row = 0
     for at, recording, first, end in named:
         if at > row:
             pieces.append(fbank[row:at])
-        pieces.append(recordings.windows(recording, first, end))
+        pieces.append(staged.pop(at) if recording == STAGED else recordings.windows(recording, first, end))
         row = at + end - first
     if row < chunks:
         pieces.append(fbank[row:chunks])
@@ -286,12 +298,18 @@ def _serve(
         with send_lock:
             conn.send(message)
 
+    # slot -> row -> fbank rows of waveforms staged for the slot's next batch ("waveform")
+    staged: dict[int, dict[int, Any]] = {index: {} for index in range(len(slots))}
+
     def run(slot_index: int, chunks: int, named: tuple[tuple[int, int, int, int], ...], fail: bool) -> None:
         slot = slots[slot_index]
         try:
             if fail:
                 raise InjectedFault(f"injected engine fault on device {spec.device}")
-            fbank = batch_pieces(slot.fbank, chunks, named, recordings) if named else slot.fbank[:chunks]
+            rows = staged[slot_index]
+            fbank = (
+                batch_pieces(slot.fbank, chunks, named, recordings, rows) if named else slot.fbank[:chunks]
+            )
             result = engine.run_batch(fbank, slot.masks[:chunks])
             slot.out[:chunks] = result.embeddings
             counters: BatchRun = dataclasses.replace(result, embeddings=_NO_ROWS)
@@ -301,6 +319,19 @@ def _serve(
         except Exception as error:  # the server decides what an engine error means
             log.exception("device %d: engine error on a batch of %d chunks", spec.device, chunks)
             reply(("error", slot_index, f"{type(error).__name__}: {error}"))
+        finally:
+            staged[slot_index].clear()
+
+    def stage(args: tuple[Any, ...], audio_slot: int | None, nbytes: int) -> None:
+        """A "waveform" op: waveforms [count, 160000] in an audio slot become fbank rows
+        (this engine's Engine.waveform_fbank: on the GPU for a GPU engine), kept for the
+        batch slot's next run at `row`."""
+        slot_index, row, count = args
+        assert audio_slot is not None and nbytes == count * CHUNK_SAMPLES * 4, (nbytes, count)
+        waveform = np.frombuffer(
+            recordings.audio[audio_slot].buf, dtype=np.float32, count=count * CHUNK_SAMPLES
+        )
+        staged[slot_index][row] = engine.waveform_fbank(waveform.reshape(count, CHUNK_SAMPLES).copy())
 
     def operation(seq: int | None, op: str, recording: int, args: tuple[Any, ...], slot: int | None,
                   nbytes: int) -> None:  # fmt: skip
@@ -314,6 +345,9 @@ def _serve(
                 answer = ("ok", recordings.segment(recording, *args, compute.segmenter))
             elif op in COMPUTE_OPS:
                 answer = compute.apply(op, args)
+            elif op == "waveform":
+                stage(args, slot, nbytes)
+                answer = ("ok", None)
             else:
                 answer = ("ok", recordings.apply(op, recording, args, slot, nbytes))
         except InputError as error:
