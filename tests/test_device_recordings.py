@@ -207,6 +207,25 @@ def test_waveform_chunks_get_their_fbank_in_the_worker(
     assert np.array_equal(np.asarray(kept), fbank_of(waveforms)), "a host copy is the host's fbank"
 
 
+def test_a_batch_of_waveforms_then_a_recordings_windows_keeps_its_row_order(
+    pool: DevicePool, audio: np.ndarray, reference_cases
+) -> None:
+    """A recording's batch may take unbound requests too: here a waveform chunk at row 0 and
+    a recording's window at row 1, each named in the run message, in row order."""
+    masks = pad_speakers(reference_cases[-1].masks[:PLAN])
+    source = pool.fbank_source(STEP_SAMPLES)
+    try:
+        source.push(audio)
+        source.finish()
+        waveform = audio[None, 3 * STEP_SAMPLES : 3 * STEP_SAMPLES + CHUNK_SAMPLES]
+        served = pool.run_batch([pool.waveform_fbank(waveform), source.windows(5, 6)], [masks[:1], masks[1:]])
+        from_host = pool.run_batch(np.concatenate([fbank_of(waveform), host_windows(audio)[5:6]]), masks)
+        parity = compare(served.embeddings, from_host.embeddings)
+        assert parity.within(BOUNDS[Math.FP32]) and parity.max_abs == 0.0, parity
+    finally:
+        source.close()
+
+
 def test_bad_audio_is_the_workers_input_error(pool: DevicePool) -> None:
     source = pool.fbank_source(STEP_SAMPLES)
     try:

@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 
 from speakerd.engine.base import BatchInputs, BatchRun, Engine, Pieces, batch_inputs, device_of
-from speakerd.engine.device_rows import DeviceRows
 from speakerd.engine.segmenter import Segmenter
 from speakerd.model.architecture import FRAMES, MEL_BINS, TRUNK_FRAMES
 from speakerd.model.inputs import InputError
@@ -73,8 +72,6 @@ log = logging.getLogger(__name__)
 #: Batches in flight per device, each in its own slot: the batcher's PIPELINE_DEPTH (one
 #: computing while two are staged) for every device.
 SLOTS_PER_DEVICE = PIPELINE_DEPTH
-#: Values of one fbank row (a window): 998 frames x 80 mel bins.
-ROW_VALUES = FRAMES * MEL_BINS
 #: Audio slots per device: one recording's piece is copied in while the worker decodes another's.
 AUDIO_SLOTS_PER_DEVICE = 2
 #: After "stop", how long a worker gets to exit before it is terminated: it only has to
@@ -405,8 +402,8 @@ class DevicePool(Engine):
         slot = worker.slots[lease.slot]
         started = time.perf_counter()
         try:
-            named = write_batch(slot, inputs)
-            named += self._stage_waveforms(worker, lease.slot, inputs)
+            named, waveforms = write_batch(slot, inputs, waveforms_per_slot(self.audio_bytes))
+            self._stage_waveforms(worker, lease.slot, waveforms)
             future: Future[tuple[str, Any]] = Future()
             with self._changed:
                 if not self._table.is_up(lease.device):
@@ -428,29 +425,18 @@ class DevicePool(Engine):
         self.metrics.device_batch.labels(device=device).observe(time.perf_counter() - started)
         return kind, replace(payload, embeddings=embeddings)
 
-    def _stage_waveforms(
-        self, worker: _Worker, slot: int, inputs: BatchInputs
-    ) -> tuple[tuple[int, int, int, int], ...]:
-        """Each HostWaveforms piece of the batch sent to the worker in parts an audio slot
-        holds, turned into fbank rows there for batch slot `slot` (waveforms.py); the named
-        ranges (row, STAGED, 0, count) the "run" message gives them. _DeviceLost when the
-        device goes meanwhile (the batch then runs elsewhere)."""
-        named = []
-        per_slot = waveforms_per_slot(self.audio_bytes)
-        row = 0
-        for piece in inputs.fbank:
-            count = len(piece) if isinstance(piece, DeviceRows) else int(np.asarray(piece).size) // ROW_VALUES
-            if isinstance(piece, HostWaveforms):
-                for first in range(0, count, per_slot):
-                    part = piece.waveform[first : first + per_slot]
-                    try:
-                        self.call(worker.device, "waveform", STAGED, (slot, row + first, len(part)),
-                                  memoryview(part).cast("B"))  # fmt: skip
-                    except RecordingFailed:
-                        raise _DeviceLost from None
-                    named.append((row + first, STAGED, 0, len(part)))
-            row += count
-        return tuple(named)
+    def _stage_waveforms(self, worker: _Worker, slot: int, waveforms: list[tuple[int, np.ndarray]]) -> None:
+        """Each part of the batch's waveform chunks (row, waveforms: write_batch's) sent to
+        the worker through an audio slot and turned into fbank rows there for batch slot
+        `slot` (waveforms.py). _DeviceLost when the device goes meanwhile (the batch then
+        runs elsewhere)."""
+        for row, part in waveforms:
+            try:
+                self.call(
+                    worker.device, "waveform", STAGED, (slot, row, len(part)), memoryview(part).cast("B")
+                )
+            except RecordingFailed:
+                raise _DeviceLost from None
 
     def _read(self, worker: _Worker) -> None:
         """A worker's replies, to the batch or op waiting for each; on EOF the worker is gone."""
@@ -672,20 +658,29 @@ def _answered(device: int, op: str, answer: tuple[Any, ...]) -> Any:
     raise RuntimeError(f"device {device}: {op}: {answer[1]}")
 
 
-def write_batch(slot: SharedSlot, inputs: BatchInputs) -> tuple[tuple[int, int, int, int], ...]:
+def write_batch(
+    slot: SharedSlot, inputs: BatchInputs, waveforms_per_part: int
+) -> tuple[tuple[tuple[int, int, int, int], ...], list[tuple[int, np.ndarray]]]:
     """Copy a batch's pieces into a slot's fbank and masks rows (masks resized onto the
-    trunk's 125 frames: shared_slots.py says why that changes no embedding), except a
-    recording's windows, which lie in the worker already: those are named, as (row,
-    recording, first window, end window) each, what the "run" message carries; and
-    waveform chunks, whose fbank the worker makes (DevicePool._stage_waveforms)."""
+    trunk's 125 frames: shared_slots.py says why that changes no embedding), except the rows
+    the worker has or makes, which are named instead, in row order, as (row, recording,
+    first window, end window): a recording's windows, which lie in the worker already, and
+    waveform chunks, whose fbank the worker makes (as (row, STAGED, 0, count), the chunks in
+    parts of at most `waveforms_per_part`, also returned as (row, waveforms) to send first:
+    DevicePool._stage_waveforms). The named ranges are what the "run" message carries."""
     row = 0
-    named = []
+    named: list[tuple[int, int, int, int]] = []
+    waveforms: list[tuple[int, np.ndarray]] = []
     for piece in inputs.fbank:
         if isinstance(piece, RemoteWindows):
             named.append((row, piece.recording, piece.start, piece.stop))
             row += len(piece)
             continue
-        if isinstance(piece, HostWaveforms):  # its fbank is made in the worker: _stage_waveforms
+        if isinstance(piece, HostWaveforms):
+            for first in range(0, len(piece), waveforms_per_part):
+                part = piece.waveform[first : first + waveforms_per_part]
+                named.append((row + first, STAGED, 0, len(part)))
+                waveforms.append((row + first, part))
             row += len(piece)
             continue
         rows = np.asarray(piece)
@@ -697,4 +692,4 @@ def write_batch(slot: SharedSlot, inputs: BatchInputs) -> tuple[tuple[int, int, 
         count = piece.shape[0]
         slot.masks[row : row + count] = piece if piece.shape[2] == TRUNK_FRAMES else resize_masks(piece)
         row += count
-    return tuple(named)
+    return tuple(named), waveforms
