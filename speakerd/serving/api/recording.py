@@ -386,9 +386,7 @@ class _Call:
     def _close_source(self) -> None:
         """Let the call's FbankSource go: one that holds its audio in a device worker
         (serve --devices) drops it there now, not whenever it is collected."""
-        source = self.decoder.source if self.decoder is not None else None
-        inner = getattr(source, "inner", source)  # a segmenting call's wraps the fbank source
-        close = getattr(inner, "close", None)
+        close = getattr(self.decoder.source, "close", None) if self.decoder is not None else None
         if callable(close):
             close()
 

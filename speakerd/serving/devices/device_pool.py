@@ -335,8 +335,6 @@ class DevicePool(Engine):
                 continue  # taken out while this batch was on it: the next device runs it
             if kind == "done":
                 return payload
-            if kind == "gone":
-                raise RuntimeError(payload)
             if failed_on is not None:
                 raise RuntimeError(
                     f"engine error on device {failed_on} and again on device {lease.device}: {payload}"
@@ -431,12 +429,9 @@ class DevicePool(Engine):
         `slot` (waveforms.py). _DeviceLost when the device goes meanwhile (the batch then
         runs elsewhere)."""
         for row, part in waveforms:
-            try:
-                self.call(
-                    worker.device, "waveform", STAGED, (slot, row, len(part)), memoryview(part).cast("B")
-                )
-            except RecordingFailed:
-                raise _DeviceLost from None
+            data = memoryview(part).cast("B")
+            answer = self._slot_exchange(worker, "waveform", STAGED, (slot, row, len(part)), data)
+            _answered(worker.device, "waveform", answer)
 
     def _read(self, worker: _Worker) -> None:
         """A worker's replies, to the batch or op waiting for each; on EOF the worker is gone."""
@@ -492,32 +487,40 @@ class DevicePool(Engine):
         of its audio slots; the answer (RemoteFrames says what each op answers).
         RecordingFailed when the device is or goes out; InputError when the worker found the
         audio bad."""
-        worker = self._workers[device]
+        try:
+            answer = self._slot_exchange(self._workers[device], op, recording, args, data)
+        except _DeviceLost:
+            raise RecordingFailed(self._lost_message(device)) from None
+        return _answered(device, op, answer)
+
+    def _slot_exchange(
+        self, worker: _Worker, op: str, recording: int, args: tuple[Any, ...], data: memoryview | None
+    ) -> tuple[Any, ...]:
+        """`_exchange` with `data` written into a free audio slot of the worker's device
+        first (the `rows` op: the bytes the worker wrote there come back as the answer's
+        value); _DeviceLost when the device is or goes out."""
         slot = self._audio_slot(worker) if data is not None or op == "rows" else None
         try:
             size = 0 if data is None else len(data)
             if data is not None and slot is not None:
                 worker.audio[slot].buf[:size] = data
-            try:
-                answer = self._exchange(worker, op, recording, args, slot, size)
-            except _DeviceLost:
-                raise RecordingFailed(self._lost_message(device)) from None
+            answer = self._exchange(worker, op, recording, args, slot, size)
             if answer[0] == "ok" and op == "rows" and slot is not None:
-                return bytes(worker.audio[slot].buf[: answer[1]])
+                return ("ok", bytes(worker.audio[slot].buf[: answer[1]]))
+            return answer
         finally:
             if slot is not None:
                 with self._changed:
                     worker.audio_free.append(slot)
                     self._changed.notify_all()
-        return _answered(device, op, answer)
 
     def _audio_slot(self, worker: _Worker) -> int:
         """A free audio slot of `worker`'s device, waiting while both are in use;
-        RecordingFailed when the device is or goes out."""
+        _DeviceLost when the device is or goes out."""
         with self._changed:
             while True:
                 if self._closing or not self._table.is_up(worker.device):
-                    raise RecordingFailed(self._lost_message(worker.device))
+                    raise _DeviceLost
                 if worker.audio_free:
                     return worker.audio_free.pop()
                 self._changed.wait()

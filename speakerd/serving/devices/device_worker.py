@@ -60,6 +60,7 @@ from speakerd.engine.segmenter import Segmenter
 from speakerd.model.architecture import CHUNK_SAMPLES
 from speakerd.model.inputs import InputError
 from speakerd.serving.devices.shared_slots import AudioSlot, SharedSlot, SlotLayout
+from speakerd.serving.devices.waveforms import CHUNK_BYTES
 from speakerd.serving.devices.worker_recordings import RecordingGone, WorkerRecordings
 from speakerd.serving.memory import heap
 
@@ -178,8 +179,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     )
     heap.freeze_long_lived()  # a full collection would stop this engine's threads too (heap.py)
     conn.send(("ready", info))
-    compute = _Compute(segmenter, linkage)
-    _serve(spec, engine, slots, WorkerRecordings(engine, audio), compute, conn)
+    recordings = WorkerRecordings(engine, audio)
+    _serve(spec, engine, slots, recordings, _Compute(segmenter, linkage, recordings), conn)
     os._exit(0)  # batches still running are native code: do not join their threads
 
 
@@ -258,15 +259,19 @@ def _build_segmenter(spec: WorkerSpec) -> Segmenter | None:
 
 @dataclass
 class _Compute:
-    """The worker's segmentation and linkage calls (remote_compute.py)."""
+    """The worker's segmentation and linkage calls (remote_compute.py), and the groups of
+    windows of its segmenting recordings (remote_recording.KeptWindows)."""
 
     segmenter: Segmenter | None
     linkage: Any  # the engine's DeviceLinkage, or None
+    recordings: WorkerRecordings
 
-    def apply(self, op: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def apply(self, op: str, recording: int, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if op in ("segment", "segment_kept") and self.segmenter is None:
+            return ("error", "this device was started without a segmentation model")
+        if op == "segment_kept":
+            return ("ok", self.recordings.segment(recording, *args, self.segmenter))
         if op == "segment":
-            if self.segmenter is None:
-                return ("error", "this device was started without a segmentation model")
             done = self.segmenter.segment(*args)
             return ("ok", (done.multilabel, done.compute_s))
         if op == "link":
@@ -279,7 +284,7 @@ class _Compute:
                 return ("memory", str(error))
             except ValueError as error:  # SciPy's own message, which the caller re-raises
                 return ("value", str(error))
-        return ("error", f"op {op!r}: expected segment or link")
+        return ("error", f"op {op!r}: expected one of {COMPUTE_OPS}")
 
 
 def _serve(
@@ -327,7 +332,7 @@ def _serve(
         (this engine's Engine.waveform_fbank: on the GPU for a GPU engine), kept for the
         batch slot's next run at `row`."""
         slot_index, row, count = args
-        assert audio_slot is not None and nbytes == count * CHUNK_SAMPLES * 4, (nbytes, count)
+        assert audio_slot is not None and nbytes == count * CHUNK_BYTES, (nbytes, count)
         waveform = np.frombuffer(
             recordings.audio[audio_slot].buf, dtype=np.float32, count=count * CHUNK_SAMPLES
         )
@@ -339,12 +344,8 @@ def _serve(
             recordings.close(recording)
             return
         try:
-            if op == "segment_kept":
-                if compute.segmenter is None:
-                    raise RuntimeError("this device was started without a segmentation model")
-                answer = ("ok", recordings.segment(recording, *args, compute.segmenter))
-            elif op in COMPUTE_OPS:
-                answer = compute.apply(op, args)
+            if op in COMPUTE_OPS:
+                answer = compute.apply(op, recording, args)
             elif op == "waveform":
                 stage(args, slot, nbytes)
                 answer = ("ok", None)

@@ -5,11 +5,11 @@ on the GPU (engine/gpu/recording.py), and its windows never touch the host. With
 `--devices` the GPUs belong to worker processes; computing the fbank on the server's host
 instead made an hour take 3.85 s against 0.55 s. So the pool gives each recording a home
 device (device_table.py: the one with the fewest recordings open) and `RemoteFrames`, the
-call's FbankSource in the server, forwards what the recording path pushes to that device's
-worker: raw PCM (the worker decodes it where its engine decodes it: on the GPU for a GPU
-engine) or, when the server segments the recording itself and so decodes it on the host,
-the 16 kHz samples. Bytes travel through the device's audio slots in shared memory, a slot
-at a time; each push returns once the worker has taken it, with the windows now ready.
+call's FbankSource in the server, forwards the recording's raw PCM to that device's worker,
+which decodes it where its engine decodes it (on the GPU for a GPU engine); 16 kHz samples
+decoded elsewhere can be pushed as well (FbankSource's `push`). Bytes travel through the
+device's audio slots in shared memory, a slot at a time; each push returns once the worker
+has taken it, with the windows now ready.
 
 A recording the server segments (`segmenting`) is decoded in the worker too, which keeps
 its samples there for the segmenter (model/segmentation/samples.py's SegmentingSource,
@@ -120,7 +120,8 @@ class RemoteFrames:
         self._send("pcm", memoryview(data).cast("B"), self._format.frame_bytes)
 
     def push(self, samples: np.ndarray) -> None:
-        """16 kHz mono float32 samples (a segmenting call decodes on the host)."""
+        """16 kHz mono float32 samples, decoded by the caller (the server's recording path
+        sends raw PCM instead: `push_pcm`)."""
         if self._windows is not None:
             raise RuntimeError("push after finish")
         samples = np.ascontiguousarray(samples, dtype=np.float32)

@@ -62,9 +62,6 @@ class WorkerRecordings:
         self._open: dict[int, _Recording] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._open)
-
     def apply(self, op: str, recording: int, args: tuple[Any, ...], slot: int | None, nbytes: int) -> Any:
         """One op of remote_recording.py's protocol; its answer (InputError for bad audio)."""
         if op == "open":

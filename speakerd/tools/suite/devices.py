@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speakerd.client.loadgen import scrape
 from speakerd.tools.suite.diarize import speech_path
 from speakerd.tools.suite.pyannote import segmentation_path
 from speakerd.tools.suite.record import anchor, figure
@@ -152,9 +153,7 @@ def _killed_under_load(ctx: Context, server: dict[str, str], cpu: bool, math: st
     flags = (f"--streams {streams} --chunks {chunks} --processes {processes} --seconds {KILL_LOAD_S} "
              "--warmup 0 --timeout 20")  # fmt: skip
     argv = ctx.python("-m", "speakerd.client", "load", "--target", server["target"], *flags.split())
-    batches = 'speakerd_device_batches_total{device="0"}'
-    in_flight_sample = 'speakerd_device_inflight_batches{device="0"}'
-    before = max(0.0, _metric(server, batches))
+    before = _samples(server).get("speakerd_device_batches_total", 0.0)
     step_log = ctx.log_path("load-killed")
     with step_log.open("w") as err:
         loading = subprocess.Popen(argv, cwd=ctx.repo, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -163,13 +162,14 @@ def _killed_under_load(ctx: Context, server: dict[str, str], cpu: bool, math: st
         # after the load's probe calls (load_sizing.py: at most 2), in its counted run, with a
         # batch on the device
         def running() -> bool:
-            ran = _metric(server, batches) - before
-            return ran >= KILL_AFTER_BATCHES and _metric(server, in_flight_sample) >= 1
+            now = _samples(server)
+            ran = now.get("speakerd_device_batches_total", 0.0) - before
+            return ran >= KILL_AFTER_BATCHES and now.get("speakerd_device_inflight_batches", 0.0) >= 1
 
         in_flight = _wait_for(running)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        noticed = _wait_for(lambda: _metric(server, 'speakerd_device_up{device="0"}') == 0)
+        noticed = _wait_for(lambda: _samples(server).get("speakerd_device_up") == 0)
         try:
             stdout, _ = loading.communicate(timeout=KILL_LOAD_S + 60)
         except subprocess.TimeoutExpired:
@@ -177,14 +177,15 @@ def _killed_under_load(ctx: Context, server: dict[str, str], cpu: bool, math: st
             stdout, _ = loading.communicate()
     with step_log.open("a") as tail:
         tail.write(f"\n--- stdout ---\n{stdout}")
-    report = json_lines(stdout)[-1] if json_lines(stdout) else {}
+    lines = json_lines(stdout)
+    report = lines[-1] if lines else {}
     errors: dict[str, int] = report.get("errors", {})
     wrong = sum(count for code, count in errors.items() if code != "UNAVAILABLE")
     health = ctx.run("health-after-kill", ctx.python("-m", "speakerd.client", "health", "--target",
                                                      server["target"]), 30, check=False)  # fmt: skip
     text = log.read_text()
     said = re.search(r"ERROR .*device 0 taken out: [^\n]*", text)
-    failures = _metric(server, 'speakerd_device_failures_total{device="0"}')
+    failures = _samples(server).get("speakerd_device_failures_total")
     checks = {
         "the load ran (its JSON) with a batch in flight when the worker was killed": bool(report)
         and in_flight,
@@ -222,15 +223,10 @@ def _all_devices(ctx: Context, serve: list[str], math: str, one: Measured) -> No
     ctx.record(name, command, fig, anchors, detail, bool(result.get("ok")), headline=True)
 
 
-def _metric(server: dict[str, str], sample: str) -> float:
-    """One sample of the server's /metrics (-1 when it is not there yet)."""
-    import urllib.request
-
-    with urllib.request.urlopen(server["metrics_url"], timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(sample + " "):
-                return float(line.split()[-1])
-    return -1.0
+def _samples(server: dict[str, str]) -> dict[str, float]:
+    """The `--devices 0` server's /metrics, each sample summed over its labels: its one
+    device's (client load's own reader)."""
+    return scrape(server["metrics_url"])
 
 
 def _wait_for(condition) -> bool:  # type: ignore[no-untyped-def]
