@@ -392,3 +392,46 @@ def test_calls_at_once_each_get_their_own_segmentation(setup):
             mixed = [i for i, got in enumerate(together) if not np.array_equal(got, alone[i % len(audios)])]
             assert not mixed, f"calls {mixed} of {len(together)} at once got another call's segmentation"
     segmenter.close()
+
+
+@pytest.mark.gpu
+def test_both_lstm_cluster_chunks_give_the_same_bits(setup):
+    """lstm_cluster8 (8 windows a phase, for groups too small to give every cluster 16) sums
+    each (window, unit) as lstm_cluster does: the same tile of windows through either gives
+    the same bits, on the real weights, across the engine's tile sizes."""
+    import cupy as cp
+
+    from speakerd.engine.gpu.segmentation import engine
+    from speakerd.engine.gpu.segmentation.engine import GpuSegmenter
+    from speakerd.model.segmentation.architecture import LSTM_GATE_ROWS, LSTM_OUTPUT, OUTPUT_FRAMES
+
+    segmenter = GpuSegmenter(setup[0], model_id="test", max_windows=MAX_WINDOWS, math="fp32")
+    assert segmenter.lstm == "cluster", f"lstm_cluster fell back: {segmenter.lstm_fallback}"
+    i32, w = np.int32, segmenter.w
+    windows = 37  # a partial last tile at every size below
+    xp = cp.asarray(
+        np.random.default_rng(0).standard_normal(
+            (windows, OUTPUT_FRAMES, 2 * LSTM_GATE_ROWS), dtype=np.float32
+        )
+    )
+    rows = []
+    for tb in (16, 32, 48):
+        outs = {}
+        for name in engine.LC_KERNELS.values():
+            out = cp.zeros((windows, OUTPUT_FRAMES, LSTM_OUTPUT), cp.float32)
+            args = (xp, w["lstm2_whh"], w["lstm2_b"], out, i32(windows), i32(OUTPUT_FRAMES), i32(0), i32(tb))
+            segmenter.k[name](
+                (2 * -(-windows // tb), 2), (engine.LC_THREADS,), args, shared_mem=segmenter._lc_shared(tb)
+            )
+            outs[name] = out.get()
+        a, b = outs.values()
+        rows.append(
+            (tb, bool(np.array_equal(a.view(np.uint32), b.view(np.uint32))), float(np.abs(a - b).max()))
+        )
+    print(
+        "windows a cluster\tsame bits\tmax abs\n"
+        + "\n".join(f"{tb}\t{same}\t{diff:.3e}" for tb, same, diff in rows)
+    )
+    segmenter.close()
+    assert all(same for _, same, _ in rows), f"lstm_cluster8 differs from lstm_cluster: {rows}"
+    assert segmenter._lstm_kernel(8) == "lstm_cluster8" and segmenter._lstm_kernel(16) == "lstm_cluster"

@@ -500,9 +500,14 @@ __device__ __forceinline__ void store_peer(float* local, unsigned peer, float v)
 // shared memory), then one cluster barrier. h is read from shared memory as broadcast float4s
 // (16 FMAs a load). Dynamic shared memory: hs [2][TB][128] | red [16][4][64] float4 | cs [TB][64].
 // whh [2][512][128] (torch's layout), bias [2][512], out as lstm_layer's. Grid (2 tiles, 2).
-extern "C" __global__ __cluster_dims__(2, 1, 1) __launch_bounds__(LC_THREADS, 1) void lstm_cluster(
+// CHUNK windows a phase: LC_CHUNK (lstm_cluster) or LC_CHUNK / 2 (lstm_cluster8, for groups
+// so small that 16 windows a cluster leave SMs idle); TB is a multiple of it. Each (window,
+// unit)'s sums are the same in either, so both give the same bits.
+template <int CHUNK>
+__device__ __forceinline__ void lstm_cluster_layer(
     const float* __restrict__ xp, const float* __restrict__ whh, const float* __restrict__ bias,
     float* __restrict__ out, int B, int T, int split, int TB) {
+  static_assert(CHUNK * LC_UNITS % LC_THREADS == 0 && CHUNK <= LC_CHUNK && CHUNK % 2 == 0, "chunk");
   extern __shared__ __align__(16) float smem[];
   float* hs = smem;
   float4* red = reinterpret_cast<float4*>(hs + 2 * TB * LSTM_HIDDEN);
@@ -536,12 +541,12 @@ extern "C" __global__ __cluster_dims__(2, 1, 1) __launch_bounds__(LC_THREADS, 1)
   for (int i = tid; i < TB * LC_UNITS; i += LC_THREADS) cs[i] = 0.f;
   const int width = split ? 768 : 256;
   cluster_barrier();  // both blocks running and zeroed before any distributed store
-  constexpr int PAIRS = LC_CHUNK * LC_UNITS / LC_THREADS;  // 4 (window, unit) pairs a thread a chunk
+  constexpr int PAIRS = CHUNK * LC_UNITS / LC_THREADS;  // (window, unit) pairs a thread a chunk: 4 or 2
   for (int s = 0; s < T; ++s) {
     const int t = d == 0 ? s : T - 1 - s;
     const float* hc = hs + (s & 1) * TB * LSTM_HIDDEN;
     float* hn = hs + ((s + 1) & 1) * TB * LSTM_HIDDEN;
-    for (int c0 = 0; c0 < TB; c0 += LC_CHUNK) {
+    for (int c0 = 0; c0 < TB; c0 += CHUNK) {
       float xv[PAIRS][4];
 #pragma unroll
       for (int j = 0; j < PAIRS; ++j) {
@@ -551,7 +556,7 @@ extern "C" __global__ __cluster_dims__(2, 1, 1) __launch_bounds__(LC_THREADS, 1)
         for (int g = 0; g < 4; ++g) xv[j][g] = b < B ? xr[g * LSTM_HIDDEN] : 0.f;
       }
 #pragma unroll 1
-      for (int wi = 0; wi < LC_CHUNK; wi += 2) {
+      for (int wi = 0; wi < CHUNK; wi += 2) {
         const float4* h0 = reinterpret_cast<const float4*>(hc + (c0 + wi) * LSTM_HIDDEN + LC_KQ * q);
         const float4* h1 = reinterpret_cast<const float4*>(hc + (c0 + wi + 1) * LSTM_HIDDEN + LC_KQ * q);
         float a0[4] = {0.f, 0.f, 0.f, 0.f}, a1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -591,6 +596,18 @@ extern "C" __global__ __cluster_dims__(2, 1, 1) __launch_bounds__(LC_THREADS, 1)
     }
     cluster_barrier();  // h of this step complete in both blocks
   }
+}
+
+extern "C" __global__ __cluster_dims__(2, 1, 1) __launch_bounds__(LC_THREADS, 1) void lstm_cluster(
+    const float* __restrict__ xp, const float* __restrict__ whh, const float* __restrict__ bias,
+    float* __restrict__ out, int B, int T, int split, int TB) {
+  lstm_cluster_layer<LC_CHUNK>(xp, whh, bias, out, B, T, split, TB);
+}
+
+extern "C" __global__ __cluster_dims__(2, 1, 1) __launch_bounds__(LC_THREADS, 1) void lstm_cluster8(
+    const float* __restrict__ xp, const float* __restrict__ whh, const float* __restrict__ bias,
+    float* __restrict__ out, int B, int T, int split, int TB) {
+  lstm_cluster_layer<LC_CHUNK / 2>(xp, whh, bias, out, B, T, split, TB);
 }
 
 // y[r][c] = leaky(y[r][c] + bias[c]) in place (the head's linear epilogue after cuBLAS).

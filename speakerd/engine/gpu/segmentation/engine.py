@@ -89,6 +89,11 @@ LSTM_KERNELS = ("cluster", "simple")
 #: Tiles; each must equal its #define in kernels/segmentation.cu (the test checks them).
 SINC_TILE, SINC_HALF, SINC_QUARTER, POOL_TILE, SW_GROUP, CONV_TILE, LSTM_TB = 128, 40, 20, 128, 20, 64, 16
 LC_THREADS, LC_CHUNK, LC_UNITS = 256, 16, 64
+#: lstm_cluster's kernels by windows a phase: a cluster's tile of windows is a multiple of
+#: LC_HALF_CHUNK, and lstm_cluster8 takes the tiles that are not multiples of LC_CHUNK (the
+#: server's 256-window groups: 8 windows a cluster keep 128 SMs busy where 16 kept 64)
+LC_HALF_CHUNK = LC_CHUNK // 2
+LC_KERNELS = {LC_CHUNK: "lstm_cluster", LC_HALF_CHUNK: "lstm_cluster8"}
 #: lstm_cluster's dynamic shared memory, floats: h twice (double-buffered) and c per window,
 #: plus the partial gate sums of one chunk (16 windows x 4 k-quarters x 64 units x 4 gates).
 LC_FLOATS_PER_WINDOW = 2 * LSTM_HIDDEN + LC_UNITS
@@ -110,7 +115,7 @@ NULL = np.uint64(0)
 KERNEL_NAMES = (
     "window_stats", "sinc_window", "sinc_global", "sinc_shared_pool", "sinc_global64", "sinc_shared_pool64",
     "norm0_stats", "instnorm_leaky",
-    "conv5_pool", "lstm_layer", "lstm_cluster", "bias_leaky", "classify",
+    "conv5_pool", "lstm_layer", "lstm_cluster", "lstm_cluster8", "bias_leaky", "classify",
 )  # fmt: skip
 
 
@@ -195,8 +200,9 @@ class GpuSegmenter(Segmenter):
             f"{self.smem_optin} B of shared memory a block is too little for lstm_cluster"
         )
         module = kernels.module(SOURCE)
-        self.k = {name: module.get_function(name) for name in KERNEL_NAMES if name != "lstm_cluster"}
-        self.k["lstm_cluster"] = kernels.entry(SOURCE, "lstm_cluster", self._lc_shared(self.lc_max_tb))
+        self.k = {name: module.get_function(name) for name in KERNEL_NAMES if name not in LC_KERNELS.values()}
+        for name in LC_KERNELS.values():
+            self.k[name] = kernels.entry(SOURCE, name, self._lc_shared(self.lc_max_tb))
         host = W.prepare(state)
         with self.stream:
             self.w = {key: cp.asarray(v) for key, v in host.items()}
@@ -219,20 +225,29 @@ class GpuSegmenter(Segmenter):
         b, t = CHECK_WINDOWS, CHECK_STEPS
         with self.stream:
             xp = cp.asarray(rng.standard_normal((b, t, 2 * LSTM_GATE_ROWS)).astype(np.float32))
-            outs = [cp.zeros((b, t, LSTM_OUTPUT), cp.float32) for _ in range(2)]
+            outs = {
+                name: cp.zeros((b, t, LSTM_OUTPUT), cp.float32)
+                for name in ("lstm_layer", *LC_KERNELS.values())
+            }
             w = self.w
             try:
-                args = (xp, w["lstm1_whh"], w["lstm1_b"], outs[0], i32(b), i32(t), i32(0), i32(LC_CHUNK))
-                self.k["lstm_cluster"]((2, 2), (LC_THREADS,), args, shared_mem=self._lc_shared(LC_CHUNK))
+                for chunk, name in LC_KERNELS.items():
+                    args = (xp, w["lstm1_whh"], w["lstm1_b"], outs[name], i32(b), i32(t), i32(0), i32(chunk))
+                    self.k[name]((2, 2), (LC_THREADS,), args, shared_mem=self._lc_shared(chunk))
                 self.k["lstm_layer"](
-                    (1, 2), (256,), (xp, w["lstm1_whhT"], w["lstm1_b"], outs[1], i32(b), i32(t), i32(0))
+                    (1, 2),
+                    (256,),
+                    (xp, w["lstm1_whhT"], w["lstm1_b"], outs["lstm_layer"], i32(b), i32(t), i32(0)),
                 )
                 self.stream.synchronize()
             except cp.cuda.driver.CUDADriverError as error:
                 return f"lstm_cluster failed to launch: {error}"
-            diff = float(cp.abs(outs[0] - outs[1]).max())
-        if not diff <= CHECK_TOL:
-            return f"lstm_cluster differs from lstm_layer by {diff:.3e} (> {CHECK_TOL:.0e})"
+            diffs = {
+                name: float(cp.abs(outs[name] - outs["lstm_layer"]).max()) for name in LC_KERNELS.values()
+            }
+        for name, diff in diffs.items():
+            if not diff <= CHECK_TOL:
+                return f"{name} differs from lstm_layer by {diff:.3e} (> {CHECK_TOL:.0e})"
         return None
 
     @staticmethod
@@ -240,10 +255,16 @@ class GpuSegmenter(Segmenter):
         return 4 * (LC_FIXED_FLOATS + LC_FLOATS_PER_WINDOW * tb)
 
     def _lstm_tile(self, k: int) -> int:
-        """Windows a cluster takes: as few tiles as fill one wave of clusters (both directions)."""
+        """Windows a cluster takes: as few tiles as fill one wave of clusters (both
+        directions), a multiple of LC_HALF_CHUNK (`_lstm_kernel` picks the kernel for it)."""
         per_wave = max(1, self.sms // SMS_PER_TILE)
         windows = -(-k // per_wave)
-        return min(-(-windows // LC_CHUNK) * LC_CHUNK, self.lc_max_tb)
+        return min(-(-windows // LC_HALF_CHUNK) * LC_HALF_CHUNK, self.lc_max_tb)
+
+    @staticmethod
+    def _lstm_kernel(tb: int) -> str:
+        """lstm_cluster for tiles of whole LC_CHUNKs, else lstm_cluster8."""
+        return LC_KERNELS[LC_CHUNK if tb % LC_CHUNK == 0 else LC_HALF_CHUNK]
 
     # -- forward -------------------------------------------------------------------------
     def _forward(self, p: _Plan, mark: Callable[[str], None] | None = None) -> None:
@@ -325,7 +346,7 @@ class GpuSegmenter(Segmenter):
             mark(f"lstm{layer}.proj")
             if self.lstm == "cluster":
                 tiles = -(-k // tb)
-                K["lstm_cluster"](
+                K[self._lstm_kernel(tb)](
                     (2 * tiles, 2),
                     (LC_THREADS,),
                     (p.xp, w[f"lstm{layer}_whh"], w[f"lstm{layer}_b"], p.h, i32(k), i32(P3), split, i32(tb)),
