@@ -83,6 +83,11 @@ def assert_one_line_usage_error(done: subprocess.CompletedProcess[str], *expecte
     ("flags", "expected"),
     [
         (["--engine", "cpu", "--math", "fp16"], ["--math fp16", "fp32 only", "use --math fp32"]),
+        (
+            ["--segmentation-math", "fast"],
+            ["--segmentation-math fast", "CPU segmenter", "fp32 only", "use --segmentation-math fp32"],
+        ),
+        (["--segmentation-math", "fp64"], ["--segmentation-math", "fp64", "fp32", "fast"]),
         (["--model", "/nonexistent/model.safetensors"], ["--model /nonexistent", "no such file"]),
         (["--host", "192.0.2.1"], ["--host 192.0.2.1", "cannot listen"]),  # TEST-NET: never local
         (["--plans", "1,64"], ["--plans", "64 exceeds 32"]),
@@ -94,6 +99,8 @@ def assert_one_line_usage_error(done: subprocess.CompletedProcess[str], *expecte
     ],
     ids=[
         "fp16-on-cpu",
+        "fast-segmentation-on-cpu",
+        "segmentation-math-garbled",
         "missing-weights",
         "unbindable-host",
         "plan-too-large",

@@ -125,15 +125,18 @@ def gpu_kernel_options(conv_kernels: str) -> dict[str, bool]:
 GPU_SEGMENTATION_WINDOWS = 256
 
 
-def create_segmenter(model: SegmentationModel, path: Path, kind: str) -> Segmenter:
+def create_segmenter(model: SegmentationModel, path: Path, kind: str, math: str = "fp32") -> Segmenter:
     """The segmentation engine for `model` (read from `path`) beside an embedding engine of the
-    resolved `kind`: on the GPU (engine/gpu/segmentation, FP32) for "gpu", else NumPy on the
-    host (engine/cpu_segmenter.py)."""
+    resolved `kind`: on the GPU (engine/gpu/segmentation) in `math` ("fp32" or "fast") for
+    "gpu", else NumPy on the host (engine/cpu_segmenter.py), which has fp32 only."""
     if kind == "gpu":
         from speakerd.engine.gpu.segmentation.engine import GpuSegmenter
         from speakerd.model.segmentation.weights import load_state_dict
 
-        return GpuSegmenter(load_state_dict(path), model.model_id, max_windows=GPU_SEGMENTATION_WINDOWS)
+        state = load_state_dict(path)
+        return GpuSegmenter(state, model.model_id, max_windows=GPU_SEGMENTATION_WINDOWS, math=math)
+    if math != "fp32":
+        raise ValueError(f"segmentation math {math!r}: the CPU segmenter computes fp32 only")
     from speakerd.engine.cpu_segmenter import CpuSegmenter
 
     return CpuSegmenter(model)

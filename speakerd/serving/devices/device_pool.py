@@ -113,6 +113,8 @@ class PoolConfig:
     #: the segmentation model's safetensors: every worker builds it beside its engine and
     #: the server's segmenter is theirs (remote_compute.py); None: no worker segments
     segmentation: str | None = None
+    #: --segmentation-math: the maths of the workers' segmenters
+    segmentation_math: str = "fp32"
     #: Tests only: device -> the batches (1-based, as its worker counts them) on which its
     #: engine raises (WorkerSpec.fail_batches).
     fail_batches: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -158,6 +160,7 @@ def worker_specs(
                 fail_batches=config.fail_batches.get(device, ()),
                 audio_slot_names=tuple((audio_names or {}).get(device, ())),
                 segmentation=config.segmentation,
+                segmentation_math=config.segmentation_math,
             )
         )
     return specs

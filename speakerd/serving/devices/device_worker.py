@@ -110,6 +110,8 @@ class WorkerSpec:
     #: the segmentation model's safetensors (--segmentation-model, resolved), built beside
     #: the engine on the same kind of device; None: this worker segments nothing
     segmentation: str | None = None
+    #: the segmenter's maths (--segmentation-math)
+    segmentation_math: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,9 @@ def _build_segmenter(spec: WorkerSpec) -> Segmenter | None:
     from speakerd.engine.factory import create_segmenter
     from speakerd.model.segmentation.weights import load_model
 
-    segmenter = create_segmenter(load_model(spec.segmentation), Path(spec.segmentation), spec.kind)
+    segmenter = create_segmenter(
+        load_model(spec.segmentation), Path(spec.segmentation), spec.kind, spec.segmentation_math
+    )
     log.info("segmentation model %s on %s, %d windows a run", segmenter.model_id[:16], segmenter.name,
              segmenter.max_windows)  # fmt: skip
     return segmenter

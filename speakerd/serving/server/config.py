@@ -59,6 +59,12 @@ CONV_KERNELS = ("auto", "cudnn", "blocks")
 #: IMPLEMENTATIONS, spelled out: importing that package imports SciPy, and the flags load
 #: without it (tests/test_linkage.py checks the two agree).
 LINKAGES = ("compiled", "scipy")
+#: --segmentation-math: the GPU segmenter's maths (engine/gpu/segmentation/engine.py's MATHS):
+#: fp32, strict FP32 GEMMs beside the sinc convolution in double; fast, the GEMMs on 3xTF32
+#: tensor cores and the sinc convolution in float32. The CPU segmenter has fp32 only.
+#: `python -m speakerd.tools.compare_segmentation` compares either's hard segmentation with
+#: pyannote's, cell by cell.
+SEGMENTATION_MATHS = ("fp32", "fast")
 #: `--devices` value for every device of the engine's kind on this machine.
 ALL_DEVICES = "all"
 #: Most `--receivers`: each is a process with its own shared-memory slots; past a few per
@@ -127,6 +133,8 @@ class ServeConfig:
     #: --segmentation-model as given (EmbedRecording's header.segment): a Hugging Face repo id,
     #: a local path, or None for the synthetic default segmentation model
     segmentation_model: str | None = None
+    #: --segmentation-math: the GPU segmenter's maths (SEGMENTATION_MATHS)
+    segmentation_math: str = "fp32"
     #: --plda as given (Diarize's VBx clustering): a Hugging Face repo id whose plda/ folder
     #: holds the PLDA, a local directory, or None: no PLDA, and VBx is unavailable
     plda: str | None = None
@@ -274,6 +282,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         ".safetensors, .bin or .ckpt file or directory (default: the synthetic segmentation model, made "
         "on first use in $SPEAKERD_CACHE)",
     )
+    add(
+        "segmentation-math",
+        "fp32",
+        "the GPU segmenter's maths: fp32 (strict FP32 GEMMs, the sinc convolution in double) or fast "
+        "(the GEMMs on 3xTF32 tensor cores, the sinc convolution in float32); the CPU segmenter has "
+        "fp32 only",
+        choices=SEGMENTATION_MATHS,
+    )
     add("plda", None, PLDA_HELP)
     add(
         "recording-memory-mb",
@@ -414,6 +430,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
     _check_choice(args, "log-level", LOG_LEVELS)
     _check_choice(args, "conv-kernels", CONV_KERNELS)
     _check_choice(args, "linkage", LINKAGES)
+    _check_choice(args, "segmentation-math", SEGMENTATION_MATHS)
     try:
         plans = args.plans if isinstance(args.plans, tuple) else parse_plans(str(args.plans))
     except argparse.ArgumentTypeError as error:
@@ -437,6 +454,7 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
         engine=args.engine,
         model=args.model or None,
         segmentation_model=args.segmentation_model or None,
+        segmentation_math=args.segmentation_math,
         plda=args.plda or None,
         recording_memory_mb=int(args.recording_memory_mb),
         recording_queue=int(args.recording_queue),

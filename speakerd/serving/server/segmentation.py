@@ -44,10 +44,10 @@ def load(resolved: ResolvedModel, spec: str | None) -> SegmentationModel:
         ) from error
 
 
-def build(weights: SegmentationModel, path: Path, engine_kind: str) -> Segmenter:
+def build(weights: SegmentationModel, path: Path, engine_kind: str, math: str = "fp32") -> Segmenter:
     """The segmentation engine serving `weights` (read from `path`) beside an engine of
-    `engine_kind` (engine/factory.py's create_segmenter)."""
-    segmenter = create_segmenter(weights, path, engine_kind)
-    log.info("segmentation model %s on %s, %d windows a run", segmenter.model_id[:16], segmenter.name,
-             segmenter.max_windows)  # fmt: skip
+    `engine_kind`, in `math` (engine/factory.py's create_segmenter)."""
+    segmenter = create_segmenter(weights, path, engine_kind, math)
+    log.info("segmentation model %s on %s (%s), %d windows a run", segmenter.model_id[:16], segmenter.name,
+             math, segmenter.max_windows)  # fmt: skip
     return segmenter

@@ -175,6 +175,13 @@ def preflight(settings: config.ServeConfig) -> Prepared:
             f"--math {settings.math}: the CPU engine ({why}) computes fp32 only; "
             f"use --math fp32, or --math {settings.math} with --engine gpu on a GPU"
         )
+    if kind == "cpu" and settings.segmentation_math != "fp32":
+        why = "--engine cpu" if settings.engine == "cpu" else "no GPU is usable here"
+        asked = settings.segmentation_math
+        raise config.UsageError(
+            f"--segmentation-math {asked}: the CPU segmenter ({why}) computes fp32 only; "
+            f"use --segmentation-math fp32, or --segmentation-math {asked} with --engine gpu on a GPU"
+        )
     resolved = _resolve_model(settings.model) if settings.model else None
     model = _load_model(resolved, settings.model) if resolved is not None else None
     segmentation_model = None
@@ -399,7 +406,9 @@ def build_all(
             # the segmenter's GPU work is never beside a plan being timed
             beside = tuning.gpu_lock if tuning is not None else contextlib.nullcontext()
             with phases.timed("segmentation"), beside:
-                segmenter = segmentation.build(weights, found.path, prepared.engine_kind)
+                segmenter = segmentation.build(
+                    weights, found.path, prepared.engine_kind, settings.segmentation_math
+                )
             engine = _build_engine(settings, prepared, resolved, phases, tuning)
         else:
             # the GPUs belong to the worker processes: each builds the segmenter beside its
@@ -444,6 +453,7 @@ def _start_pool(
         log_level=settings.log_level,
         cpu_threads=settings.cpu_threads,
         segmentation=str(segmentation_path),
+        segmentation_math=settings.segmentation_math,
     )
     pool = DevicePool(pool_config, metrics, on_lost)
     pool.start()
