@@ -274,12 +274,14 @@ class GpuSegmenter(Segmenter):
         eps, slope = f32(NORM_EPS), f32(LEAKY_SLOPE)
         gamma, beta = f32(self.wav_gamma), f32(self.wav_beta)
         K["window_stats"]((k,), (512,), (p.x, i64(p.n), p.starts, gamma, beta, eps, p.stats, p.ac64))
+        mark("sinc.stats")
         if self.sinc == "shared64":
             K["sinc_global64"](
                 (p.G // SINC_TILE, SINC_FILTERS // SINC_QUARTER),
                 (SINC_TILE,),
                 (p.x, i64(p.n), w["sinc_wT"], i32(p.G), p.raw),
             )
+            mark("sinc.conv")
             K["sinc_shared_pool64"](
                 (P1_TILES, SINC_FILTERS, k),
                 (POOL_TILE,),
@@ -291,6 +293,7 @@ class GpuSegmenter(Segmenter):
                 (SINC_TILE,),
                 (p.x, i64(p.n), w["sinc_wT"], i32(p.G), p.raw),
             )
+            mark("sinc.conv")
             K["sinc_shared_pool"](
                 (P1_TILES, SINC_FILTERS, k),
                 (POOL_TILE,),
@@ -302,18 +305,19 @@ class GpuSegmenter(Segmenter):
                 (POOL_TILE,),
                 (p.x, i64(p.n), p.starts, p.stats, gamma, beta, mode, w["sinc_wT"], i32(P1), p.a1, p.part),
             )
-        mark("sinc")
+        mark("sinc.pool")  # sinc="window": the whole per-window convolution
         rows0 = k * SINC_FILTERS
         K["norm0_stats"](
             ((rows0 + 255) // 256,), (256,), (p.part, i32(rows0), i32(P1_TILES), i32(P1), eps, p.ms0)
         )
+        mark("in0.stats")
         K["conv5_pool"](
             ((P2 + CONV_TILE - 1) // CONV_TILE, k),
             (CONV_TILE, 3),
             (p.a1, i32(SINC_FILTERS), i32(P1), w["conv1_wT"], w["conv1_b"], i32(P2), p.a2,
              p.ms0, w["in0_g"], w["in0_b"], slope, mode),
         )  # fmt: skip
-        mark("in0+conv1")
+        mark("conv1")
         K["instnorm_leaky"](
             (k * CONV_CHANNELS,),
             (256,),
