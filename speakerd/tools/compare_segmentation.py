@@ -32,9 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from speakerd.client.files import read_audio
-from speakerd.model.fbank import INT16_SCALE, chunk_starts
+from speakerd.model.fbank import chunk_starts
+from speakerd.model.recording import Encoding, decode_pcm
 from speakerd.model.segmentation.architecture import WINDOW_SAMPLES
 from speakerd.model.segmentation.powerset import to_multilabel
+from speakerd.tools.bench_diarize import tiled
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_RATE = 16000
@@ -90,17 +92,14 @@ def recordings(audio: Path, seconds: list[float]) -> Iterator[tuple[str, np.ndar
     raw, rate = read_audio(audio)
     if rate != SAMPLE_RATE or raw.shape[1] != 1:
         raise SystemExit(f"--audio {audio}: {rate} Hz, {raw.shape[1]} channel(s); expected 16 kHz mono")
-    # 16-bit files as the server decodes s16 (int16 / 32768), others as read
-    mono = raw[:, 0]
-    samples = (
-        mono.astype(np.float32) / np.float32(INT16_SCALE)
-        if mono.dtype == np.int16
-        else mono.astype(np.float32)
-    )
-    yield audio.name, samples
+    encoding = Encoding.S16 if raw.dtype == np.int16 else Encoding.F32
+
+    def decoded(pcm: np.ndarray) -> np.ndarray:  # as the server decodes what a client sends
+        return decode_pcm(np.ascontiguousarray(pcm, dtype=encoding.value).tobytes(), encoding, 1)[:, 0]
+
+    yield audio.name, decoded(raw)
     for length in seconds:
-        frames = round(length * SAMPLE_RATE)
-        yield f"{audio.name} tiled to {length:g} s", np.tile(samples, -(-frames // samples.shape[0]))[:frames]
+        yield f"{audio.name} tiled to {length:g} s", decoded(tiled(raw, rate, length))
 
 
 def reference_log_probs(model, samples: np.ndarray, starts: np.ndarray, device: str) -> np.ndarray:
@@ -125,9 +124,12 @@ def engine_outputs(
     for i in range(0, starts.shape[0], segmenter.max_windows):
         group = starts[i : i + segmenter.max_windows]
         cut = samples[group[0] : group[-1] + WINDOW_SAMPLES]
-        labels.append(segmenter.segment(cut, group - group[0]).multilabel)
-        if hasattr(segmenter, "log_probs"):
-            logps.append(segmenter.log_probs(cut, group - group[0]))
+        if hasattr(segmenter, "multilabel_log_probs"):  # the GPU segmenter: both from one forward
+            multilabel, logp = segmenter.multilabel_log_probs(cut, group - group[0])
+            logps.append(logp)
+        else:
+            multilabel = segmenter.segment(cut, group - group[0]).multilabel
+        labels.append(multilabel)
     return np.concatenate(labels), (np.concatenate(logps) if logps else None)
 
 

@@ -56,7 +56,6 @@ from speakerd.engine.segmenter import Segmenter
 from speakerd.model.diarization import linkage
 from speakerd.model.diarization.pipeline import compile_loops
 from speakerd.model.diarization.plda import Plda
-from speakerd.model.numerics import Math
 from speakerd.model.segmentation.weights import SegmentationModel
 from speakerd.model.source import ModelSource, ResolvedModel, ResolvedPlda
 from speakerd.model.weights import FoldedModel
@@ -169,19 +168,17 @@ def preflight(settings: config.ServeConfig) -> Prepared:
             f"--engine gpu: {reason}; install the gpu extra on a machine with an NVIDIA GPU, "
             "or use --engine cpu (or auto, which takes the CPU when no GPU is usable)"
         ) from error
-    if kind == "cpu" and settings.math != Math.FP32:
+    if kind == "cpu":
         why = "--engine cpu" if settings.engine == "cpu" else "no GPU is usable here"
-        raise config.UsageError(
-            f"--math {settings.math}: the CPU engine ({why}) computes fp32 only; "
-            f"use --math fp32, or --math {settings.math} with --engine gpu on a GPU"
-        )
-    if kind == "cpu" and settings.segmentation_math != "fp32":
-        why = "--engine cpu" if settings.engine == "cpu" else "no GPU is usable here"
-        asked = settings.segmentation_math
-        raise config.UsageError(
-            f"--segmentation-math {asked}: the CPU segmenter ({why}) computes fp32 only; "
-            f"use --segmentation-math fp32, or --segmentation-math {asked} with --engine gpu on a GPU"
-        )
+        for flag, asked, what in (
+            ("--math", settings.math, "engine"),
+            ("--segmentation-math", settings.segmentation_math, "segmenter"),
+        ):
+            if asked != "fp32":
+                raise config.UsageError(
+                    f"{flag} {asked}: the CPU {what} ({why}) computes fp32 only; "
+                    f"use {flag} fp32, or {flag} {asked} with --engine gpu on a GPU"
+                )
     resolved = _resolve_model(settings.model) if settings.model else None
     model = _load_model(resolved, settings.model) if resolved is not None else None
     segmentation_model = None

@@ -452,6 +452,15 @@ class GpuSegmenter(Segmenter):
             self.stream.synchronize()
         return out
 
+    def multilabel_log_probs(self, samples: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`segment`'s multilabel [k, 589, 3] and the log-probabilities [k, 589, 7] it came
+        from, of one forward."""
+        with self._lock:
+            p = self.run(samples, starts)
+            ml, logp = p.ml.get(stream=self.stream), p.logp.get(stream=self.stream)
+            self.stream.synchronize()
+        return ml, logp
+
     def segment(self, samples: np.ndarray, starts: np.ndarray) -> Segmentation:
         t0 = time.perf_counter()
         with self._lock:
